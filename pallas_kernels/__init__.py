@@ -1,0 +1,17 @@
+"""Symmetric matrix products for Gram Newton-Schulz.
+
+``syrk(x) = x xᵀ`` and ``sym_matmul(a, b, c) = α·a·b + β·c`` for products known to be symmetric.
+``implementation`` picks the backend: ``"xla"`` (plain jnp, always available), ``"mosaic"`` (Pallas
+Mosaic GPU, Hopper), ``"triton"`` (jax-triton) or ``"auto"``.
+"""
+
+from pallas_kernels._api import available_implementations, sym_matmul, syrk
+from pallas_kernels._reference import sym_matmul_reference, syrk_reference
+
+__all__ = (
+    "available_implementations",
+    "sym_matmul",
+    "sym_matmul_reference",
+    "syrk",
+    "syrk_reference",
+)

@@ -1,0 +1,47 @@
+"""Plain jnp references for the symmetric products (the truth the kernels are tested against).
+
+Both functions accumulate in float32 and round once to the output dtype, which is what the
+kernels do as well.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def syrk_reference(x: jax.Array, *, out_dtype=None) -> jax.Array:
+    """Returns ``x @ xᵀ`` over the last two axes, batched over leading axes.
+
+    Args:
+      x: array of shape ``(..., n, m)``.
+      out_dtype: output dtype; defaults to ``x.dtype``.
+
+    Returns:
+      The ``(..., n, n)`` Gram matrix, accumulated in float32.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    acc = jnp.einsum("...ik,...jk->...ij", x, x, preferred_element_type=jnp.float32)
+    return acc.astype(out_dtype)
+
+
+def sym_matmul_reference(a, b, c=None, *, alpha=1.0, beta=0.0, out_dtype=None) -> jax.Array:
+    """Returns ``alpha * a @ b + beta * c`` over the last two axes (float32 accumulation).
+
+    Args:
+      a: ``(..., n, k)``.
+      b: ``(..., k, n)``.
+      c: optional ``(..., n, n)`` addend; ignored when ``None``.
+      alpha: scale of the product.
+      beta: scale of ``c``.
+      out_dtype: output dtype; defaults to ``a.dtype``.
+
+    Returns:
+      The ``(..., n, n)`` result.
+    """
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    acc = jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=jnp.float32)
+    acc = alpha * acc
+    if c is not None:
+        acc = acc + beta * c.astype(jnp.float32)
+    return acc.astype(out_dtype)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv with a Python >= 3.12
+# and the pinned stack that matches the GPU machine (jax 0.11.2 & co.).
+# Usage: source scripts/setup_env.sh   (or: bash scripts/setup_env.sh)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DION3_VENV:-$ROOT/.venv}"
+
+find_python() {
+  local c v
+  for c in "${PYTHON:-}" python3.12 python3; do
+    [ -n "$c" ] || continue
+    command -v "$c" >/dev/null 2>&1 || continue
+    if "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    # prefer 3.12 (the GPU machine's version), then any newer one
+    for v in $(ls "$(pyenv root)/versions" 2>/dev/null | sort -V | awk -F. '$1==3 && $2==12'; ls "$(pyenv root)/versions" 2>/dev/null | sort -V -r); do
+      c="$(pyenv root)/versions/$v/bin/python3"
+      if [ -x "$c" ] && "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then
+        echo "$c"; return 0
+      fi
+    done
+  fi
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
+  PY="$(find_python)" || { echo "setup_env: no Python >= 3.12 found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
+  echo "setup_env: creating $VENV with $PY"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+fi
+STAMP="$VENV/.dion3_installed"
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/requirements-ci.txt" -nt "$STAMP" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements-ci.txt"
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+  touch "$STAMP"
+fi
+echo "setup_env: ready ($("$VENV/bin/python" -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'))"
