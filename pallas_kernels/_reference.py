@@ -1,6 +1,6 @@
 """Plain jnp references for the symmetric products (the truth the kernels are tested against).
 
-Both functions accumulate in float32 and round once to the output dtype, which is what the
+Both functions accumulate in float32 (float64 for float64 inputs) and round once to the output dtype, which is what the
 kernels do as well.
 """
 
@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+    # float32 for 16-bit and float32 inputs; float64 stays float64 (used by the exactness tests).
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def syrk_reference(x: jax.Array, *, out_dtype=None) -> jax.Array:
@@ -21,7 +26,7 @@ def syrk_reference(x: jax.Array, *, out_dtype=None) -> jax.Array:
       The ``(..., n, n)`` Gram matrix, accumulated in float32.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    acc = jnp.einsum("...ik,...jk->...ij", x, x, preferred_element_type=jnp.float32)
+    acc = jnp.einsum("...ik,...jk->...ij", x, x, preferred_element_type=_acc_dtype(x.dtype))
     return acc.astype(out_dtype)
 
 
@@ -40,8 +45,9 @@ def sym_matmul_reference(a, b, c=None, *, alpha=1.0, beta=0.0, out_dtype=None) -
       The ``(..., n, n)`` result.
     """
     out_dtype = a.dtype if out_dtype is None else out_dtype
-    acc = jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=jnp.float32)
+    acc_dtype = _acc_dtype(a.dtype)
+    acc = jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc_dtype)
     acc = alpha * acc
     if c is not None:
-        acc = acc + beta * c.astype(jnp.float32)
+        acc = acc + beta * c.astype(acc_dtype)
     return acc.astype(out_dtype)
