@@ -1,0 +1,47 @@
+"""dion3_jax: the Dion3 optimizer for JAX and optax.
+
+Dion3 orthogonalizes only the ``k = ceil(f·n)`` rows of the momentum with the largest ℓ1 norm,
+decays only those rows (error feedback), normalises them NorMuon-style and computes the polar
+factor with Gram Newton-Schulz.
+
+References:
+  Amsel, Zhang, Ahn, Naeimi, Feng, Chen, Dao, Langford, `Dion3: Full-Stack Orthogonal Updates
+  <https://arxiv.org/abs/2608.11612>`_, 2026.
+"""
+
+from dion3_jax._alias import (
+    DEFAULT_SCALAR_PATTERN,
+    default_param_labels,
+    dion3,
+    muon,
+    normuon,
+    transfer_learning_rate,
+)
+from dion3_jax._coefficients import PRESETS as COEFFICIENT_PRESETS
+from dion3_jax._coefficients import get_coefficients
+from dion3_jax._layout import DimensionNumbers
+from dion3_jax._polar import gram_newton_schulz, make_orthogonalizer, polar, standard_newton_schulz
+from dion3_jax._selection import num_selected
+from dion3_jax._transform import ScaleByDion3State, lr_scale, scale_by_dion3
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "COEFFICIENT_PRESETS",
+    "DEFAULT_SCALAR_PATTERN",
+    "DimensionNumbers",
+    "ScaleByDion3State",
+    "default_param_labels",
+    "dion3",
+    "get_coefficients",
+    "gram_newton_schulz",
+    "lr_scale",
+    "make_orthogonalizer",
+    "muon",
+    "normuon",
+    "num_selected",
+    "polar",
+    "scale_by_dion3",
+    "standard_newton_schulz",
+    "transfer_learning_rate",
+)

@@ -1,0 +1,190 @@
+"""The polar operator: standard and Gram Newton-Schulz on batches of matrices.
+
+``polar(X) = U Vᵀ`` for ``X = U Σ Vᵀ``, approximated by a few steps of an odd polynomial
+iteration on the singular values. Gram Newton-Schulz iterates on the small symmetric Gram matrix
+``X Xᵀ`` instead of on ``X``, so most products are symmetric (half the work with the symmetric
+kernels of ``pallas_kernels``) and the large ``Q X`` product happens once per restart.
+
+References:
+  Amsel, Zhang, Ahn, Naeimi, Feng, Chen, Dao, Langford, `Dion3: Full-Stack Orthogonal Updates
+  <https://arxiv.org/abs/2608.11612>`_, 2026.
+  Amsel, Persson, Musco, Gower, `The Polar Express <https://arxiv.org/abs/2505.16932>`_, 2025.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from dion3_jax._coefficients import Coefficients, get_coefficients
+
+Method = Literal["gram", "standard"]
+Backend = Literal["auto", "xla", "mosaic", "triton"]
+_METHODS = ("gram", "standard")
+_BACKENDS = ("auto", "xla", "mosaic", "triton")
+_DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Plain batched ``a @ b`` with float32 (or float64) accumulation, output in ``a.dtype``."""
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc).astype(a.dtype)
+
+
+def _add_identity(z: jax.Array, a: float) -> jax.Array:
+    n = z.shape[-1]
+    return z + a * jnp.eye(n, dtype=z.dtype)
+
+
+def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str = "auto"
+                           ) -> jax.Array:
+    """Standard Newton-Schulz on a normalised wide batch ``x`` of shape ``(B, n, m)``, n ≤ m.
+
+    Per step ``(a, b, c)``: ``A = X Xᵀ; B = b·A + c·A²; X ← a·X + B X``.
+    """
+    for a, b, c in coeffs:
+        gram = pallas_kernels.syrk(x, implementation=backend)
+        poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=c, beta=b,
+                                         implementation=backend)
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        x = (jnp.einsum("...ik,...kj->...ij", poly, x, preferred_element_type=acc)
+             + a * x.astype(acc)).astype(x.dtype)
+    return x
+
+
+def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
+                       backend: str = "auto") -> jax.Array:
+    """Gram Newton-Schulz on a normalised wide batch ``x`` of shape ``(B, n, m)``, n < m.
+
+    Iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram matrix) so that the
+    result is ``Q X``; at each step in ``restarts`` it sets ``X ← Q X`` and recomputes ``R``,
+    which removes the spurious negative eigenvalues that low precision leaves in ``R``. In exact
+    arithmetic the result equals :func:`standard_newton_schulz`.
+    """
+    restart_set = set(restarts)
+    last = len(coeffs) - 1
+    r = pallas_kernels.syrk(x, implementation=backend)
+    q = None
+    for i, (a, b, c) in enumerate(coeffs):
+        if i in restart_set and i != 0:
+            x = _matmul(q, x)
+            r = pallas_kernels.syrk(x, implementation=backend)
+            q = None
+        z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
+        if q is None:
+            q = _add_identity(z, a)
+        else:
+            q = pallas_kernels.sym_matmul(q, z, q, alpha=1.0, beta=a, implementation=backend)
+        if i != last and (i + 1) not in restart_set:
+            rz = pallas_kernels.sym_matmul(r, z, r, alpha=1.0, beta=a, implementation=backend)
+            r = pallas_kernels.sym_matmul(z, rz, rz, alpha=1.0, beta=a, implementation=backend)
+    return _matmul(q, x)
+
+
+def _validate(method, restarts, backend, compute_dtype, eps, n_steps):
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method=!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend=!r}")
+    if isinstance(restarts, (str, bytes)) or not isinstance(restarts, Sequence):
+        raise ValueError(f"restarts must be a sequence of step indices, got {restarts=!r}")
+    for r in restarts:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 < r < n_steps:
+            raise ValueError(
+                f"restarts must hold ints in [1, {n_steps - 1}] (0-based steps of a {n_steps}-step "
+                f"iteration), got {restarts=!r}")
+    if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
+        raise ValueError(f"compute_dtype must be a floating dtype, got {compute_dtype=!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps=!r}")
+
+
+def polar(x: jax.Array, *, method: Method = "gram",
+          coefficients: str | Sequence[Sequence[float]] = "polar_express",
+          restarts: Sequence[int] = (2,), steps: int | None = None,
+          compute_dtype: jax.typing.DTypeLike | None = None, backend: Backend = "auto",
+          eps: float = 1e-7) -> jax.Array:
+    r"""Approximates the polar factor ``U Vᵀ`` of each matrix in a batch.
+
+    The input is normalised in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``,
+    transposed when it has more rows than columns, and iterated with the odd polynomials given by
+    ``coefficients``. Gram Newton-Schulz is used for non-square matrices; square matrices fall
+    back to standard Newton-Schulz (the Gram form saves nothing there).
+
+    Args:
+      x: array of shape ``(..., n, m)`` of any floating dtype; leading axes are a batch.
+      method: ``"gram"`` (Gram Newton-Schulz with restarts) or ``"standard"``.
+      coefficients: a preset name (``"polar_express"``, ``"you"``, ``"jordan"``) or a sequence of
+        ``(a, b, c)`` triples, one per step.
+      restarts: 0-based steps at which Gram Newton-Schulz restarts (ignored by ``"standard"``);
+        see :func:`dion3_jax.autotune_restarts`.
+      steps: number of steps (default: the length of the coefficient list).
+      compute_dtype: dtype of the iteration; defaults to float16 for ``"gram"`` and bfloat16 for
+        ``"standard"``. Products accumulate in float32.
+      backend: matmul backend for the symmetric products (``pallas_kernels``): ``"auto"``,
+        ``"xla"``, ``"mosaic"`` or ``"triton"``.
+      eps: added to the Frobenius norm before dividing.
+
+    Returns:
+      An array with the shape and dtype of ``x``.
+
+    Raises:
+      ValueError: for a bad argument or an input with fewer than 2 dimensions or a non-floating
+        dtype.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from dion3_jax import polar
+      >>> x = jax.random.normal(jax.random.key(0), (4, 64, 256))
+      >>> o = jax.jit(polar)(x)
+      >>> o.shape, o.dtype
+      ((4, 64, 256), dtype('float32'))
+    """
+    coeffs = get_coefficients(coefficients, steps)
+    _validate(method, restarts, backend, compute_dtype, eps, len(coeffs))
+    x = jnp.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"polar needs an input with at least 2 dimensions, got {x.shape=}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"polar needs a floating input, got {x.dtype=}")
+    if compute_dtype is None:
+        compute_dtype = _DEFAULT_COMPUTE_DTYPE[method]
+    *batch, n, m = x.shape
+    if x.size == 0:
+        return x
+    orig_dtype = x.dtype
+    norm_dtype = jnp.promote_types(x.dtype, jnp.float32)
+    y = x.reshape((-1, n, m)).astype(norm_dtype)
+    transposed = n > m
+    if transposed:
+        y = jnp.swapaxes(y, -1, -2)
+    norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    y = (y / (norm + eps)).astype(compute_dtype)
+    if method == "gram" and n != m:
+        y = gram_newton_schulz(y, coeffs, restarts, backend=backend)
+    else:
+        y = standard_newton_schulz(y, coeffs, backend=backend)
+    if transposed:
+        y = jnp.swapaxes(y, -1, -2)
+    return y.reshape((*batch, n, m)).astype(orig_dtype)
+
+
+def make_orthogonalizer(**polar_kwargs) -> Callable[[jax.Array], jax.Array]:
+    """Returns ``f(batch) = polar(batch, **polar_kwargs)``, validated now rather than at trace.
+
+    Args:
+      **polar_kwargs: keyword arguments of :func:`polar`.
+
+    Returns:
+      A callable mapping a ``(batch, rows, cols)`` array to its polar factors.
+    """
+    jax.eval_shape(lambda: polar(jnp.zeros((1, 2, 3), jnp.float32), **polar_kwargs))  # validates
+
+    def orthogonalize(x: jax.Array) -> jax.Array:
+        return polar(x, **polar_kwargs)
+
+    return orthogonalize
