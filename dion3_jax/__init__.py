@@ -20,6 +20,7 @@ from dion3_jax._alias import (
 from dion3_jax._coefficients import PRESETS as COEFFICIENT_PRESETS
 from dion3_jax._coefficients import get_coefficients
 from dion3_jax._layout import DimensionNumbers
+from dion3_jax._restarts import autotune_restarts, restart_growth
 from dion3_jax._polar import gram_newton_schulz, make_orthogonalizer, polar, standard_newton_schulz
 from dion3_jax._selection import num_selected
 from dion3_jax._transform import ScaleByDion3State, lr_scale, scale_by_dion3
@@ -31,6 +32,7 @@ __all__ = (
     "DEFAULT_SCALAR_PATTERN",
     "DimensionNumbers",
     "ScaleByDion3State",
+    "autotune_restarts",
     "default_param_labels",
     "dion3",
     "get_coefficients",
@@ -41,6 +43,7 @@ __all__ = (
     "normuon",
     "num_selected",
     "polar",
+    "restart_growth",
     "scale_by_dion3",
     "standard_newton_schulz",
     "transfer_learning_rate",
