@@ -28,17 +28,17 @@ DimensionNumbers = MuonDimensionNumbers
 FLAX_DIMENSION_NUMBERS = DimensionNumbers(reduction_axis=0, output_axis=1)
 
 
-def _norm_axes(axes, ndim: int, what: str, shape) -> tuple[int, ...]:
+def _norm_axes(axes, ndim: int, what: str, shape, name: str) -> tuple[int, ...]:
     axes = (axes,) if isinstance(axes, int) else tuple(axes)
     if not axes:
-        raise ValueError(f"{what} must name at least one axis, got {axes=} for {shape=}")
+        raise ValueError(f"{what} must name at least one axis, got {axes=} for {name} ({shape=})")
     out = []
     for a in axes:
         if not isinstance(a, int) or isinstance(a, bool) or not -ndim <= a < ndim:
-            raise ValueError(f"{what} {a!r} is out of range for a leaf of {shape=}")
+            raise ValueError(f"{what} {a!r} is out of range for {name} ({shape=})")
         out.append(a % ndim)
     if len(set(out)) != len(out):
-        raise ValueError(f"{what} repeats an axis: {axes=} for {shape=}")
+        raise ValueError(f"{what} repeats an axis: {axes=} for {name} ({shape=})")
     return tuple(out)
 
 
@@ -189,8 +189,8 @@ def make_layout(shape: tuple[int, ...], dimension_numbers: DimensionNumbers | No
             and hasattr(dimension_numbers, "output_axis")):
         raise ValueError(f"dimension numbers for {name} must be a DimensionNumbers, got "
                          f"{dimension_numbers=!r}")
-    red = _norm_axes(dimension_numbers.reduction_axis, ndim, "reduction_axis", shape)
-    out = _norm_axes(dimension_numbers.output_axis, ndim, "output_axis", shape)
+    red = _norm_axes(dimension_numbers.reduction_axis, ndim, "reduction_axis", shape, name)
+    out = _norm_axes(dimension_numbers.output_axis, ndim, "output_axis", shape, name)
     if set(red) & set(out):
         raise ValueError(f"reduction and output axes of {name} overlap: {dimension_numbers=} "
                          f"for {shape=}")

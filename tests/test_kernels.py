@@ -1,0 +1,233 @@
+"""Symmetric products (pallas_kernels): the shared accuracy suite, the XLA path, backend selection
+and the Mosaic GPU kernel through GPU interpret mode (CPU).
+
+``KernelSuite`` is run once per backend: here for "xla" and for "mosaic" in interpret mode on small
+shapes; ``test_kernels_gpu.py`` runs it for the compiled kernels on a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import _api
+
+
+def rel_error(out, ref64) -> float:
+    """Relative Frobenius error of ``out`` against a float64 reference."""
+    out64 = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    return float(np.linalg.norm(out64 - ref64) / np.linalg.norm(ref64))
+
+
+def gram_inputs(key, shape, dtype):
+    """Random ``x`` of ``shape`` in ``dtype`` and its float64 Gram ``x xᵀ``."""
+    x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    return x, x64 @ np.swapaxes(x64, -1, -2)
+
+
+def commuting_inputs(key, batch, n, dtype, alpha, beta):
+    """Commuting symmetric ``a, b`` (polynomials of one Gram matrix), symmetric ``c``, and
+    the float64 ``alpha·a·b + beta·c`` from the rounded operands."""
+    x = np.asarray(jax.random.normal(key, (*batch, n, 2 * n + 3), jnp.float32), np.float64)
+    g = x @ np.swapaxes(x, -1, -2)
+    g /= np.linalg.norm(g, axis=(-2, -1), keepdims=True)
+    eye = np.eye(n)
+    a64 = 3.0 * eye - 2.0 * g
+    b64 = 0.5 * g + g @ g
+    c64 = eye + g
+    a, b, c = (jnp.asarray(v, jnp.float32).astype(dtype) for v in (a64, b64, c64))
+    a64, b64, c64 = (np.asarray(v.astype(jnp.float32), np.float64) for v in (a, b, c))
+    return a, b, c, alpha * a64 @ b64 + beta * c64
+
+
+def xla_error_syrk(x, ref64, out_dtype):
+    return rel_error(pallas_kernels.syrk(x, out_dtype=out_dtype, implementation="xla"), ref64)
+
+
+class KernelSuite:
+    """Accuracy and symmetry checks shared by every backend (subclasses set the class attributes)."""
+
+    IMPLEMENTATION = "xla"
+    INTERPRET = False
+    SYRK_SHAPES = [(64, 48), (128, 128), (200, 72)]
+    SYM_SIZES = [((), 64), ((), 200)]
+    DTYPES = [jnp.float16, jnp.bfloat16]
+    ERROR_FACTOR = 2.0  # Kernel error <= ERROR_FACTOR · XLA's own error for the same dtype.
+
+    def syrk(self, x, **kw):
+        return pallas_kernels.syrk(x, implementation=self.IMPLEMENTATION,
+                                   interpret=self.INTERPRET, **kw)
+
+    def sym_matmul(self, a, b, c=None, **kw):
+        return pallas_kernels.sym_matmul(a, b, c, implementation=self.IMPLEMENTATION,
+                                         interpret=self.INTERPRET, **kw)
+
+    def test_syrk_accuracy_and_symmetry(self):
+        for s, shape in enumerate(self.SYRK_SHAPES):
+            for dtype in self.DTYPES:
+                x, ref = gram_inputs(jax.random.key(100 + s), shape, dtype)
+                out = self.syrk(x)
+                assert out.shape == shape[:-1] + shape[-2:-1] and out.dtype == dtype
+                out = np.asarray(out.astype(jnp.float32))
+                assert np.all(np.isfinite(out)), (shape, dtype)
+                np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+                err, xla_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
+                assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (shape, dtype, err, xla_err)
+
+    def test_syrk_float32_output(self):
+        x, ref = gram_inputs(jax.random.key(7), self.SYRK_SHAPES[-1], jnp.bfloat16)
+        out = self.syrk(x, out_dtype=jnp.float32)
+        assert out.dtype == jnp.float32
+        assert rel_error(out, ref) <= 1e-5
+
+    def test_sym_matmul_accuracy_and_symmetry(self):
+        cases = [(1.0, 0.0, False), (2.0, -0.5, True), (-1.5, 3.0, True)]
+        for s, (batch, n) in enumerate(self.SYM_SIZES):
+            for dtype in self.DTYPES:
+                for alpha, beta, use_c in cases:
+                    a, b, c, ref = commuting_inputs(jax.random.key(200 + s), batch, n, dtype,
+                                                    alpha, beta if use_c else 0.0)
+                    c = c if use_c else None
+                    kw = dict(alpha=alpha, beta=beta)
+                    out = self.sym_matmul(a, b, c, **kw)
+                    assert out.shape == (*batch, n, n) and out.dtype == dtype
+                    out = np.asarray(out.astype(jnp.float32))
+                    assert np.all(np.isfinite(out))
+                    if self.IMPLEMENTATION != "xla":
+                        np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+                    xla = pallas_kernels.sym_matmul(a, b, c, implementation="xla", **kw)
+                    err, xla_err = rel_error(out, ref), rel_error(xla, ref)
+                    assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (n, dtype, alpha, err, xla_err)
+
+
+class TestXla(KernelSuite):
+    IMPLEMENTATION = "xla"
+    SYRK_SHAPES = [(64, 48), (3, 33, 17), (2, 2, 50, 20)]
+    SYM_SIZES = [((), 40), ((3,), 24)]
+    DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
+
+    def test_matches_float64_numpy(self):
+        x = np.random.default_rng(0).standard_normal((2, 30, 50))
+        out = pallas_kernels.syrk(jnp.asarray(x, jnp.float32), implementation="xla")
+        np.testing.assert_allclose(np.asarray(out), x @ np.swapaxes(x, -1, -2), rtol=1e-5,
+                                   atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backend selection.
+
+
+def test_available_implementations_on_this_backend():
+    names = pallas_kernels.available_implementations()
+    assert names[0] == "xla"
+    if jax.default_backend() == "cpu":
+        assert names == ("xla",)
+
+
+def test_unknown_implementation_raises():
+    x = jnp.ones((8, 8), jnp.float16)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        pallas_kernels.syrk(x, implementation="cublas")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        pallas_kernels.sym_matmul(x, x, implementation="pallas")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU fallbacks")
+def test_named_kernels_raise_on_cpu():
+    x = jnp.ones((256, 256), jnp.float16)
+    for impl in ("mosaic", "triton"):
+        with pytest.raises(ValueError, match="cannot run on the default device"):
+            pallas_kernels.syrk(x, implementation=impl)
+        with pytest.raises(ValueError, match="cannot run on the default device"):
+            pallas_kernels.sym_matmul(x, x, implementation=impl)
+
+
+def test_triton_has_no_interpret_mode():
+    x = jnp.ones((64, 64), jnp.float16)
+    with pytest.raises(ValueError, match="no interpret mode"):
+        pallas_kernels.syrk(x, implementation="triton", interpret=True)
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+def test_kernels_reject_non_16_bit(impl):
+    x = jnp.ones((64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="float16/bfloat16"):
+        pallas_kernels.syrk(x, implementation=impl)
+
+
+def test_auto_resolution(monkeypatch):
+    f16 = (jnp.float16,)
+    big = _api.AUTO_MIN_SIZE
+    assert _api._resolve("xla", dtypes=f16, size=big, interpret=False) == "xla"
+    monkeypatch.setattr(_api, "available_implementations", lambda: ("xla",))
+    assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "xla"
+    monkeypatch.setattr(_api, "available_implementations", lambda: ("xla", "mosaic", "triton"))
+    monkeypatch.setattr(_api, "_is_hopper", lambda device: True)
+    assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "mosaic"
+    assert _api._resolve("auto", dtypes=f16, size=big - 1, interpret=False) == "xla"
+    assert _api._resolve("auto", dtypes=(jnp.float32,), size=big, interpret=False) == "xla"
+    monkeypatch.setattr(_api, "_is_hopper", lambda device: False)
+    assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "triton"
+
+
+def test_shape_errors():
+    a = jnp.ones((8, 4), jnp.float16)
+    with pytest.raises(ValueError, match="need a"):
+        pallas_kernels.sym_matmul(a, a)
+    with pytest.raises(ValueError, match="c must be"):
+        pallas_kernels.sym_matmul(a, a.T, jnp.ones((4, 4), jnp.float16))
+
+
+def test_auto_on_cpu_is_the_reference_and_jits():
+    x = jax.random.normal(jax.random.key(0), (3, 40, 24), jnp.bfloat16)
+    out = jax.jit(pallas_kernels.syrk)(x)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(pallas_kernels.syrk_reference(x).astype(jnp.float32)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel through GPU interpret mode (jax 0.11.2 supports it; private import).
+
+
+class TestMosaicInterpret(KernelSuite):
+    IMPLEMENTATION = "mosaic"
+    INTERPRET = True
+    SYRK_SHAPES = [(64, 48), (128, 64), (200, 72), (2, 136, 80)]
+    SYM_SIZES = [((), 64), ((), 200), ((2,), 130)]
+    DTYPES = [jnp.float16, jnp.bfloat16]
+
+    def test_every_element_written_and_no_races(self):
+        """Interpret mode fills fresh buffers with NaN: a tile-aligned output shows every write."""
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic, syrk_mosaic
+
+        params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+        config = MosaicConfig(num_sms=3)  # Fewer CTAs than tiles: each CTA walks several.
+        x = jax.random.normal(jax.random.key(3), (2, 384, 128), jnp.float16)
+        out = np.asarray(syrk_mosaic(x, config=config, interpret=params), np.float32)
+        assert not np.isnan(out).any()
+        assert not interpret_pallas_call.get_races().races_found
+        a, b, c, _ = commuting_inputs(jax.random.key(4), (), 256, jnp.bfloat16, 1.0, 1.0)
+        out = sym_matmul_mosaic(a, b, c, alpha=0.5, beta=2.0, config=config, interpret=params)
+        assert not np.isnan(np.asarray(out, np.float32)).any()
+        assert not interpret_pallas_call.get_races().races_found
+
+    def test_single_compute_warpgroup_config(self):
+        from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
+
+        x, ref = gram_inputs(jax.random.key(5), (130, 96), jnp.float16)
+        config = MosaicConfig(num_compute_wgs=1, max_concurrent_steps=2)
+        out = syrk_mosaic(x, config=config, interpret=True)
+        assert rel_error(out, ref) <= 2.0 * xla_error_syrk(x, ref, jnp.float16) + 1e-6
+
+    def test_config_validation(self):
+        from pallas_kernels._mosaic import MosaicConfig
+
+        with pytest.raises(ValueError, match="multiple of 64"):
+            MosaicConfig(tile=96)
+        with pytest.raises(ValueError, match="tile_k"):
+            MosaicConfig(tile_k=8)

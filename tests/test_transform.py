@@ -1,0 +1,336 @@
+"""scale_by_dion3 / dion3 against the float64 NumPy rendering of DESIGN §2 (tests/dion3_reference.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dion3_jax
+from dion3_jax import DimensionNumbers
+import dion3_reference as ref
+
+STEPS = 3
+
+
+# --- leaf <-> (out × in) matrices, written independently of dion3_jax._layout -----------------
+
+def leaf_to_mats(w, kind, num_heads=None, splits=None):
+    """Returns a list of (n_i × C) float64 matrices of one leaf."""
+    w = np.asarray(w, np.float64)
+    if kind == "flax":          # (in, out)
+        full = [w.T]
+    elif kind == "torch":       # (out, in)
+        full = [w]
+    elif kind == "stacked":     # (L, in, out)
+        full = [w[l].T for l in range(w.shape[0])]
+    elif kind == "conv":        # (kh, kw, in, out) with reduction axes (0, 1, 2)
+        full = [w.reshape(-1, w.shape[-1]).T]
+    else:
+        raise AssertionError(kind)
+    mats = []
+    for m in full:
+        if num_heads:
+            hd = m.shape[0] // num_heads
+            mats += [m[h * hd:(h + 1) * hd] for h in range(num_heads)]
+        elif splits:
+            o = np.cumsum([0, *splits])
+            mats += [m[o[i]:o[i + 1]] for i in range(len(splits))]
+        else:
+            mats.append(m)
+    return mats
+
+
+def mats_to_leaf(mats, shape, kind, num_heads=None, splits=None):
+    per_full = (num_heads or (len(splits) if splits else 1))
+    fulls = [np.concatenate(mats[i:i + per_full], axis=0) for i in range(0, len(mats), per_full)]
+    if kind == "flax":
+        return fulls[0].T
+    if kind == "torch":
+        return fulls[0]
+    if kind == "stacked":
+        return np.stack([m.T for m in fulls])
+    if kind == "conv":
+        return fulls[0].T.reshape(shape)
+    raise AssertionError(kind)
+
+
+DN = {"flax": None, "torch": DimensionNumbers(reduction_axis=1, output_axis=0),
+      "stacked": None, "conv": DimensionNumbers(reduction_axis=(0, 1, 2), output_axis=3)}
+
+CASES = [
+    # name, kind, shape, fraction, extra options
+    ("wide", "flax", (48, 20), 0.25, {}),
+    ("tall", "flax", (16, 40), 0.25, {}),
+    ("square", "flax", (24, 24), 0.5, {}),
+    ("odd_sizes", "flax", (37, 23), 0.3, {}),
+    ("k_rounding_0.07x100", "flax", (30, 100), 0.07, {}),
+    ("torch_layout", "torch", (20, 48), 0.25, {}),
+    ("stacked_3d", "stacked", (3, 32, 12), 0.25, {}),
+    ("conv_4d", "conv", (3, 3, 4, 10), 0.4, {}),
+    ("num_heads", "flax", (32, 24), 0.25, {"num_heads": 3}),
+    ("split_sizes_gqa", "flax", (32, 40), 0.25, {"split_sizes": (24, 8, 8)}),
+    ("muon_flavour", "flax", (40, 24), 0.25, {"flavour": "muon"}),
+    ("rms_norm", "flax", (40, 24), 0.25, {"adjust_lr": "rms_norm"}),
+    ("adjust_none", "flax", (40, 24), 0.25, {"adjust_lr": None}),
+    ("fraction_one", "flax", (40, 24), 1.0, {}),
+    ("torch_heads", "torch", (24, 16), 0.5, {"num_heads": 2}),
+]
+
+
+def _reference_run(w0, grads, kind, f, *, lr, mu, beta2, wd, flavour, adjust, num_heads, splits):
+    mats = leaf_to_mats(w0, kind, num_heads, splits)
+    ms = [np.zeros_like(m) for m in mats]
+    vs = [np.zeros(m.shape[0]) for m in mats]
+    for g in grads:
+        gm = leaf_to_mats(g, kind, num_heads, splits)
+        for i in range(len(mats)):
+            mats[i], ms[i], vs[i] = ref.dion3_matrix_step(
+                mats[i], gm[i], ms[i], vs[i], lr=lr, f=f, mu=mu, beta2=beta2, wd=wd,
+                flavour=flavour, adjust=adjust)
+    return mats_to_leaf(mats, w0.shape, kind, num_heads, splits), ms, vs
+
+
+@pytest.mark.parametrize("name,kind,shape,f,opts", CASES, ids=[c[0] for c in CASES])
+def test_matches_float64_reference(name, kind, shape, f, opts):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    lr, mu, beta2, wd = 0.05, 0.9, 0.8, 0.1
+    flavour = opts.get("flavour", "normuon")
+    adjust = opts.get("adjust_lr", "spectral_norm")
+    num_heads, splits = opts.get("num_heads"), opts.get("split_sizes")
+    w0 = rng.standard_normal(shape)
+    grads = [rng.standard_normal(shape) for _ in range(STEPS)]
+    want, _, _ = _reference_run(w0, grads, kind, f, lr=lr, mu=mu, beta2=beta2, wd=wd,
+                                flavour=flavour, adjust=adjust, num_heads=num_heads,
+                                splits=splits)
+    with jax.enable_x64(True):
+        tx = dion3_jax.dion3(
+            lr, f, mu, beta2, wd, flavour=flavour, adjust_lr=adjust,
+            dimension_numbers=DN[kind], num_heads=num_heads, split_sizes=splits,
+            compute_dtype=jnp.float64, param_labels=lambda p: jax.tree.map(lambda _: "dion3", p))
+        params = {"w": jnp.asarray(w0)}
+        state = tx.init(params)
+        step = jax.jit(tx.update)
+        for g in grads:
+            upd, state = step({"w": jnp.asarray(g)}, state, params)
+            params = optax.apply_updates(params, upd)
+        got = np.asarray(params["w"])
+    assert got.dtype == np.float64
+    # The NorMuon normalisation runs in float32 by design, hence ~1e-6 relative.
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert not np.allclose(got, w0)
+
+
+def test_default_precision_close_to_reference():
+    """Default (float16 Gram NS, float32 params) agrees with the float64 rule at fp16 tolerance."""
+    rng = np.random.default_rng(0)
+    shape, f = (64, 48), 0.25
+    w0 = rng.standard_normal(shape).astype(np.float32)
+    grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(STEPS)]
+    want, _, _ = _reference_run(w0, grads, "flax", f, lr=0.02, mu=0.95, beta2=0.95, wd=0.01,
+                                flavour="normuon", adjust="spectral_norm", num_heads=None,
+                                splits=None)
+    tx = dion3_jax.dion3(0.02, f)
+    params = {"w": jnp.asarray(w0)}
+    state = tx.init(params)
+    for g in grads:
+        upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
+        params = optax.apply_updates(params, upd)
+    delta_got = np.asarray(params["w"]) - w0
+    delta_want = want - w0
+    rel = np.linalg.norm(delta_got - delta_want) / np.linalg.norm(delta_want)
+    assert rel < 2e-2, rel
+
+
+def test_k_rule():
+    assert dion3_jax.num_selected(0.07, 100) == 8
+    assert dion3_jax.num_selected(0.25, 10) == 3
+    assert dion3_jax.num_selected(1e-6, 10) == 1
+    assert dion3_jax.num_selected(1, 7) == 7
+
+
+def test_only_selected_rows_move_and_decay():
+    rng = np.random.default_rng(1)
+    n, c, f, mu = 40, 16, 0.25, 0.5
+    g = rng.standard_normal((c, n)).astype(np.float32)   # flax (in, out): rows are columns
+    tx = dion3_jax.scale_by_dion3(f, mu)
+    state = tx.init({"w": jnp.zeros((c, n))})
+    upd, state = tx.update({"w": jnp.asarray(g)}, state)
+    upd = np.asarray(upd["w"])
+    moved = np.flatnonzero(np.abs(upd).sum(axis=0) > 0)
+    k = dion3_jax.num_selected(f, n)
+    expected = np.sort(np.argsort(-np.abs(g).sum(axis=0))[:k])
+    np.testing.assert_array_equal(moved, expected)
+    mom = np.asarray(state.momentum["w"])
+    np.testing.assert_allclose(mom[:, expected], mu * g[:, expected], rtol=1e-6)
+    rest = np.setdiff1d(np.arange(n), expected)
+    np.testing.assert_array_equal(mom[:, rest], g[:, rest])
+    var = np.asarray(state.variance["w"])
+    assert var.shape == (1, n)
+    assert np.all(var[0, expected] > 0) and np.all(var[0, rest] == 0)
+
+
+@pytest.mark.parametrize("flavour", ["muon", "normuon"])
+def test_fraction_one_is_muon_momentum(flavour):
+    """At f = 1 the rule is Muon / NorMuon with U_t = μ·U_{t−1} + G_t, written here directly."""
+    rng = np.random.default_rng(2)
+    shape, lr, mu, beta2, wd = (24, 40), 0.03, 0.9, 0.9, 0.05
+    w0 = rng.standard_normal(shape)
+    grads = [rng.standard_normal(shape) for _ in range(4)]
+    w, u, v = w0.T.copy(), np.zeros(shape[::-1]), np.zeros(shape[1])
+    for g in grads:
+        u = mu * u + g.T
+        o = ref.ns_polar(u)
+        if flavour == "normuon":
+            v = beta2 * v + (1 - beta2) * (o**2).mean(axis=1)
+            d = o / (np.sqrt(v)[:, None] + 1e-8)
+            o = d * np.linalg.norm(o) / np.linalg.norm(d)
+        w = w * (1 - lr * wd) - lr * np.sqrt(shape[1] / shape[0]) * o
+    make = dion3_jax.muon if flavour == "muon" else dion3_jax.normuon
+    with jax.enable_x64(True):
+        kw = {"beta2": beta2} if flavour == "normuon" else {}
+        tx = make(lr, mu=mu, weight_decay=wd, compute_dtype=jnp.float64, **kw)
+        params = {"w": jnp.asarray(w0)}
+        state = tx.init(params)
+        for g in grads:
+            upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
+            params = optax.apply_updates(params, upd)
+    np.testing.assert_allclose(np.asarray(params["w"]), w.T, rtol=2e-5, atol=2e-6)
+
+
+def test_state_stable_and_no_recompile():
+    params = {"a": jnp.ones((32, 16)), "b": jnp.ones((16, 48), jnp.bfloat16),
+              "s": jnp.ones((2, 8, 12)), "bias": jnp.zeros((16,))}
+    tx = dion3_jax.dion3(0.01, 0.25, dimension_numbers=None)
+    state = tx.init(params)
+    traces = []
+
+    @jax.jit
+    def step(g, s, p):
+        traces.append(1)
+        return tx.update(g, s, p)
+
+    g = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, x.dtype), params)
+    upd, state2 = step(g, state, params)
+    _, state3 = step(g, state2, params)
+    assert len(traces) == 1
+    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)
+    assert spec(state) == spec(state2) == spec(state3)
+    assert upd["b"].dtype == jnp.bfloat16 and upd["a"].dtype == jnp.float32
+
+
+def test_bfloat16_params_stay_bfloat16():
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)}
+    tx = dion3_jax.dion3(0.02, 0.5)
+    state = tx.init(params)
+    g = {"w": jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)}
+    upd, state = jax.jit(tx.update)(g, state, params)
+    new = optax.apply_updates(params, upd)
+    assert new["w"].dtype == jnp.bfloat16
+    assert upd["w"].dtype == jnp.bfloat16
+    assert bool(jnp.all(jnp.isfinite(new["w"].astype(jnp.float32))))
+    inner = state.inner_states["dion3"].inner_state[0]
+    assert inner.momentum["w"].dtype == jnp.bfloat16
+    assert inner.variance["w"].dtype == jnp.float32
+    tx32 = dion3_jax.dion3(0.02, 0.5, mu_dtype=jnp.float32)
+    assert tx32.init(params).inner_states["dion3"].inner_state[0].momentum["w"].dtype == \
+        jnp.float32
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"fraction": 0.0}, "fraction"),
+    ({"fraction": 1.5}, "fraction"),
+    ({"fraction": "a"}, "fraction"),
+    ({"mu": -0.1}, "mu"),
+    ({"mu": 1.5}, "mu"),
+    ({"beta2": 1.0}, "beta2"),
+    ({"beta2": -0.5}, "beta2"),
+    ({"flavour": "adam"}, "flavour"),
+    ({"adjust_lr": "spectral"}, "adjust_lr"),
+    ({"num_heads": 0}, "num_heads"),
+    ({"num_heads": "4"}, "num_heads"),
+    ({"num_heads": True}, "num_heads"),
+    ({"split_sizes": (4,)}, "split_sizes"),
+    ({"split_sizes": (4, -1)}, "split_sizes"),
+    ({"split_sizes": (4, 4), "num_heads": 2}, "num_heads and split_sizes"),
+    ({"method": "svd"}, "method"),
+    ({"backend": "cuda"}, "backend"),
+    ({"restarts": (0,)}, "restarts"),
+    ({"restarts": (5,)}, "restarts"),
+    ({"coefficients": "muon"}, "coefficients"),
+    ({"coefficients": [(1.0, 2.0)]}, "coefficients"),
+    ({"orthogonalizer": 3}, "orthogonalizer"),
+    ({"weight_decay": -1.0}, "weight_decay"),
+    ({"learning_rate": -1.0}, "learning_rate"),
+    ({"scalar_optimizer": "sgd"}, "scalar_optimizer"),
+    ({"compute_dtype": jnp.int32}, "compute_dtype"),
+])
+def test_invalid_hyperparameters_raise_at_construction(kwargs, name):
+    kwargs = {"learning_rate": 0.01, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        dion3_jax.dion3(**kwargs)
+
+
+@pytest.mark.parametrize("shape,opts,match", [
+    ((10, 12), {"num_heads": 5}, "num_heads"),
+    ((10, 12), {"split_sizes": (4, 4)}, "split_sizes"),
+    ((10,), {}, "rank < 2"),
+    ((10, 12), {"dimension_numbers": DimensionNumbers(0, 0)}, "overlap"),
+    ((10, 12), {"dimension_numbers": DimensionNumbers(0, 2)}, "out of range"),
+])
+def test_leaf_errors_at_init_name_the_leaf(shape, opts, match):
+    tx = dion3_jax.scale_by_dion3(**opts)
+    with pytest.raises(ValueError, match=match) as e:
+        tx.init({"layer": {"kernel": jnp.zeros(shape)}})
+    assert "kernel" in str(e.value) or "num_heads" in str(e.value)
+
+
+def test_nonfinite_gradient_is_detectable_and_skippable():
+    """A NaN gradient makes the update non-finite (detectable); optax.apply_if_finite skips it
+    and leaves the Dion3 state bit-for-bit unchanged, so training continues unpoisoned."""
+    rng = np.random.default_rng(4)
+    params = {"w": jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
+              "b": jnp.zeros((24,))}
+    good = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
+            for _ in range(2)]
+    bad = jax.tree.map(lambda x: x, good[0])
+    bad["w"] = bad["w"].at[3, 5].set(jnp.nan)
+
+    plain = dion3_jax.dion3(0.02, 0.5)
+    upd, _ = plain.update(bad, plain.init(params), params)
+    assert not bool(jnp.all(jnp.isfinite(upd["w"])))
+
+    tx = optax.apply_if_finite(dion3_jax.dion3(0.02, 0.5), max_consecutive_errors=3)
+    step = jax.jit(tx.update)
+    s0 = tx.init(params)
+    u1, s1 = step(good[0], s0, params)
+    p1 = optax.apply_updates(params, u1)
+    u_bad, s_bad = step(bad, s1, p1)
+    assert int(s_bad.notfinite_count) == 1
+    assert all(bool(jnp.all(x == 0)) for x in jax.tree.leaves(u_bad))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 s1.inner_state, s_bad.inner_state)
+    # continuing after the skipped step equals never having seen it
+    u2, _ = step(good[1], s_bad, p1)
+    u2_ref, _ = step(good[1], s1, p1)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 u2, u2_ref)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u2))
+
+
+def test_custom_orthogonalizer_gets_batches():
+    seen = []
+
+    def ortho(x):
+        seen.append(x.shape)
+        return dion3_jax.polar(x)
+
+    params = {"a": jnp.ones((16, 32)), "b": jnp.ones((16, 32)), "c": jnp.ones((8, 32))}
+    g = jax.tree.map(lambda x: jax.random.normal(jax.random.key(0), x.shape), params)
+    tx = dion3_jax.scale_by_dion3(0.25, orthogonalizer=ortho)
+    tx.update(g, tx.init(params))
+    # a and b (same shape) share one call: selected 8 rows of 16 inputs → (2, 8, 16) wide
+    assert sorted(seen) == sorted([(2, 8, 16), (1, 8, 8)])
