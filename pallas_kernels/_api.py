@@ -1,45 +1,185 @@
-"""Implementation dispatch for the symmetric products."""
+"""Implementation dispatch for the symmetric products.
+
+``implementation`` names a backend:
+
+- ``"xla"``: the plain jnp reference (:mod:`pallas_kernels._reference`); always available.
+- ``"mosaic"``: the Pallas Mosaic GPU kernel (:mod:`pallas_kernels._mosaic`); Hopper (sm_90) only,
+  float16/bfloat16 operands; with ``interpret=True`` it runs anywhere through GPU interpret mode.
+- ``"triton"``: the Triton kernel called through jax-triton (:mod:`pallas_kernels._triton`); NVIDIA
+  GPUs with ``jax_triton`` installed, float16/bfloat16 operands; no interpret mode.
+- ``"auto"``: the fastest kernel measured on this kind of device for 16-bit operands of at least
+  ``AUTO_MIN_SIZE`` rows, else ``"xla"``.
+
+A named implementation that cannot run raises ``ValueError``; there is no silent fallback.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
+from pallas_kernels._common import KERNEL_DTYPES
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 Implementation = Literal["auto", "xla", "mosaic", "triton"]
 _KNOWN = ("auto", "xla", "mosaic", "triton")
 
+#: Below this many rows of the output, "auto" uses XLA: the kernels' launch and padding overheads
+#: are not repaid (see docs/KERNELS.md for the measurements behind the number).
+AUTO_MIN_SIZE = 1024
+
+#: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.
+_AUTO_PREFERENCE = {
+    "hopper": ("mosaic", "triton"),
+    "other": ("triton",),
+}
+
+
+def _default_device():
+    return jax.devices()[0]
+
+
+def _compute_capability(device) -> str | None:
+    if device.platform != "gpu":
+        return None
+    return getattr(device, "compute_capability", None)
+
+
+def _is_hopper(device) -> bool:
+    cc = _compute_capability(device)
+    return cc is not None and cc.split(".")[0] == "9"
+
+
+@functools.cache
+def _has_jax_triton() -> bool:
+    return (importlib.util.find_spec("jax_triton") is not None
+            and importlib.util.find_spec("triton") is not None)
+
 
 def available_implementations() -> tuple[str, ...]:
-    """Implementations that can run on the default backend."""
-    return ("xla",)
+    """Implementations that can run (without interpret mode) on the default backend.
+
+    Returns:
+      A tuple that always starts with ``"xla"``, followed by ``"mosaic"`` on Hopper GPUs and
+      ``"triton"`` on NVIDIA GPUs where ``jax_triton`` is importable.
+    """
+    device = _default_device()
+    names = ["xla"]
+    if _is_hopper(device):
+        names.append("mosaic")
+    if device.platform == "gpu" and "NVIDIA" in device.device_kind.upper() and _has_jax_triton():
+        names.append("triton")
+    return tuple(names)
 
 
-def _resolve(implementation: str) -> str:
+def _resolve(implementation: str, *, dtypes, size: int, interpret) -> str:
+    """Returns the concrete backend for one call, or raises ``ValueError``."""
     if implementation not in _KNOWN:
         raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
-    if implementation == "auto":
+    kernel_dtypes = all(jnp.dtype(d) in KERNEL_DTYPES for d in dtypes)
+    if implementation == "xla":
         return "xla"
+    if implementation == "auto":
+        if not kernel_dtypes or size < AUTO_MIN_SIZE:
+            return "xla"
+        available = available_implementations()
+        generation = "hopper" if _is_hopper(_default_device()) else "other"
+        for name in _AUTO_PREFERENCE[generation]:
+            if name in available:
+                return name
+        return "xla"
+    if not kernel_dtypes:
+        raise ValueError(f"{implementation=!r} takes float16/bfloat16 operands, got dtypes "
+                         f"{[str(jnp.dtype(d)) for d in dtypes]}; use implementation='xla'")
+    if implementation == "triton" and interpret:
+        raise ValueError("implementation='triton' has no interpret mode (jax-triton kernels run "
+                         "only on NVIDIA GPUs); use 'mosaic' or 'xla'")
+    if implementation == "mosaic" and interpret:
+        return "mosaic"
     if implementation not in available_implementations():
         raise ValueError(
-            f"{implementation=!r} is not available here; available: {available_implementations()}"
-        )
+            f"{implementation=!r} cannot run on the default device "
+            f"({_default_device().device_kind!r}); available: {available_implementations()}"
+            + (" (mosaic needs a Hopper GPU, sm_90)" if implementation == "mosaic" else
+               " (triton needs an NVIDIA GPU and the jax-triton package)"))
     return implementation
 
 
 def syrk(x: jax.Array, *, out_dtype=None, implementation: Implementation = "auto",
          interpret: bool = False) -> jax.Array:
-    """``x @ xᵀ`` over the last two axes (see ``syrk_reference``)."""
-    del interpret
-    _resolve(implementation)
+    """Returns ``x · xᵀ`` over the last two axes, batched over leading axes.
+
+    Only the lower-triangular tiles are computed by the kernels; the upper ones are their mirror, so
+    the result is exactly symmetric.
+
+    Args:
+      x: ``(..., n, m)``.
+      out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
+      implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
+      interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).
+
+    Returns:
+      The ``(..., n, n)`` Gram matrix.
+
+    Raises:
+      ValueError: for an unknown implementation, or a named one that cannot run here.
+    """
+    impl = _resolve(implementation, dtypes=(x.dtype,), size=x.shape[-2], interpret=interpret)
+    if impl == "mosaic":
+        from pallas_kernels._mosaic import syrk_mosaic
+
+        return syrk_mosaic(x, out_dtype=out_dtype, interpret=interpret)
+    if impl == "triton":
+        from pallas_kernels._triton import syrk_triton
+
+        return syrk_triton(x, out_dtype=out_dtype)
     return syrk_reference(x, out_dtype=out_dtype)
 
 
-def sym_matmul(a, b, c=None, *, alpha=1.0, beta=0.0, out_dtype=None,
-               implementation: Implementation = "auto", interpret: bool = False) -> jax.Array:
-    """``alpha·a·b + beta·c`` for a symmetric result (see ``sym_matmul_reference``)."""
-    del interpret
-    _resolve(implementation)
+def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha: float = 1.0,
+               beta: float = 0.0, out_dtype=None, implementation: Implementation = "auto",
+               interpret: bool = False) -> jax.Array:
+    """Returns ``alpha · a · b + beta · c`` where the result is known to be symmetric.
+
+    Meant for products of commuting symmetric matrices (polynomials of one Gram matrix, as in Gram
+    Newton-Schulz). The kernels compute the lower-triangular tiles only and mirror them, so the
+    result is exactly symmetric; ``c`` must be symmetric (its lower triangle is read).
+
+    Args:
+      a: ``(..., n, k)``.
+      b: ``(..., k, n)``.
+      c: optional symmetric ``(..., n, n)`` addend.
+      alpha: scale of the product (a static Python float).
+      beta: scale of ``c`` (a static Python float).
+      out_dtype: output dtype (default ``a.dtype``); accumulation is float32.
+      implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
+      interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).
+
+    Returns:
+      The ``(..., n, n)`` result.
+
+    Raises:
+      ValueError: for an unknown implementation, a named one that cannot run here, or mismatched
+        shapes.
+    """
+    if a.shape[-1] != b.shape[-2] or a.shape[-2] != b.shape[-1]:
+        raise ValueError(f"need a (..., n, k) and b (..., k, n), got {a.shape=} {b.shape=}")
+    if c is not None and c.shape[-2:] != (a.shape[-2], a.shape[-2]):
+        raise ValueError(f"c must be (..., n, n) with n={a.shape[-2]}, got {c.shape=}")
+    impl = _resolve(implementation, dtypes=(a.dtype, b.dtype), size=a.shape[-2],
+                    interpret=interpret)
+    alpha, beta = float(alpha), float(beta)
+    if impl == "mosaic":
+        from pallas_kernels._mosaic import sym_matmul_mosaic
+
+        return sym_matmul_mosaic(a, b, c, alpha=alpha, beta=beta, out_dtype=out_dtype,
+                                 interpret=interpret)
+    if impl == "triton":
+        from pallas_kernels._triton import sym_matmul_triton
+
+        return sym_matmul_triton(a, b, c, alpha=alpha, beta=beta, out_dtype=out_dtype)
     return sym_matmul_reference(a, b, c, alpha=alpha, beta=beta, out_dtype=out_dtype)

@@ -1,0 +1,27 @@
+"""Helpers shared by the kernel wrappers: operand checks and padding to tile multiples."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+#: Operand dtypes the kernels take (the tensor cores' 16-bit inputs, float32 accumulation).
+KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def check_dtypes(*arrays: jax.Array) -> None:
+    """Raises ``ValueError`` unless all operands share one float16/bfloat16 dtype."""
+    for x in arrays:
+        if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
+            raise ValueError(f"the kernels take float16/bfloat16 operands, got {x.dtype=}")
+    if len({jnp.dtype(x.dtype) for x in arrays}) != 1:
+        raise ValueError(f"operands must share one dtype, got {[str(x.dtype) for x in arrays]}")
+
+
+def pad_to(x: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
+    """Zero-pads the trailing ``len(multiples)`` axes of ``x`` up to multiples of ``multiples``."""
+    pads = [(0, 0)] * (x.ndim - len(multiples))
+    pads += [(0, -s % m) for s, m in zip(x.shape[-len(multiples):], multiples)]
+    if all(hi == 0 for _, hi in pads):
+        return x
+    return jnp.pad(x, pads)

@@ -1,0 +1,200 @@
+"""Symmetric matrix products in Triton language, called through jax-triton.
+
+The portable GPU path (any recent NVIDIA GPU Triton supports). One program per lower-triangular
+output tile ``(i, j)``, ``i >= j``, of every matrix in the batch, in the walk order of
+:mod:`pallas_kernels._schedule`; a pipelined loop over the contraction axis (``num_stages``) feeds
+``tl.dot`` with float32 accumulation:
+
+- ``syrk``: ``out[i, j] = x[i] · x[j]ᵀ`` (``tl.trans`` of the ``x[j]`` panel; free on the tensor core);
+- ``sym_matmul``: ``out[i, j] = α · a[i, :] · b[:, j] + β · c[i, j]``.
+
+The epilogue stores the tile and, off the diagonal, its transpose; a diagonal tile is made exactly
+symmetric in registers (lower triangle mirrored) and stored once. Operands are padded to tile
+multiples by the wrapper so the kernel has no masks.
+
+``triton`` and ``jax_triton`` are imported lazily: this module imports without them, and calling a
+function without them raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _schedule
+from pallas_kernels._common import check_dtypes, pad_to
+
+__all__ = ("TritonConfig", "sym_matmul_triton", "syrk_triton")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TritonConfig:
+    """Static tuning of the Triton kernel.
+
+    Attributes:
+      tile: side of the square output tile of one program.
+      tile_k: depth of one operand panel along the contraction axis.
+      num_warps: warps per program.
+      num_stages: software-pipeline depth of the contraction loop.
+    """
+
+    tile: int = 128
+    tile_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 4
+
+    @classmethod
+    def get_default(cls) -> "TritonConfig":
+        return cls()
+
+
+@functools.cache
+def _kernel():
+    """Builds the ``@triton.jit`` kernel on first use (keeps ``triton`` an optional import)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ValueError("implementation='triton' needs the triton package") from e
+
+    @triton.jit
+    def symmetric_kernel(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+                         T: tl.constexpr, NUM_LOWER: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_K: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_C: tl.constexpr,
+                         ALPHA: tl.constexpr, BETA: tl.constexpr):
+        pid = tl.program_id(0)
+        bi = pid // NUM_LOWER
+        t = pid % NUM_LOWER
+        # The folded lower-triangle walk of pallas_kernels._schedule.lower_tile_coords.
+        q = t // (T + 1)
+        s = t % (T + 1)
+        long_len = T - q
+        in_long = s < long_len
+        ti = tl.where(in_long, T - 1 - q, q)
+        tj = tl.where(in_long, s, s - long_len)
+
+        offs_i = ti * BLOCK + tl.arange(0, BLOCK)
+        offs_j = tj * BLOCK + tl.arange(0, BLOCK)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + bi.to(tl.int64) * (N * K) + offs_i[:, None] * K + offs_k[None, :]
+        if B_TRANSPOSED:
+            b_ptrs = b_ptr + bi.to(tl.int64) * (N * K) + offs_j[:, None] * K + offs_k[None, :]
+        else:
+            b_ptrs = b_ptr + bi.to(tl.int64) * (N * K) + offs_k[:, None] * N + offs_j[None, :]
+        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        for _ in range(0, K // BLOCK_K):
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            if B_TRANSPOSED:
+                acc = tl.dot(a, tl.trans(b), acc)
+                b_ptrs += BLOCK_K
+            else:
+                acc = tl.dot(a, b, acc)
+                b_ptrs += BLOCK_K * N
+            a_ptrs += BLOCK_K
+        if ALPHA != 1.0:
+            acc = acc * ALPHA
+        out_base = out_ptr + bi.to(tl.int64) * (N * N)
+        if HAS_C:
+            c_ptrs = c_ptr + bi.to(tl.int64) * (N * N) + offs_i[:, None] * N + offs_j[None, :]
+            acc += BETA * tl.load(c_ptrs).to(tl.float32)
+        out = acc.to(out_ptr.dtype.element_ty)
+        if ti == tj:
+            lower = offs_i[:, None] >= offs_j[None, :]
+            out = tl.where(lower, out, tl.trans(out))
+            tl.store(out_base + offs_i[:, None] * N + offs_j[None, :], out)
+        else:
+            tl.store(out_base + offs_i[:, None] * N + offs_j[None, :], out)
+            tl.store(out_base + offs_j[:, None] * N + offs_i[None, :], tl.trans(out))
+
+    return symmetric_kernel
+
+
+def _jax_triton():
+    try:
+        import jax_triton
+    except ImportError as e:
+        raise ValueError("implementation='triton' needs the jax-triton package (0.3.1 works with "
+                         "triton 3.6): pip install 'jax-triton==0.3.1'") from e
+    return jax_triton
+
+
+def _launch(a, b, c, *, out_dtype, config: TritonConfig, b_transposed: bool, alpha: float,
+            beta: float, name: str):
+    jt = _jax_triton()
+    batch, n = a.shape[0], a.shape[1]
+    tile, tile_k = config.tile, config.tile_k
+    a_p = pad_to(a, (tile, tile_k))
+    b_p = pad_to(b, (tile, tile_k) if b_transposed else (tile_k, tile))
+    n_p, k_p = a_p.shape[1], a_p.shape[2]
+    has_c = c is not None and beta != 0.0
+    c_p = pad_to(c, (tile, tile)) if has_c else a_p  # A dummy pointer when there is no c.
+    tiles_per_side = n_p // tile
+    num_lower = _schedule.num_lower_tiles(tiles_per_side)
+    out = jt.triton_call(
+        a_p, b_p, c_p,
+        kernel=_kernel(),
+        out_shape=jax.ShapeDtypeStruct((batch, n_p, n_p), out_dtype),
+        grid=(batch * num_lower,),
+        name=name,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        N=n_p, K=k_p, T=tiles_per_side, NUM_LOWER=num_lower, BLOCK=tile, BLOCK_K=tile_k,
+        B_TRANSPOSED=b_transposed, HAS_C=has_c, ALPHA=float(alpha), BETA=float(beta),
+    )
+    return out[:, :n, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+def syrk_triton(x: jax.Array, *, out_dtype=None, config: TritonConfig | None = None) -> jax.Array:
+    """``x · xᵀ`` over the last two axes with the Triton kernel.
+
+    Args:
+      x: ``(..., n, m)`` float16 or bfloat16.
+      out_dtype: output dtype (default ``x.dtype``).
+      config: tile sizes (default :meth:`TritonConfig.get_default`).
+
+    Returns:
+      ``(..., n, n)``, accumulated in float32 and rounded once.
+    """
+    check_dtypes(x)
+    config = config or TritonConfig.get_default()
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    *lead, n, m = x.shape
+    x3 = x.reshape(-1, n, m)
+    out = _launch(x3, x3, None, out_dtype=out_dtype, config=config, b_transposed=True,
+                  alpha=1.0, beta=0.0, name="syrk_triton")
+    return out.reshape(*lead, n, n)
+
+
+@functools.partial(jax.jit, static_argnames=("alpha", "beta", "out_dtype", "config"))
+def sym_matmul_triton(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
+                      alpha: float = 1.0, beta: float = 0.0, out_dtype=None,
+                      config: TritonConfig | None = None) -> jax.Array:
+    """``α · a · b + β · c`` for a symmetric result, with the Triton kernel.
+
+    Args:
+      a: ``(..., n, k)`` float16 or bfloat16.
+      b: ``(..., k, n)``, same dtype.
+      c: optional symmetric ``(..., n, n)`` (its lower tiles are read).
+      alpha: scale of the product (static).
+      beta: scale of ``c`` (static).
+      out_dtype: output dtype (default ``a.dtype``).
+      config: tile sizes (default :meth:`TritonConfig.get_default`).
+
+    Returns:
+      ``(..., n, n)``, accumulated in float32 and rounded once; exactly symmetric.
+    """
+    check_dtypes(a, b)
+    config = config or TritonConfig.get_default()
+    out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    *lead, n, k = a.shape
+    a3 = a.reshape(-1, n, k)
+    b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
+    c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
+    out = _launch(a3, b3, c3, out_dtype=out_dtype, config=config, b_transposed=False,
+                  alpha=float(alpha), beta=float(beta), name="sym_matmul_triton")
+    return out.reshape(*lead, n, n)
