@@ -9,6 +9,7 @@ through ``optax.partition``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import inspect
 import math
 import re
 from typing import Any, Literal
@@ -237,3 +238,18 @@ def normuon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.
     """
     return dion3(learning_rate, 1.0, mu, beta2, weight_decay, weight_decay_mask,
                  flavour="normuon", **kwargs)
+
+
+def _forward_signature(alias, drop: tuple[str, ...]):
+    """Gives ``alias`` (which forwards ``**kwargs`` to :func:`dion3`) an explicit signature, so
+    ``inspect.signature`` — and hence ``optax.inject_hyperparams`` — sees every argument."""
+    own = inspect.signature(alias).parameters
+    params = [p for name, p in own.items() if p.kind is not p.VAR_KEYWORD]
+    params += [p for name, p in inspect.signature(dion3).parameters.items()
+               if p.kind is p.KEYWORD_ONLY and name not in drop and name not in own]
+    alias.__signature__ = inspect.Signature(params, return_annotation=inspect.Signature.empty)
+    return alias
+
+
+_forward_signature(muon, ("flavour",))
+_forward_signature(normuon, ("flavour",))

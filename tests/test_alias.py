@@ -1,0 +1,213 @@
+"""optax / Flax conformance of the aliases (dion3, muon, normuon)."""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dion3_jax
+
+ALIASES = {
+    "dion3": lambda **kw: dion3_jax.dion3(fraction=0.5, **kw),
+    "muon": dion3_jax.muon,
+    "normuon": dion3_jax.normuon,
+    "dion3_lion": lambda **kw: dion3_jax.dion3(scalar_optimizer="lion", **kw),
+}
+
+
+def _params(dtype=jnp.float32):
+    k = jax.random.split(jax.random.key(0), 3)
+    return {"dense": {"kernel": jax.random.normal(k[0], (16, 24), dtype),
+                      "bias": jnp.zeros((24,), dtype)},
+            "embed": {"embedding": jax.random.normal(k[1], (50, 16), dtype)},
+            "out": {"kernel": jax.random.normal(k[2], (24, 8), dtype)}}
+
+
+def _grads(params, seed=1):
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in
+                              zip(keys, leaves)])
+
+
+def test_default_labels_route_embeddings_and_non_matrices_to_scalar():
+    labels = dion3_jax.default_param_labels(_params())
+    assert labels == {"dense": {"kernel": "dion3", "bias": "scalar"},
+                      "embed": {"embedding": "scalar"}, "out": {"kernel": "dion3"}}
+    p = {"lm_head": {"kernel": jnp.ones((4, 4))}, "wte": jnp.ones((4, 4)),
+         "blocks": {"0": {"mlp": jnp.ones((4, 4))}}, "stack": jnp.ones((2, 4, 4))}
+    assert dion3_jax.default_param_labels(p) == {
+        "lm_head": {"kernel": "scalar"}, "wte": "scalar", "blocks": {"0": {"mlp": "dion3"}},
+        "stack": "scalar"}
+    # one DimensionNumbers for all: every rank ≥ 2 non-embedding leaf is a matrix
+    assert dion3_jax.default_param_labels(p, dion3_jax.DimensionNumbers(1, 2) if False else
+                                          dion3_jax.DimensionNumbers(-2, -1))["stack"] == "dion3"
+    # an explicit tree decides alone
+    tree = {"lm_head": {"kernel": None}, "wte": dion3_jax.DimensionNumbers(0, 1),
+            "blocks": None, "stack": dion3_jax.DimensionNumbers(1, 2)}
+    assert dion3_jax.default_param_labels(p, tree) == {
+        "lm_head": {"kernel": "scalar"}, "wte": "dion3", "blocks": {"0": {"mlp": "scalar"}},
+        "stack": "dion3"}
+
+
+def test_matrix_branch_is_dion3_and_rest_is_adamw():
+    params = _params()
+    tx = dion3_jax.dion3(0.01, 0.5, weight_decay=0.0, adam_learning_rate=1e-3)
+    grads = _grads(params)
+    upd, _ = tx.update(grads, tx.init(params), params)
+    adam = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
+    aupd, _ = adam.update(grads, adam.init(params), params)
+    np.testing.assert_allclose(upd["dense"]["bias"], aupd["dense"]["bias"], rtol=1e-6)
+    np.testing.assert_allclose(upd["embed"]["embedding"], aupd["embed"]["embedding"], rtol=1e-6)
+    direct = dion3_jax.scale_by_dion3(0.5)
+    m = {"k": params["dense"]["kernel"]}
+    dupd, _ = direct.update({"k": grads["dense"]["kernel"]}, direct.init(m))
+    np.testing.assert_allclose(upd["dense"]["kernel"], -0.01 * dupd["k"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ALIASES))
+def test_inject_hyperparams_equals_plain(name):
+    params, grads = _params(), _grads(_params())
+    plain = ALIASES[name](learning_rate=0.02)
+    static = ("fraction",) if name.startswith("dion3") else ()
+    factory = {"dion3": dion3_jax.dion3, "dion3_lion": dion3_jax.dion3, "muon": dion3_jax.muon,
+               "normuon": dion3_jax.normuon}[name]
+    kw = {"fraction": 0.5} if name == "dion3" else {}
+    if name == "dion3_lion":
+        kw = {"scalar_optimizer": "lion"}
+    injected = optax.inject_hyperparams(factory, static_args=static)(learning_rate=0.02, **kw)
+    s1, s2 = plain.init(params), injected.init(params)
+    for _ in range(2):
+        u1, s1 = jax.jit(plain.update)(grads, s1, params)
+        u2, s2 = jax.jit(injected.update)(grads, s2, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), u1, u2)
+
+
+def test_injected_fraction_must_be_static():
+    params, grads = _params(), _grads(_params())
+    tx = optax.inject_hyperparams(dion3_jax.dion3)(learning_rate=0.02, fraction=0.5)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="fraction"):
+        jax.jit(tx.update)(grads, state, params)
+
+
+def test_learning_rate_schedule_and_injected_lr_change():
+    params, grads = _params(), _grads(_params())
+    sched = optax.linear_schedule(0.0, 0.1, 10)
+    tx = dion3_jax.dion3(sched, 0.5)
+    state = tx.init(params)
+    u0, state = jax.jit(tx.update)(grads, state, params)
+    assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(u0))  # lr(0) = 0, wd·0
+    u1, state = jax.jit(tx.update)(grads, state, params)
+    assert float(jnp.abs(u1["dense"]["kernel"]).max()) > 0
+    inj = optax.inject_hyperparams(dion3_jax.dion3, static_args=("fraction",))(
+        learning_rate=0.01, fraction=0.5)
+    s = inj.init(params)
+    ua, _ = inj.update(grads, s, params)
+    s.hyperparams["learning_rate"] = jnp.asarray(0.02)
+    ub, _ = inj.update(grads, s, params)
+    np.testing.assert_allclose(ub["dense"]["kernel"], 2 * ua["dense"]["kernel"], rtol=1e-5)
+
+
+def test_multisteps_accumulates():
+    params, grads = _params(), _grads(_params())
+    tx = optax.MultiSteps(dion3_jax.dion3(0.02, 0.5), every_k_schedule=3)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for i in range(3):
+        upd, state = step(grads, state, params)
+        nonzero = any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(upd))
+        assert nonzero == (i == 2)
+
+
+def test_init_on_abstract_inputs():
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _params())
+    state = jax.eval_shape(dion3_jax.dion3(0.02).init, params)
+    concrete = dion3_jax.dion3(0.02).init(_params())
+    spec = lambda t: jax.tree.map(lambda x: (x.shape, x.dtype), t)
+    assert spec(state) == spec(concrete)
+    direct = dion3_jax.scale_by_dion3().init({"w": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16)})
+    assert direct.momentum["w"].shape == (8, 4)
+
+
+def test_weight_decay_and_mask():
+    params = {"a": jnp.ones((8, 12)), "b": jnp.ones((8, 12))}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = dion3_jax.dion3(0.1, 0.5, weight_decay=0.5, weight_decay_mask={"a": True, "b": False})
+    upd, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(upd["a"], -0.05 * np.ones((8, 12)), rtol=1e-6)
+    np.testing.assert_allclose(upd["b"], 0.0, atol=0)
+
+
+def test_chains_with_other_transforms():
+    params, grads = _params(), _grads(_params())
+    tx = optax.chain(optax.clip_by_global_norm(1.0), dion3_jax.dion3(0.02, 0.25))
+    upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(upd))
+
+
+def test_transfer_learning_rate():
+    assert dion3_jax.transfer_learning_rate(0.01, 1.0, 0.25) == pytest.approx(0.02)
+    lr = dion3_jax.transfer_learning_rate(0.02, 0.25, 0.0625)
+    assert lr * 0.0625**0.5 == pytest.approx(0.02 * 0.25**0.5)
+    with pytest.raises(ValueError, match="to_fraction"):
+        dion3_jax.transfer_learning_rate(0.01, 1.0, 0.0)
+
+
+def test_matrix_parabola_converges():
+    target = jax.random.normal(jax.random.key(3), (32, 48))
+    params = {"w": jnp.zeros((32, 48))}
+    loss = lambda p: jnp.mean((p["w"] - target) ** 2)
+    tx = dion3_jax.dion3(optax.cosine_decay_schedule(0.3, 400), 0.25, weight_decay=0.0)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s):
+        g = jax.grad(loss)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    l0 = float(loss(params))
+    for _ in range(400):
+        params, state = step(params, state)
+    assert float(loss(params)) < 1e-2 * l0
+
+
+class _Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(32, 16, rngs=rngs)
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 16, rngs=rngs)
+        self.lm_head = nnx.Linear(16, 32, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.l2(jax.nn.gelu(self.l1(h)))
+        return self.lm_head(h)
+
+
+def test_flax_nnx_optimizer_trains():
+    model = _Tiny(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, dion3_jax.dion3(0.05, 0.25, adam_learning_rate=1e-2),
+                        wrt=nnx.Param)
+    labels = dion3_jax.default_param_labels(nnx.state(model, nnx.Param))
+    assert labels["l1"]["kernel"] == "dion3" and labels["embed"]["embedding"] == "scalar"
+    assert labels["lm_head"]["kernel"] == "scalar" and labels["l1"]["bias"] == "scalar"
+    tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, 32)
+
+    def loss_fn(m):
+        logits = m(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @nnx.jit
+    def step(m, o):
+        loss, grads = nnx.value_and_grad(loss_fn)(m)
+        o.update(m, grads)
+        return loss
+
+    losses = [float(step(model, opt)) for _ in range(40)]
+    assert losses[-1] < 0.7 * losses[0], losses[::10]

@@ -1,0 +1,129 @@
+"""polar(): Gram vs standard Newton-Schulz, presets, shapes, dtypes, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dion3_jax
+from dion3_jax import polar
+import dion3_reference as ref
+
+
+def _rand(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+@pytest.mark.parametrize("shape", [(32, 96), (96, 32), (3, 16, 80), (2, 2, 24, 40)])
+@pytest.mark.parametrize("restarts", [(), (2,), (1, 3)])
+def test_gram_equals_standard_in_float64(shape, restarts):
+    x = _rand(shape, 0)
+    with jax.enable_x64(True):
+        g = polar(jnp.asarray(x), method="gram", restarts=restarts, compute_dtype=jnp.float64)
+        s = polar(jnp.asarray(x), method="standard", compute_dtype=jnp.float64)
+        assert g.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(g), np.asarray(s), rtol=0, atol=1e-12)
+
+
+def test_matches_numpy_newton_schulz_float64():
+    x = _rand((40, 72), 1)
+    with jax.enable_x64(True):
+        got = np.asarray(polar(jnp.asarray(x), compute_dtype=jnp.float64))
+    np.testing.assert_allclose(got, ref.ns_polar(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (4, 48, 160)])
+def test_float16_gram_agrees_with_float64(shape):
+    x = _rand(shape, 2)
+    with jax.enable_x64(True):
+        want = np.asarray(polar(jnp.asarray(x), method="standard", compute_dtype=jnp.float64))
+    for method in ("gram", "standard"):
+        got = np.asarray(polar(jnp.asarray(x, jnp.float32), method=method))
+        err = np.abs(got - want).max()
+        assert err < 2e-2, (method, err)
+
+
+@pytest.mark.parametrize("coefficients", ["polar_express", "you", "jordan"])
+def test_singular_values_in_band(coefficients):
+    x = _rand((3, 64, 192), 3)
+    o = np.asarray(polar(jnp.asarray(x, jnp.float32), coefficients=coefficients))
+    sv = np.linalg.svd(o, compute_uv=False)
+    lo, hi = {"polar_express": (0.7, 1.25), "you": (0.6, 1.25), "jordan": (0.55, 1.3)}[coefficients]
+    assert sv.min() > lo and sv.max() < hi, (sv.min(), sv.max())
+
+
+def test_more_steps_converge_to_orthogonal():
+    x = _rand((48, 128), 4)
+    with jax.enable_x64(True):
+        # (2, -1.5, 0.5): p(1) = 1 and p'(1) = 0, so the iteration converges to the polar factor.
+        o = np.asarray(polar(jnp.asarray(x), coefficients=[(2.0, -1.5, 0.5)] * 40,
+                             restarts=(2, 10, 20, 30), compute_dtype=jnp.float64))
+    np.testing.assert_allclose(o @ o.T, np.eye(48), atol=1e-6)
+    u, _, vt = np.linalg.svd(x, full_matrices=False)
+    np.testing.assert_allclose(o, u @ vt, atol=1e-6)
+
+
+def test_user_coefficients_and_square_fallback():
+    x = _rand((32, 32), 5)
+    coeffs = [(3.4445, -4.7750, 2.0315)] * 6
+    with jax.enable_x64(True):
+        g = polar(jnp.asarray(x), coefficients=coeffs, method="gram", compute_dtype=jnp.float64)
+        s = polar(jnp.asarray(x), coefficients=coeffs, method="standard",
+                  compute_dtype=jnp.float64)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(s))  # square → standard NS exactly
+    np.testing.assert_allclose(np.asarray(g), ref.ns_polar(x, coeffs), atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_dtype_preserved_jit_vmap(dtype):
+    x = jnp.asarray(_rand((5, 16, 48), 6), dtype)
+    o = jax.jit(polar)(x)
+    assert o.dtype == dtype and o.shape == x.shape
+    ov = jax.vmap(polar)(x)
+    np.testing.assert_allclose(np.asarray(ov, np.float32), np.asarray(o, np.float32), atol=2e-2)
+
+
+def test_transposition_consistent():
+    x = _rand((24, 64), 7)
+    with jax.enable_x64(True):
+        a = np.asarray(polar(jnp.asarray(x), compute_dtype=jnp.float64))
+        b = np.asarray(polar(jnp.asarray(x.T), compute_dtype=jnp.float64))
+    np.testing.assert_allclose(a, b.T, atol=1e-13)
+
+
+def test_zero_matrix_stays_finite():
+    o = polar(jnp.zeros((2, 8, 16)))
+    assert bool(jnp.all(o == 0))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"method": "svd"}, "method"),
+    ({"backend": "gpu"}, "backend"),
+    ({"restarts": (0,)}, "restarts"),
+    ({"restarts": 2}, "restarts"),
+    ({"coefficients": "unknown"}, "coefficients"),
+    ({"steps": 0}, "steps"),
+    ({"eps": 0.0}, "eps"),
+    ({"compute_dtype": jnp.int8}, "compute_dtype"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        polar(jnp.ones((4, 8)), **kwargs)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="at least 2"):
+        polar(jnp.ones((4,)))
+    with pytest.raises(ValueError, match="floating"):
+        polar(jnp.ones((4, 4), jnp.int32))
+
+
+def test_coefficient_presets():
+    pe = dion3_jax.get_coefficients("polar_express")
+    np.testing.assert_allclose(pe[0], (8.28721201814563 / 1.05, -23.595886519098837 / 1.05**3,
+                                       17.300387312530933 / 1.05**5))
+    assert len(dion3_jax.get_coefficients("jordan")) == 5
+    assert len(dion3_jax.get_coefficients("you", steps=7)) == 7
+    assert dion3_jax.get_coefficients("you", steps=2) == dion3_jax.COEFFICIENT_PRESETS["you"][:2]
