@@ -1,0 +1,101 @@
+"""Polar-operator timings: XLA standard NS, XLA Gram NS (and kernel backends), optax's NS.
+
+Prints a table: shape, method, backend, compute dtype, ms (median), TFLOP/s (useful FLOPs of
+standard NS with symmetric products counted once, so methods compare on one scale), relative
+error against a float32 standard-NS run with the same coefficients.
+
+Usage:
+  python benchmarks/bench_polar.py                  # the DESIGN §6 shapes (GPU)
+  python benchmarks/bench_polar.py --small          # tiny shapes, a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import dion3_jax
+import pallas_kernels
+
+FULL_SHAPES = [(4096, 4096), (4096, 16384), (8192, 28672), (32, 1024, 4096)]
+SMALL_SHAPES = [(128, 128), (128, 512), (4, 64, 256)]
+
+
+def _time(fn, x, reps: int) -> float:
+    jax.block_until_ready(fn(x))  # compile + warm-up
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _useful_flops(shape, steps=5) -> float:
+    *b, n, m = shape
+    batch = int(np.prod(b)) if b else 1
+    n, m = min(n, m), max(n, m)
+    # per step: X Xᵀ (n²m, symmetric), A² (n³, symmetric), B X (2n²m)
+    return batch * steps * (n * n * m + n**3 + 2 * n * n * m)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    args = p.parse_args(argv)
+    shapes = SMALL_SHAPES if args.small else FULL_SHAPES
+    dtype = jnp.dtype(args.dtype)
+    dev = jax.devices()[0]
+    print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+          f"input dtype {dtype.name}, median of {args.reps}")
+    backends = pallas_kernels.available_implementations()
+    rows = []
+    for shape in shapes:
+        x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
+        ref = jax.jit(lambda y: dion3_jax.polar(y.astype(jnp.float32), method="standard",
+                                                compute_dtype=jnp.float32))(x)
+        variants = []
+        for backend in backends:
+            variants.append(("standard", backend, "bfloat16"))
+            variants.append(("gram", backend, "float16"))
+        for method, backend, cdt in variants:
+            fn = jax.jit(lambda y, m=method, b=backend, c=cdt: dion3_jax.polar(
+                y, method=m, backend=b, compute_dtype=jnp.dtype(c)))
+            try:
+                ms = _time(fn, x, args.reps)
+                out = fn(x).astype(jnp.float32)
+                err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            except Exception as e:  # report, keep going with the other variants
+                rows.append((shape, method, backend, cdt, float("nan"), float("nan"),
+                             f"{type(e).__name__}: {str(e)[:60]}"))
+                continue
+            rows.append((shape, method, backend, cdt, ms, _useful_flops(shape) / ms / 1e9,
+                         f"{err:.2e}"))
+        # optax's own Newton-Schulz (Jordan coefficients, 5 steps) for reference
+        ox = x.astype(jnp.bfloat16)
+        ofn = jax.jit(lambda y: jax.vmap(lambda z: optax.contrib._muon.orthogonalize_via_newton_schulz(
+            z, jnp.asarray((3.4445, -4.7750, 2.0315)), 5))(y.reshape((-1, *y.shape[-2:]))))
+        ms = _time(ofn, ox, args.reps)
+        rows.append((shape, "optax NS (jordan)", "xla", "bfloat16", ms,
+                     _useful_flops(shape) / ms / 1e9, "-"))
+    hdr = ("shape", "method", "backend", "compute", "ms", "TFLOP/s*", "rel.err vs f32")
+    fmt = "{:<18} {:<18} {:<8} {:<9} {:>9} {:>9} {:>16}"
+    print(fmt.format(*hdr))
+    for shape, method, backend, cdt, ms, tf, err in rows:
+        print(fmt.format("x".join(map(str, shape)), method, backend, cdt, f"{ms:.3f}",
+                         f"{tf:.0f}", err))
+    print("* TFLOP/s of standard NS's useful work (symmetric products counted once), 5 steps")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
