@@ -52,6 +52,9 @@ def main(argv=None) -> None:
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--backends", default="all",
+                   help="comma-separated pallas_kernels implementations, or 'all' available")
+    p.add_argument("--no-optax", action="store_true", help="skip optax's Newton-Schulz rows")
     args = p.parse_args(argv)
     shapes = SMALL_SHAPES if args.small else FULL_SHAPES
     dtype = jnp.dtype(args.dtype)
@@ -59,6 +62,8 @@ def main(argv=None) -> None:
     print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
           f"input dtype {dtype.name}, median of {args.reps}")
     backends = pallas_kernels.available_implementations()
+    if args.backends != "all":
+        backends = tuple(args.backends.split(","))
     rows = []
     for shape in shapes:
         x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
@@ -81,6 +86,8 @@ def main(argv=None) -> None:
                 continue
             rows.append((shape, method, backend, cdt, ms, _useful_flops(shape) / ms / 1e9,
                          f"{err:.2e}"))
+        if args.no_optax:
+            continue
         # optax's own Newton-Schulz (Jordan coefficients, 5 steps) for reference
         ox = x.astype(jnp.bfloat16)
         ofn = jax.jit(lambda y: jax.vmap(lambda z: optax.contrib._muon.orthogonalize_via_newton_schulz(
