@@ -171,6 +171,9 @@ def dion3(
     check_range("learning_rate", learning_rate, 0.0, math.inf)
     if adam_learning_rate is not None:
         check_range("adam_learning_rate", adam_learning_rate, 0.0, math.inf)
+    check_range("adam_b1", adam_b1, 0.0, 1.0, hi_open=True)
+    check_range("adam_b2", adam_b2, 0.0, 1.0, hi_open=True)
+    check_range("adam_eps", adam_eps, 0.0, math.inf)
     if scalar_optimizer not in ("adamw", "lion"):
         raise ValueError(f"scalar_optimizer must be 'adamw' or 'lion', got {scalar_optimizer=!r}")
     matrix_tx = optax.chain(

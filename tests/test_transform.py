@@ -266,6 +266,10 @@ def test_bfloat16_params_stay_bfloat16():
     ({"weight_decay": -1.0}, "weight_decay"),
     ({"learning_rate": -1.0}, "learning_rate"),
     ({"scalar_optimizer": "sgd"}, "scalar_optimizer"),
+    ({"adam_b1": 1.0}, "adam_b1"),
+    ({"adam_b2": -0.1}, "adam_b2"),
+    ({"adam_eps": -1e-8}, "adam_eps"),
+    ({"adam_learning_rate": -1e-3}, "adam_learning_rate"),
     ({"compute_dtype": jnp.int32}, "compute_dtype"),
 ])
 def test_invalid_hyperparameters_raise_at_construction(kwargs, name):
