@@ -21,25 +21,27 @@ def rel_error(out, ref64) -> float:
 
 
 def gram_inputs(key, shape, dtype):
-    """Random ``x`` of ``shape`` in ``dtype`` and its float64 Gram ``x xᵀ``."""
+    """Random ``x`` of ``shape`` in ``dtype`` and its float64 Gram ``x xᵀ`` (on the default device)."""
     x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
-    x64 = np.asarray(x.astype(jnp.float32), np.float64)
-    return x, x64 @ np.swapaxes(x64, -1, -2)
+    with jax.enable_x64(True):
+        x64 = x.astype(jnp.float64)
+        ref = jnp.einsum("...ik,...jk->...ij", x64, x64, precision="highest")
+    return x, np.asarray(ref)
 
 
 def commuting_inputs(key, batch, n, dtype, alpha, beta):
     """Commuting symmetric ``a, b`` (polynomials of one Gram matrix), symmetric ``c``, and
     the float64 ``alpha·a·b + beta·c`` from the rounded operands."""
-    x = np.asarray(jax.random.normal(key, (*batch, n, 2 * n + 3), jnp.float32), np.float64)
-    g = x @ np.swapaxes(x, -1, -2)
-    g /= np.linalg.norm(g, axis=(-2, -1), keepdims=True)
-    eye = np.eye(n)
-    a64 = 3.0 * eye - 2.0 * g
-    b64 = 0.5 * g + g @ g
-    c64 = eye + g
-    a, b, c = (jnp.asarray(v, jnp.float32).astype(dtype) for v in (a64, b64, c64))
-    a64, b64, c64 = (np.asarray(v.astype(jnp.float32), np.float64) for v in (a, b, c))
-    return a, b, c, alpha * a64 @ b64 + beta * c64
+    with jax.enable_x64(True):
+        mm = lambda u, v: jnp.matmul(u, v, precision="highest")
+        x = jax.random.normal(key, (*batch, n, 2 * n + 3), jnp.float64)
+        g = mm(x, jnp.swapaxes(x, -1, -2))
+        g = g / jnp.linalg.norm(g, axis=(-2, -1), keepdims=True)
+        eye = jnp.eye(n, dtype=jnp.float64)
+        a, b, c = (v.astype(dtype) for v in (3.0 * eye - 2.0 * g, 0.5 * g + mm(g, g), eye + g))
+        a64, b64, c64 = (v.astype(jnp.float64) for v in (a, b, c))
+        ref = np.asarray(alpha * mm(a64, b64) + beta * c64)
+    return a, b, c, ref
 
 
 def xla_error_syrk(x, ref64, out_dtype):

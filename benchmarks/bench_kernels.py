@@ -1,0 +1,265 @@
+"""Benchmark of the symmetric-product kernels (pallas_kernels) against XLA.
+
+Prints one table: case, shape, dtype, implementation (and config), ms, speed-up over XLA, TFLOP/s
+counting only the useful half of the work (the ``n(n+1)/2`` distinct entries: ``n(n+1)·m`` FLOPs
+for ``syrk`` of ``(n, m)``, ``n(n+1)·k`` for ``sym_matmul`` of ``(n, k)·(k, n)``), the relative error
+against a float64 product, XLA's own error, and whether the output is exactly symmetric.
+
+Times: ``jax.block_until_ready`` around each call, warm-up first, the median of ``--reps`` calls;
+all variants in one run.
+
+Usage (GPU machine; repository root on PYTHONPATH):
+  python benchmarks/bench_kernels.py                # default shapes, every available backend
+  python benchmarks/bench_kernels.py --variants     # also tile/pipeline variants of the kernels
+  python benchmarks/bench_kernels.py --polar        # also dion3_jax.polar per backend
+  python benchmarks/bench_kernels.py --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+from pallas_kernels import _mosaic, _triton
+
+# (name, op, batch, n, m, dtype): syrk of (batch, n, m); sym_matmul of (batch, n, n)·(batch, n, n).
+CASES = [
+    ("syrk", "syrk", (), 4096, 16384, jnp.float16),
+    ("syrk", "syrk", (), 4096, 16384, jnp.bfloat16),
+    ("syrk", "syrk", (), 8192, 28672, jnp.float16),
+    ("syrk", "syrk", (32,), 1024, 4096, jnp.float16),
+    ("syrk", "syrk", (), 1024, 4096, jnp.float16),
+    ("syrk", "syrk", (), 2048, 8192, jnp.float16),
+    ("syrk", "syrk", (), 512, 2048, jnp.float16),
+    ("sym_matmul", "sym", (), 4096, 4096, jnp.float16),
+    ("sym_matmul", "sym", (), 8192, 8192, jnp.float16),
+    ("sym_matmul", "sym", (32,), 1024, 1024, jnp.float16),
+    ("sym_matmul", "sym", (), 1024, 1024, jnp.float16),
+]
+
+SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
+    ("syrk", "syrk", (), 256, 512, jnp.float16),
+    ("sym_matmul", "sym", (2,), 128, 128, jnp.bfloat16),
+]
+
+MOSAIC_VARIANTS = {
+    "k64s4": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=4),
+    "k64s3": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=3),
+    "k64s5": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=5),
+    "k128s2": _mosaic.MosaicConfig(tile_k=128, max_concurrent_steps=2),
+    "1wg": _mosaic.MosaicConfig(num_compute_wgs=1, max_concurrent_steps=4),
+}
+TRITON_VARIANTS = {
+    "w8s4": _triton.TritonConfig(num_warps=8, num_stages=4),
+    "w8s3": _triton.TritonConfig(num_warps=8, num_stages=3),
+    "w4s4": _triton.TritonConfig(num_warps=4, num_stages=4),
+    "k32w8s5": _triton.TritonConfig(tile_k=32, num_warps=8, num_stages=5),
+}
+
+
+def timed(fn, *args, reps: int) -> float:
+    """Median wall time in ms of ``fn(*args)``, synchronised, after two warm-up calls."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def make_inputs(op, batch, n, m, dtype, key):
+    """Operands and the float64 reference (computed on the device)."""
+    with jax.enable_x64(True):
+        mm = lambda u, v: jnp.matmul(u, v, precision="highest")
+        if op == "syrk":
+            x = jax.random.normal(key, (*batch, n, m), jnp.float32).astype(dtype)
+            x64 = x.astype(jnp.float64)
+            return (x,), {}, mm(x64, jnp.swapaxes(x64, -1, -2))
+        # Gram-NS-like operands: R normalised Gram, Z = b·R + c·R² (commuting, symmetric).
+        y = jax.random.normal(key, (*batch, n, 2 * n), jnp.float32)
+        r = jnp.einsum("...ik,...jk->...ij", y, y) / (2.0 * n)
+        r = (r / jnp.linalg.norm(r, axis=(-2, -1), keepdims=True)).astype(dtype)
+        r64 = r.astype(jnp.float64)
+        z = (-2.9 * r64 + 0.5 * mm(r64, r64)).astype(dtype)
+        z64 = z.astype(jnp.float64)
+        kw = dict(alpha=1.0, beta=3.9)
+        return (r, z, r), kw, kw["alpha"] * mm(r64, z64) + kw["beta"] * r64
+
+
+def rel_error(out, ref64) -> float:
+    with jax.enable_x64(True):
+        diff = out.astype(jnp.float64) - ref64
+        return float(jnp.linalg.norm(diff) / jnp.linalg.norm(ref64))
+
+
+def exactly_symmetric(out) -> bool:
+    return bool(jnp.array_equal(out, jnp.swapaxes(out, -1, -2)))
+
+
+def implementations(variants: bool):
+    """(label, syrk_fn, sym_fn) for every backend (and variant) that can run here."""
+    impls = [("xla", lambda x: pallas_kernels.syrk(x, implementation="xla"),
+              lambda a, b, c, **kw: pallas_kernels.sym_matmul(a, b, c, implementation="xla", **kw))]
+    available = pallas_kernels.available_implementations()
+    if "mosaic" in available:
+        configs = MOSAIC_VARIANTS if variants else {"default": _mosaic.MosaicConfig()}
+        for name, cfg in configs.items():
+            impls.append((f"mosaic[{name}]",
+                          jax.jit(lambda x, cfg=cfg: _mosaic.syrk_mosaic(x, config=cfg)),
+                          lambda a, b, c, cfg=cfg, **kw: _mosaic.sym_matmul_mosaic(
+                              a, b, c, config=cfg, **kw)))
+    if "triton" in available:
+        configs = TRITON_VARIANTS if variants else {"default": _triton.TritonConfig()}
+        for name, cfg in configs.items():
+            impls.append((f"triton[{name}]",
+                          jax.jit(lambda x, cfg=cfg: _triton.syrk_triton(x, config=cfg)),
+                          lambda a, b, c, cfg=cfg, **kw: _triton.sym_matmul_triton(
+                              a, b, c, config=cfg, **kw)))
+    return impls
+
+
+def bench_kernels(args, log):
+    rows = []
+    impls = implementations(args.variants)
+    cases = SMOKE_CASES if args.smoke else CASES
+    for ci, (name, op, batch, n, m, dtype) in enumerate(cases):
+        if args.quick and ci > 0 and op == "syrk" and n > 4096:
+            continue
+        args_, kw, ref = make_inputs(op, batch, n, m, dtype, jax.random.key(ci))
+        count = int(np.prod(batch)) if batch else 1
+        useful_flops = count * n * (n + 1) * m
+        xla_ms = None
+        xla_err = None
+        for label, syrk_fn, sym_fn in impls:
+            # Variants only on the two headline shapes.
+            if "[" in label and args.variants and not label.endswith("[k64s4]") \
+                    and not label.endswith("[w8s4]") and (n, m, batch) not in (
+                        (4096, 16384, ()), (4096, 4096, ())):
+                continue
+            fn = syrk_fn if op == "syrk" else (lambda a, b, c, f=sym_fn: f(a, b, c, **kw))
+            try:
+                fn_j = jax.jit(fn)
+                out = jax.block_until_ready(fn_j(*args_))
+                err = rel_error(out, ref)
+                sym = exactly_symmetric(out)
+                finite = bool(jnp.isfinite(out).all())
+                ms = timed(fn_j, *args_, reps=args.reps)
+            except Exception as e:  # Report and go on: one failing variant must not hide others.
+                log(f"FAILED {name} {batch}x{n}x{m} {jnp.dtype(dtype).name} {label}: "
+                    f"{type(e).__name__}: {str(e)[:400]}")
+                traceback.print_exc(file=sys.stderr)
+                continue
+            if label == "xla":
+                xla_ms, xla_err = ms, err
+            row = dict(case=name, batch=list(batch), n=n, m=m, dtype=jnp.dtype(dtype).name,
+                       impl=label, ms=ms, speedup=(xla_ms / ms) if xla_ms else None,
+                       tflops=useful_flops / ms / 1e9, rel_err=err,
+                       err_vs_xla=(err / xla_err) if xla_err else None, symmetric=sym,
+                       finite=finite)
+            rows.append(row)
+            log(format_row(row))
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        del args_, ref
+    return rows
+
+
+HEADER = (f"{'case':<11} {'shape':<18} {'dtype':<8} {'impl':<17} {'ms':>8} {'xXLA':>6} "
+          f"{'TFLOP/s':>8} {'rel.err':>9} {'err/XLA':>7} {'sym':>4}")
+
+
+def format_row(r):
+    shape = "x".join(map(str, [*r["batch"], r["n"], r["m"]]))
+    sp = f"{r['speedup']:.2f}" if r["speedup"] else "-"
+    ex = f"{r['err_vs_xla']:.2f}" if r["err_vs_xla"] else "-"
+    sym = "yes" if r["symmetric"] else "NO"
+    if not r["finite"]:
+        sym += " NaN!"
+    return (f"{r['case']:<11} {shape:<18} {r['dtype']:<8} {r['impl']:<17} {r['ms']:8.3f} "
+            f"{sp:>6} {r['tflops']:8.1f} {r['rel_err']:9.2e} {ex:>7} {sym:>4}")
+
+
+def bench_polar(args, log):
+    """``dion3_jax.polar(x, method="gram", backend=impl)`` per backend, if the polar takes one."""
+    try:
+        import inspect
+
+        from dion3_jax import polar
+        if "backend" not in inspect.signature(polar).parameters:
+            log("polar: dion3_jax.polar has no `backend` parameter; skipped")
+            return
+    except Exception as e:  # The optimizer package may not be there yet.
+        log(f"polar: dion3_jax.polar not importable ({type(e).__name__}: {e}); skipped")
+        return
+    shape = (256, 1024) if args.smoke else (4096, 16384)
+    x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.float16)
+    runs = [("gram", "xla"), ("standard", "xla")] + [
+        ("gram", b) for b in pallas_kernels.available_implementations() if b != "xla"]
+    ref = None
+    log(f"{'polar ' + 'x'.join(map(str, shape)) + ' fp16':<24} {'method':<9} {'backend':<8} {'ms':>8} {'rel.diff vs gram/xla':>21}")
+    for method, backend in runs:
+        try:
+            fn = jax.jit(lambda v, m=method, b=backend: polar(v, method=m, backend=b))
+            out = jax.block_until_ready(fn(x)).astype(jnp.float32)
+            ms = timed(fn, x, reps=args.reps)
+        except Exception as e:
+            log(f"polar FAILED {method}/{backend}: {type(e).__name__}: {str(e)[:400]}")
+            continue
+        if method == "gram" and backend == "xla":
+            ref = out
+        diff = (float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+                if ref is not None else float("nan"))
+        log(f"{'':<24} {method:<9} {backend:<8} {ms:8.3f} {diff:21.2e}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", action="store_true", help="also kernel tuning variants")
+    parser.add_argument("--polar", action="store_true", help="also dion3_jax.polar per backend")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    parser.add_argument("--quick", action="store_true", help="skip the largest syrk shapes")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per entry (median)")
+    parser.add_argument("--json", default=None, help="append one JSON line per row to this file")
+    args = parser.parse_args(argv)
+
+    def log(line):
+        print(line, flush=True)
+
+    dev = jax.devices()[0]
+    log(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+        f"available: {pallas_kernels.available_implementations()}")
+    rows = []
+    if not args.no_kernels:
+        log(HEADER)
+        rows = bench_kernels(args, log)
+    if args.polar:
+        bench_polar(args, log)
+    if rows:
+        log("\nsummary (best per case):")
+        log(HEADER)
+        seen = {}
+        for r in rows:
+            key = (r["case"], tuple(r["batch"]), r["n"], r["m"], r["dtype"])
+            impl_family = r["impl"].split("[")[0]
+            best = seen.get((key, impl_family))
+            if best is None or r["ms"] < best["ms"]:
+                seen[(key, impl_family)] = r
+        for r in seen.values():
+            log(format_row(r))
+
+
+if __name__ == "__main__":
+    main()

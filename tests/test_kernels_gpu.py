@@ -1,0 +1,65 @@
+"""The compiled kernels on a GPU: the shared accuracy suite on many shapes, every output element
+written, exact symmetry. Skipped where the backend is not available (CPU CI)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+import test_kernels as base
+
+_AVAILABLE = pallas_kernels.available_implementations()
+
+_GPU_SYRK_SHAPES = [(64, 48), (128, 64), (200, 72), (1000, 3000), (4, 300, 500),
+                    (32, 1024, 4096), (4096, 16384), (8192, 28672)]
+_GPU_SYM_SIZES = [((), 128), ((), 200), ((), 1000), ((3,), 300), ((), 4096)]
+
+
+def _poisoned_call(fn, shape, dtype):
+    """Runs ``fn()`` after freeing a NaN-filled buffer of the output's size.
+
+    Returns ``(out, reused)``: ``reused`` says whether the output landed in the poisoned buffer, in
+    which case a NaN-free output proves that every element was written.
+    """
+    poison = jnp.full(shape, jnp.nan, dtype).block_until_ready()
+    address = poison.unsafe_buffer_pointer()
+    poison.delete()
+    out = jax.block_until_ready(fn())
+    return out, out.unsafe_buffer_pointer() == address
+
+
+class GpuSuite(base.KernelSuite):
+    SYRK_SHAPES = _GPU_SYRK_SHAPES
+    SYM_SIZES = _GPU_SYM_SIZES
+
+    def test_every_element_written(self):
+        reused_any = False
+        for shape in [(128, 64), (3, 256, 192), (1024, 4096)]:
+            x = jax.random.normal(jax.random.key(1), shape, jnp.float16)
+            out_shape = shape[:-1] + shape[-2:-1]
+            fn = jax.jit(lambda: self.syrk(x))
+            jax.block_until_ready(fn())  # Compile first, so the poisoned buffer is the last freed.
+            out, reused = _poisoned_call(fn, out_shape, jnp.float16)
+            assert np.isfinite(np.asarray(out, np.float32)).all(), shape
+            reused_any |= reused
+        for n in (128, 1024):
+            a, b, c, _ = base.commuting_inputs(jax.random.key(2), (), n, jnp.float16, 1.0, 1.0)
+            fn = jax.jit(lambda: self.sym_matmul(a, b, c, alpha=2.0, beta=0.5))
+            jax.block_until_ready(fn())
+            out, reused = _poisoned_call(fn, (n, n), jnp.float16)
+            assert np.isfinite(np.asarray(out, np.float32)).all(), n
+            reused_any |= reused
+        print(f"{self.IMPLEMENTATION}: output reused a poisoned buffer: {reused_any}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("mosaic" not in _AVAILABLE, reason="needs a Hopper GPU")
+class TestMosaicGpu(GpuSuite):
+    IMPLEMENTATION = "mosaic"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("triton" not in _AVAILABLE, reason="needs an NVIDIA GPU and jax-triton")
+class TestTritonGpu(GpuSuite):
+    IMPLEMENTATION = "triton"
