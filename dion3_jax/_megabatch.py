@@ -1,16 +1,128 @@
-"""Megabatching: one batched orthogonalizer call per group of same-shape matrices.
+"""Megabatching: one batched orthogonalizer call (and one all-to-all each way) per shape group.
 
-The static plan groups the selected submatrices of all leaves by (wide shape, dtype); each group
-is concatenated along the batch axis, orthogonalized with one call, and split back. On one device
-this turns O(depth) polar calls into O(number of distinct shapes).
+The static plan groups the selected submatrices ("payloads") of all leaves by (wide shape, dtype,
+how they are distributed). Each group is concatenated along its batch axis and then, inside the
+step's ``shard_map``:
+
+* ``"a2a"`` (row- or column-sharded matrices): the count is padded with zero matrices to a
+  multiple of the axis size ``W``; ONE ``lax.all_to_all`` sends matrix ``j`` of every device to
+  device ``j // (N/W)``, which concatenates the pieces into whole matrices; the device
+  orthogonalizes its ``N/W`` matrices in one call; ONE ``all_to_all`` sends the pieces back.
+* ``"split"`` (replicated matrices, pure data parallel): the padded batch is split across the
+  axis, each device orthogonalizes its slice, ``all_gather`` reassembles the batch.
+* ``"local"`` (whole matrices already on the device: one device, or a batch-sharded leaf):
+  one orthogonalizer call.
+
+On one device every group is ``"local"`` and this is exactly "one polar call per shape".
+Zero matrices (and zero rows) stay exactly zero through Newton-Schulz, so padding never changes the
+real results.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+class GroupKey(NamedTuple):
+    """Static identity of a shape group.
+
+    Attributes:
+      kind: ``"local"``, ``"split"`` or ``"a2a"``.
+      axes: mesh axes of the collective (empty for ``"local"``).
+      concat_axis: ``"a2a"``: the payload axis (1 or 2) along which pieces are concatenated.
+      shape: the payload's (rows, cols) on the sending device, in wide orientation of the
+        assembled matrix.
+      dtype: the payload dtype.
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    concat_axis: int
+    shape: tuple[int, int]
+    dtype: jnp.dtype
+
+
+def group_plan(keys: Sequence[GroupKey]) -> dict[GroupKey, list[int]]:
+    """Static grouping of payloads by key, in first-seen order."""
+    groups: dict[GroupKey, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    return groups
+
+
+def _pad_count(x: jax.Array, multiple: int) -> jax.Array:
+    pad = (-x.shape[0]) % multiple
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad, *x.shape[1:]), x.dtype)], axis=0)
+    return x
+
+
+def _checked(orthogonalizer, x):
+    y = orthogonalizer(x)
+    if y.shape != x.shape:
+        raise ValueError(f"the orthogonalizer changed the shape {x.shape} into {y.shape}")
+    return y
+
+
+def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
+                        orthogonalizer: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Orthogonalizes a stacked group ``(N, a, b)`` of local payloads; returns the local pieces.
+
+    Args:
+      x: the group's payloads stacked along axis 0 (local to the device, inside shard_map).
+      key: the group's static key.
+      axis_size: number of devices along ``key.axes``.
+      orthogonalizer: ``(batch, rows, cols) -> polar factors`` (rows ≤ cols for wide groups).
+
+    Returns:
+      An array shaped like ``x``: the device's pieces of the orthogonalized matrices.
+    """
+    n = x.shape[0]
+    if key.kind == "local" or axis_size == 1:
+        return _checked(orthogonalizer, x)
+    xp = _pad_count(x, axis_size)
+    if key.kind == "split":
+        per = xp.shape[0] // axis_size
+        start = jax.lax.axis_index(key.axes) * per
+        mine = jax.lax.dynamic_slice_in_dim(xp, start, per, axis=0)
+        out = jax.lax.all_gather(_checked(orthogonalizer, mine), key.axes, axis=0, tiled=True)
+        return out[:n]
+    # a2a: (N_pad, a, b) pieces → (N_pad/W, whole) → polar → back. The exchange itself always
+    # moves contiguous leading chunks (split and concat on axis 0; XLA:CPU rejects some layouts
+    # of a concat on a minor axis); assembling the pieces along `concat_axis` is a local copy.
+    w, per = axis_size, xp.shape[0] // axis_size
+    a, b = xp.shape[1:]
+    # The barrier keeps XLA:CPU from splitting the operand into per-peer pieces of different
+    # provenance (its verifier then rejects the all-to-all when some pieces are padding).
+    xp = jax.lax.optimization_barrier(xp)
+    recv = jax.lax.all_to_all(xp, key.axes, 0, 0, tiled=True).reshape((w, per, a, b))
+    if key.concat_axis == 1:
+        whole = jnp.moveaxis(recv, 0, 1).reshape((per, w * a, b))
+    else:
+        whole = jnp.moveaxis(recv, 0, 2).reshape((per, a, w * b))
+    o = _checked(orthogonalizer, whole)
+    if key.concat_axis == 1:
+        pieces = jnp.moveaxis(o.reshape((per, w, a, b)), 1, 0)
+    else:
+        pieces = jnp.moveaxis(o.reshape((per, a, w, b)), 2, 0)
+    back = jax.lax.all_to_all(pieces.reshape((w * per, a, b)), key.axes, 0, 0, tiled=True)
+    return back[:n]
+
+
+def stack(payloads: Sequence[jax.Array]) -> jax.Array:
+    return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=0)
+
+
+def unstack(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    out, off = [], 0
+    for s in sizes:
+        out.append(x if len(sizes) == 1 else jax.lax.slice_in_dim(x, off, off + s, axis=0))
+        off += s
+    return out
 
 
 def _to_wide(s: jax.Array) -> tuple[jax.Array, bool]:
@@ -20,18 +132,9 @@ def _to_wide(s: jax.Array) -> tuple[jax.Array, bool]:
     return s, False
 
 
-def group_plan(blocks: Sequence[jax.Array]) -> dict[tuple, list[int]]:
-    """Static grouping of blocks by (wide matrix shape, dtype), in first-seen order."""
-    groups: dict[tuple, list[int]] = {}
-    for i, s in enumerate(blocks):
-        a, b = sorted(s.shape[1:])
-        groups.setdefault(((a, b), jnp.dtype(s.dtype)), []).append(i)
-    return groups
-
-
 def orthogonalize_blocks(blocks: Sequence[jax.Array],
                          orthogonalizer: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
-    """Applies ``orthogonalizer`` to every matrix of every block, one call per shape group.
+    """Applies ``orthogonalizer`` to every matrix of every (local) block, one call per shape group.
 
     Args:
       blocks: 3-D arrays ``(batch, rows, cols)``; each batch element is an independent matrix.
@@ -40,17 +143,11 @@ def orthogonalize_blocks(blocks: Sequence[jax.Array],
     Returns:
       The orthogonalized blocks, in the input order and orientation.
     """
+    wide = [_to_wide(b) for b in blocks]
+    keys = [GroupKey("local", (), 0, w.shape[1:], jnp.dtype(w.dtype)) for w, _ in wide]
     out: list[jax.Array | None] = [None] * len(blocks)
-    for members in group_plan(blocks).values():
-        wide = [_to_wide(blocks[i]) for i in members]
-        stacked = wide[0][0] if len(wide) == 1 else jnp.concatenate([w for w, _ in wide], axis=0)
-        result = orthogonalizer(stacked)
-        if result.shape != stacked.shape:
-            raise ValueError(f"the orthogonalizer changed the shape {stacked.shape} into "
-                             f"{result.shape}")
-        offset = 0
-        for i, (w, swapped) in zip(members, wide):
-            piece = jax.lax.slice_in_dim(result, offset, offset + w.shape[0], axis=0)
-            offset += w.shape[0]
-            out[i] = jnp.swapaxes(piece, 1, 2) if swapped else piece
+    for key, members in group_plan(keys).items():
+        res = orthogonalize_group(stack([wide[i][0] for i in members]), key, 1, orthogonalizer)
+        for i, piece in zip(members, unstack(res, [wide[i][0].shape[0] for i in members])):
+            out[i] = jnp.swapaxes(piece, 1, 2) if wide[i][1] else piece
     return out  # type: ignore[return-value]

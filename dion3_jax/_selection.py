@@ -50,9 +50,37 @@ def gather_rows(m: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
     return jax.vmap(lambda x, i: x[:, i])(m, idx)
 
 
-def scatter_rows(m: jax.Array, idx: jax.Array, rows: jax.Array, row_axis: int) -> jax.Array:
-    """``m`` with rows ``idx`` replaced by ``rows`` (same layout as :func:`gather_rows`)."""
+def scatter_rows(m: jax.Array, idx: jax.Array, rows: jax.Array, row_axis: int,
+                 mode: str | None = None) -> jax.Array:
+    """``m`` with rows ``idx`` replaced by ``rows`` (same layout as :func:`gather_rows`).
+
+    With ``mode="drop"``, out-of-range indices (distinct ones: padding of a short shard) are
+    skipped.
+    """
     rows = rows.astype(m.dtype)
     if row_axis == 1:
-        return jax.vmap(lambda x, i, r: x.at[i].set(r, unique_indices=True))(m, idx, rows)
-    return jax.vmap(lambda x, i, r: x.at[:, i].set(r, unique_indices=True))(m, idx, rows)
+        return jax.vmap(lambda x, i, r: x.at[i].set(r, unique_indices=True, mode=mode))(
+            m, idx, rows)
+    return jax.vmap(lambda x, i, r: x.at[:, i].set(r, unique_indices=True, mode=mode))(
+        m, idx, rows)
+
+
+def local_positions(starts, counts, width: int, shard_index) -> tuple[jax.Array, jax.Array]:
+    """This device's ``(start, count)`` of a row segment, from static per-device tables."""
+    if all(s == starts[0] for s in starts) and all(c == counts[0] for c in counts):
+        return jnp.int32(starts[0]), jnp.int32(counts[0])
+    table = jnp.asarray([starts, counts], jnp.int32)
+    return table[0, shard_index], table[1, shard_index]
+
+
+def segment_scores(scores: jax.Array, start, count, width: int, shifted: bool) -> jax.Array:
+    """``width`` rows of ``scores`` (``(batch, n_local)``) from ``start``; rows ≥ ``count`` → −inf.
+
+    ``shifted`` (static): False when ``start`` is 0 on every device.
+    """
+    n_local = scores.shape[1]
+    if shifted or width != n_local:
+        scores = jnp.pad(scores, ((0, 0), (0, width)))
+        scores = jax.lax.dynamic_slice_in_dim(scores, start, width, axis=1)
+    valid = jnp.arange(width) < count
+    return jnp.where(valid[None, :], scores, -jnp.inf)

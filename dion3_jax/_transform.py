@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dion3_jax import _layout, _megabatch, _selection
+from dion3_jax import _distributed, _layout, _megabatch, _replica_sync, _selection
 from dion3_jax._polar import make_orthogonalizer
 
 Flavour = Literal["normuon", "muon"]
@@ -125,47 +125,328 @@ def normuon_normalize(o: jax.Array, v_sel: jax.Array, beta2, row_axis: int
     return d, v_new
 
 
-class _Block(NamedTuple):
+class _Unit(NamedTuple):
+    """One matrix batch of the step (static): a local block, or a row segment of a local block.
+
+    ``layout`` has the global matrix numbers (n rows, c columns) and the local batch and row
+    axis; ``pick`` rows per matrix are sent by this device (``k`` is the selection rule's count).
+    """
+
+    leaf: int
+    block: int
     layout: _layout.BlockLayout
-    m: jax.Array            # M + G, before decay
-    m_new: jax.Array        # after error-feedback decay
-    idx: jax.Array | None   # (batch, k) selected rows; None when every row is selected
-    s: jax.Array            # selected rows (pre-decay)
-    v: jax.Array | None     # second-moment block (batch, 1, n) / (batch, n, 1)
+    mode: str                      # "local" | "rows" | "cols"
+    comm: tuple[str, ...]
+    split: bool
+    seg: _distributed.Segment | None
+    k: int
+    pick: int
+    full: bool
+    uid: int
 
 
-def _select(layout: _layout.BlockLayout, m: jax.Array, fraction: float, mu,
-            v: jax.Array | None) -> _Block:
-    k = _selection.num_selected(fraction, layout.n)
-    mu = jnp.asarray(mu, jnp.float32)
-    if k == layout.n:  # every row: no selection, no gather / scatter
-        return _Block(layout, m, (mu * m).astype(m.dtype), None, m, v)
-    scores = _selection.row_l1_norms(m, layout.row_axis)
-    idx = _selection.top_rows(scores, k)
-    s = _selection.gather_rows(m, idx, layout.row_axis)
-    m_new = _selection.scatter_rows(m, idx, (mu * s).astype(m.dtype), layout.row_axis)
-    return _Block(layout, m, m_new, idx, s, v)
+def _make_units(plans, fraction: float, scope: str, ctx: _distributed.Context) -> list[_Unit]:
+    units = []
+    for li, plan in enumerate(plans):
+        if plan.mode != "rows":
+            for bi, (gb, lb) in enumerate(zip(plan.layout.blocks, plan.local.blocks)):
+                lay = _layout.BlockLayout(lb.batch, gb.n, gb.c, lb.row_axis)
+                k = _selection.num_selected(fraction, gb.n)
+                units.append(_Unit(li, bi, lay, plan.mode, plan.comm, plan.split, None, k, k,
+                                   k == gb.n, len(units)))
+            continue
+        lb = plan.local.blocks[0]
+        for seg in plan.segments:
+            lay = _layout.BlockLayout(lb.batch, seg.layout.n, seg.layout.c, lb.row_axis)
+            k = _selection.num_selected(fraction, seg.layout.n)
+            if scope == "local":
+                pick = min(seg.width, max(1, math.ceil(fraction * seg.width)))
+            else:
+                pick = min(k, seg.width)
+            every = pick == seg.width if scope == "local" else k == seg.layout.n
+            units.append(_Unit(li, 0, lay, "rows", plan.comm, False, seg, k, pick,
+                               seg.whole and every, len(units)))
+    return units
 
 
-def _finish(block: _Block, o: jax.Array, flavour: str, beta2, scale: float
-            ) -> tuple[jax.Array, jax.Array | None]:
-    """Normalises ``o`` and scatters it into a zero update; returns (update, new variance)."""
-    ra = block.layout.row_axis
-    v_new = block.v
-    if flavour == "normuon":
-        v_sel = block.v if block.idx is None else _selection.gather_rows(block.v, block.idx, ra)
-        d, v_sel_new = normuon_normalize(o, v_sel, beta2, ra)
-        if block.idx is None:
-            v_new = v_sel_new.astype(block.v.dtype)
+def _batched_psum(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
+    """psum of each array over its axes, with ONE collective per distinct axes tuple."""
+    out: list[jax.Array | None] = [None] * len(items)
+    by_axes: dict[tuple, list[int]] = {}
+    for i, (x, axes) in enumerate(items):
+        if not axes:
+            out[i] = x
         else:
-            v_new = _selection.scatter_rows(block.v, block.idx, v_sel_new, ra)
+            by_axes.setdefault(axes, []).append(i)
+    for axes, idx in by_axes.items():
+        flat = jnp.concatenate([items[i][0].reshape(-1) for i in idx])
+        flat = jax.lax.psum(flat, axes)
+        off = 0
+        for i in idx:
+            x = items[i][0]
+            out[i] = flat[off:off + x.size].reshape(x.shape)
+            off += x.size
+    return out  # type: ignore[return-value]
+
+
+def _batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
+    """all_gather (new leading device axis) of each array, ONE collective per axes tuple."""
+    out: list[jax.Array | None] = [None] * len(items)
+    by_axes: dict[tuple, list[int]] = {}
+    for i, (_, axes) in enumerate(items):
+        by_axes.setdefault(axes, []).append(i)
+    for axes, idx in by_axes.items():
+        flat = jnp.concatenate([items[i][0].reshape(-1) for i in idx])
+        g = jax.lax.all_gather(flat, axes, axis=0)            # (W, total)
+        off = 0
+        for i in idx:
+            x = items[i][0]
+            out[i] = g[:, off:off + x.size].reshape((g.shape[0], *x.shape))
+            off += x.size
+    return out  # type: ignore[return-value]
+
+
+def _orient(x: jax.Array, swap: bool) -> jax.Array:
+    return jnp.swapaxes(x, 1, 2) if swap else x
+
+
+class _StepConfig(NamedTuple):
+    fraction: float
+    mu: Any
+    beta2: Any
+    flavour: str
+    adjust_lr: Any
+    scope: str
+    replica_selection: str
+    seed: int
+    orthogonalizer: Callable
+
+
+def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms, vars_,
+          count):
+    """The per-device Dion3 step (inside shard_map, or directly on one device)."""
+    normuon = cfg.flavour == "normuon"
+    mu = jnp.asarray(cfg.mu, jnp.float32)
+    replica = ctx.replica_axis
+    random_sel = replica is not None and cfg.replica_selection == "random"
+    norms_sync = ctx.compressed and cfg.replica_selection == "norms"
+
+    mblk = [p.local.to_blocks(m + g.astype(m.dtype)) for p, g, m in zip(plans, grads, moms)]
+    vblk = [p.local.to_blocks(v) if normuon else None for p, v in zip(plans, vars_)]
+
+    def shard_index(u):
+        return jax.lax.axis_index(u.comm) if u.comm else 0
+
+    # 1. Scores (row ℓ1 norms, summed over column shards / replicas; or shared random numbers).
+    raw: dict[tuple[int, int], jax.Array] = {}
+    if not random_sel:
+        items, keys = [], []
+        for u in units:
+            key = (u.leaf, u.block)
+            if u.full or key in keys:
+                continue
+            s = _selection.row_l1_norms(mblk[u.leaf][u.block], u.layout.row_axis)
+            axes = (u.comm if u.mode == "cols" else ()) + ((replica,) if norms_sync else ())
+            items.append((s, axes))
+            keys.append(key)
+        raw = dict(zip(keys, _batched_psum(items)))
+
+    scores: dict[int, jax.Array] = {}
+    pos: dict[int, tuple] = {}
+    for u in units:
+        if u.full:
+            continue
+        if u.mode != "rows":
+            if random_sel:
+                fold = shard_index(u) if (u.mode == "local" and not u.split and u.comm) else None
+                scores[u.uid] = _replica_sync.random_scores(
+                    cfg.seed, count, u.uid, (u.layout.batch, u.layout.n), fold)
+            else:
+                scores[u.uid] = raw[(u.leaf, u.block)]
+            continue
+        seg = u.seg
+        d = shard_index(u)
+        start, cnt = _selection.local_positions(seg.start, seg.count, seg.width, d)
+        pos[u.uid] = (start, cnt)
+        shifted = any(s != 0 for s in seg.start)
+        if random_sel:
+            w = ctx.size(u.comm)
+            if cfg.scope == "local":
+                r = _replica_sync.random_scores(cfg.seed, count, u.uid,
+                                                (u.layout.batch, seg.width), d)
+            else:
+                r = _replica_sync.random_scores(cfg.seed, count, u.uid,
+                                                (u.layout.batch, w * seg.width))
+                r = jax.lax.dynamic_slice_in_dim(r, d * seg.width, seg.width, axis=1)
+            valid = jnp.arange(seg.width) < cnt
+            scores[u.uid] = jnp.where(valid[None], r, -jnp.inf)
+        else:
+            scores[u.uid] = _selection.segment_scores(raw[(u.leaf, u.block)], start, cnt,
+                                                      seg.width, shifted)
+
+    # Global scope on row shards: every device sees every row's score (n floats per matrix).
+    gathered: dict[int, jax.Array] = {}
+    if cfg.scope == "global":
+        items = [(scores[u.uid], u.comm) for u in units
+                 if u.mode == "rows" and not u.full]
+        uids = [u.uid for u in units if u.mode == "rows" and not u.full]
+        for uid, g in zip(uids, _batched_all_gather(items)):
+            gathered[uid] = g                                 # (W, batch, width)
+
+    # 2. Picks: local row indices (out-of-range = padding) and the payload S = M[I].
+    idx: dict[int, jax.Array] = {}
+    payload: dict[int, jax.Array] = {}
+    for u in units:
+        m = mblk[u.leaf][u.block]
+        ra = u.layout.row_axis
+        if u.full:
+            payload[u.uid] = m
+            continue
+        if u.mode != "rows":
+            i = _selection.top_rows(scores[u.uid], u.k)
+            idx[u.uid] = i
+            payload[u.uid] = _selection.gather_rows(m, i, ra)
+            continue
+        seg, width = u.seg, u.seg.width
+        start, cnt = pos[u.uid]
+        if cfg.scope == "global":
+            g = gathered[u.uid]                               # (W, B, width)
+            w = g.shape[0]
+            allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, w * width))
+            gi = _selection.top_rows(allsc, u.k)
+            sel = jax.vmap(lambda i: jnp.zeros((w * width,), bool).at[i].set(True))(gi)
+            mine = jax.lax.dynamic_slice_in_dim(sel, shard_index(u) * width, width, axis=1)
+            order = jnp.where(mine, -jnp.arange(width), -width - jnp.arange(width))
+            li = _selection.top_rows(order.astype(jnp.float32), u.pick)
+            valid = jnp.take_along_axis(mine, li, axis=1)
+        else:
+            li = _selection.top_rows(scores[u.uid], u.pick)
+            valid = jnp.take_along_axis(scores[u.uid], li, axis=1) > -jnp.inf
+        n_local = m.shape[ra]
+        rows = start + li
+        rows = jnp.where(valid, rows, n_local + jnp.arange(u.pick))   # distinct, dropped
+        idx[u.uid] = rows
+        s = _selection.gather_rows(m, jnp.minimum(rows, n_local - 1), ra)
+        payload[u.uid] = s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype)
+
+    # 3. Megabatch: group payloads, average them over the replicas (compressed sync), one
+    #    collective per group each way around the batched orthogonalizer call.
+    gkeys, swaps = [], []
+    for u in units:
+        s = payload[u.uid]
+        rows_asm = u.pick * (ctx.size(u.comm) if u.mode == "rows" else 1)
+        want = 1 if rows_asm <= u.layout.c else 2
+        swap = u.layout.row_axis != want
+        shape = _orient(s, swap).shape[1:]
+        if u.mode == "local":
+            kind = "split" if u.split else "local"
+            gk = _megabatch.GroupKey(kind, u.comm if u.split else (), 0, shape,
+                                     jnp.dtype(s.dtype))
+        else:
+            concat = want if u.mode == "rows" else 3 - want
+            gk = _megabatch.GroupKey("a2a", u.comm, concat, shape, jnp.dtype(s.dtype))
+        gkeys.append(gk)
+        swaps.append(swap)
+    synced: dict[int, jax.Array] = {}
+    ortho: dict[int, jax.Array] = {}
+    for gk, members in _megabatch.group_plan(gkeys).items():
+        x = _megabatch.stack([_orient(payload[units[i].uid], swaps[i]) for i in members])
+        if ctx.compressed:
+            x = jax.lax.pmean(x, replica)
+        o = _megabatch.orthogonalize_group(x, gk, ctx.size(gk.axes), cfg.orthogonalizer)
+        sizes = [units[i].layout.batch for i in members]
+        for i, xs, os_ in zip(members, _megabatch.unstack(x, sizes),
+                              _megabatch.unstack(o, sizes)):
+            synced[units[i].uid] = _orient(xs, swaps[i])
+            ortho[units[i].uid] = _orient(os_, swaps[i])
+
+    # 4. Error feedback: only the selected rows decay (M[I] ← μ·S, S averaged over replicas).
+    for u in units:
+        m = mblk[u.leaf][u.block]
+        dec = (mu * synced[u.uid]).astype(m.dtype)
+        if u.full:
+            mblk[u.leaf][u.block] = dec
+        else:
+            mblk[u.leaf][u.block] = _selection.scatter_rows(m, idx[u.uid], dec, u.layout.row_axis,
+                                                            mode="drop")
+
+    # 5. NorMuon normalisation (per whole matrix; partial sums all-reduced over the shards).
+    dirs: dict[int, jax.Array] = {}
+    if normuon:
+        items, stats = [], {}
+        for u in units:
+            ra = u.layout.row_axis
+            o = ortho[u.uid].astype(jnp.float32)
+            row_sq = jnp.sum(jnp.square(o), axis=3 - ra)                 # (B, pick)
+            v = vblk[u.leaf][u.block]
+            v_sel = v if u.full else _selection.gather_rows(
+                v, jnp.minimum(idx[u.uid], v.shape[ra] - 1), ra)
+            stats[u.uid] = (o, jnp.squeeze(v_sel.astype(jnp.float32), 3 - ra))
+            items.append((row_sq, u.comm if u.mode == "cols" else ()))
+        row_sqs = _batched_psum(items)
+        items2 = []
+        for u, row_sq in zip(units, row_sqs):
+            o, v_sel = stats[u.uid]
+            beta2 = jnp.asarray(cfg.beta2, jnp.float32)
+            v_new = beta2 * v_sel + (1.0 - beta2) * (row_sq / u.layout.c)
+            a = jnp.sqrt(v_new) + NORMUON_EPS
+            fro = jnp.stack([jnp.sum(row_sq, axis=1), jnp.sum(row_sq / jnp.square(a), axis=1)])
+            stats[u.uid] = (o, v_new, a)
+            items2.append((fro, u.comm if u.mode == "rows" else ()))
+        fros = _batched_psum(items2)
+        for u, fro in zip(units, fros):
+            o, v_new, a = stats[u.uid]
+            ra = u.layout.row_axis
+            factor = jnp.sqrt(fro[0]) / jnp.maximum(jnp.sqrt(fro[1]), NORMUON_EPS)
+            dirs[u.uid] = o * (jnp.expand_dims(1.0 / a, 3 - ra) * factor[:, None, None])
+            v = vblk[u.leaf][u.block]
+            v_new = jnp.expand_dims(v_new, 3 - ra)
+            if u.full:
+                vblk[u.leaf][u.block] = v_new.astype(v.dtype)
+            else:
+                vblk[u.leaf][u.block] = _selection.scatter_rows(v, idx[u.uid], v_new, ra,
+                                                                mode="drop")
     else:
-        d = o.astype(jnp.float32)
-    d = scale * d
-    if block.idx is None:
-        return d, v_new
-    zeros = jnp.zeros(block.layout.shape, jnp.float32)
-    return _selection.scatter_rows(zeros, block.idx, d, ra), v_new
+        for u in units:
+            dirs[u.uid] = ortho[u.uid].astype(jnp.float32)
+
+    # 6. Scatter the scaled directions into zero updates; back to leaves.
+    ublk = [[None] * len(p.local.blocks) for p in plans]
+    for u in units:
+        d = lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
+        if u.full:
+            ublk[u.leaf][u.block] = d
+            continue
+        cur = ublk[u.leaf][u.block]
+        if cur is None:
+            cur = jnp.zeros(mblk[u.leaf][u.block].shape, jnp.float32)
+        ublk[u.leaf][u.block] = _selection.scatter_rows(cur, idx[u.uid], d, u.layout.row_axis,
+                                                        mode="drop")
+    new_u, new_m, new_v = [], [], []
+    for p, g, m, v, ub, mb, vb in zip(plans, grads, moms, vars_, ublk, mblk, vblk):
+        new_u.append(p.local.from_blocks(ub, g.shape).astype(g.dtype))
+        new_m.append(p.local.from_blocks(mb, m.shape).astype(m.dtype))
+        if normuon:
+            new_v.append(p.local.from_blocks(vb, v.shape).astype(v.dtype))
+    return new_u, new_m, new_v
+
+
+def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
+    """Zeros placed like ``ref``'s mesh with ``spec`` (state leaves keep the params' layout)."""
+    if not ctx.distributed:
+        if isinstance(ref, jax.Array) and not isinstance(ref, jax.core.Tracer):
+            return jnp.zeros(shape, dtype, device=ref.sharding) if len(
+                ref.sharding.device_set) == 1 else jnp.zeros(shape, dtype)
+        return jnp.zeros(shape, dtype)
+    sharding = getattr(ref, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(ref, jax.core.Tracer):
+        return jnp.zeros(shape, dtype, device=jax.sharding.NamedSharding(sharding.mesh, spec))
+    if isinstance(ctx.mesh, jax.sharding.Mesh):
+        return jnp.zeros(shape, dtype, device=jax.sharding.NamedSharding(ctx.mesh, spec))
+    z = jnp.zeros(shape, dtype)
+    if ctx.auto():
+        return jax.lax.with_sharding_constraint(z, spec)
+    return jax.sharding.reshard(z, spec)
 
 
 def scale_by_dion3(
@@ -185,6 +466,13 @@ def scale_by_dion3(
     restarts: Sequence[int] = (2,),
     compute_dtype: jax.typing.DTypeLike | None = None,
     backend: Literal["auto", "xla", "mosaic", "triton"] = "auto",
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    shard_axis: str | Sequence[str] | None = None,
+    replica_axis: str | None = None,
+    selection_scope: Literal["local", "global"] = "local",
+    replica_selection: Literal["random", "norms"] = "random",
+    seed: int = 0,
+    param_specs: Any = None,
 ) -> optax.GradientTransformation:
     r"""Dion3's orthogonal update direction for matrix parameters (before learning rate and decay).
 
@@ -250,63 +538,68 @@ def scale_by_dion3(
             raise ValueError(f"num_heads and split_sizes cannot be combined, got {num_heads=} "
                              f"and {split_sizes=}")
 
-    def layouts(tree) -> tuple[list, list, Any]:
+    _distributed.check_options(mesh, shard_axis, replica_axis, selection_scope,
+                               replica_selection, param_specs)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"seed must be an int, got {seed=!r}")
+    cfg = _StepConfig(fraction, mu, beta2, flavour, adjust_lr, selection_scope,
+                      replica_selection, seed, orthogonalizer)
+
+    def plan(tree):
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [leaf for _, leaf in flat]
+        ctx = _distributed.resolve_context(mesh, shard_axis, replica_axis, leaves)
         dn = _layout.per_leaf(dimension_numbers, tree)
         nh = _layout.per_leaf(num_heads, tree)
         ss = _layout.per_leaf(split_sizes, tree)
-        out = []
-        for path, leaf in flat:
-            out.append(_layout.make_layout(
-                tuple(leaf.shape), dn(path), nh(path), ss(path), name=_layout.path_str(path)))
-        return [leaf for _, leaf in flat], out, treedef
+        if ctx.distributed:
+            specs = _distributed.leaf_specs(ctx, leaves, param_specs, tree)
+        else:
+            specs = [((),) * len(leaf.shape) for leaf in leaves]
+        plans = [_distributed.make_plan(ctx, spec, tuple(leaf.shape), dn(path), nh(path),
+                                        ss(path), _layout.path_str(path))
+                 for (path, leaf), spec in zip(flat, specs)]
+        return leaves, plans, treedef, ctx
 
     def init_fn(params):
-        leaves, lays, treedef = layouts(params)
-        mom = [jnp.zeros(p.shape, mu_dtype or p.dtype) for p in leaves]
-        var = None
-        if flavour == "normuon":
-            var = treedef.unflatten([jnp.zeros(l.variance_shape, jnp.float32) for l in lays])
+        leaves, plans, treedef, ctx = plan(params)
+        mom, var = [], []
+        for p, pl in zip(leaves, plans):
+            mom.append(_zeros(p.shape, mu_dtype or p.dtype, p, pl.spec, ctx))
+            if flavour == "normuon":
+                var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx))
         return ScaleByDion3State(
-            count=jnp.zeros([], jnp.int32), momentum=treedef.unflatten(mom), variance=var)
+            count=jnp.zeros([], jnp.int32), momentum=treedef.unflatten(mom),
+            variance=treedef.unflatten(var) if flavour == "normuon" else None)
 
     def update_fn(updates, state, params=None):
         del params
-        grads, lays, treedef = layouts(updates)
-        moms = treedef.flatten_up_to(state.momentum)
+        moms_tree = state.momentum
+        grads, plans, treedef, ctx = plan(updates)
+        moms = treedef.flatten_up_to(moms_tree)
         vars_ = (treedef.flatten_up_to(state.variance) if flavour == "normuon"
                  else [None] * len(grads))
+        units = _make_units(plans, fraction, selection_scope, ctx)
+        if flavour != "normuon":
+            vars_in = []
+        else:
+            vars_in = vars_
 
-        blocks, owners = [], []
-        for i, (g, m, v, lay) in enumerate(zip(grads, moms, vars_, lays)):
-            m_blocks = lay.to_blocks(m + g.astype(m.dtype))
-            v_blocks = lay.to_blocks(v) if v is not None else [None] * len(m_blocks)
-            for bl, mb, vb in zip(lay.blocks, m_blocks, v_blocks):
-                blocks.append(_select(bl, mb, fraction, mu, vb))
-                owners.append(i)
+        def step(g, m, v, count):
+            vv = v if flavour == "normuon" else [None] * len(g)
+            return _step(cfg, ctx, plans, units, g, m, vv, count)
 
-        ortho = _megabatch.orthogonalize_blocks([b.s for b in blocks], orthogonalizer)
-
-        per_leaf_u = [[] for _ in grads]
-        per_leaf_m = [[] for _ in grads]
-        per_leaf_v = [[] for _ in grads]
-        for owner, block, o in zip(owners, blocks, ortho):
-            scale = lr_scale(adjust_lr, block.layout.n, block.layout.c)
-            u, v_new = _finish(block, o, flavour, beta2, scale)
-            per_leaf_u[owner].append(u)
-            per_leaf_m[owner].append(block.m_new)
-            per_leaf_v[owner].append(v_new)
-
-        new_updates, new_moms, new_vars = [], [], []
-        for i, (g, m, v, lay) in enumerate(zip(grads, moms, vars_, lays)):
-            new_updates.append(lay.from_blocks(per_leaf_u[i], g.shape).astype(g.dtype))
-            new_moms.append(lay.from_blocks(per_leaf_m[i], m.shape).astype(m.dtype))
-            if v is not None:
-                new_vars.append(lay.from_blocks(per_leaf_v[i], v.shape).astype(v.dtype))
-        variance = treedef.unflatten(new_vars) if flavour == "normuon" else None
+        if ctx.distributed:
+            specs = [pl.spec for pl in plans]
+            vspecs = [pl.var_spec for pl in plans] if flavour == "normuon" else []
+            fn = _distributed.shard_map(ctx, step, in_specs=(specs, specs, vspecs, jax.P()),
+                                        out_specs=(specs, specs, vspecs))
+            new_u, new_m, new_v = fn(list(grads), list(moms), list(vars_in), state.count)
+        else:
+            new_u, new_m, new_v = step(list(grads), list(moms), list(vars_in), state.count)
         new_state = ScaleByDion3State(
-            count=optax.safe_increment(state.count), momentum=treedef.unflatten(new_moms),
-            variance=variance)
-        return treedef.unflatten(new_updates), new_state
+            count=optax.safe_increment(state.count), momentum=treedef.unflatten(new_m),
+            variance=treedef.unflatten(new_v) if flavour == "normuon" else None)
+        return treedef.unflatten(new_u), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

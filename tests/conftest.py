@@ -3,3 +3,9 @@ import sys
 
 # Make tests/ helpers (dion3_reference) importable and keep the repo root first on the path.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The distributed tests need several devices; 8 simulated CPU devices are harmless for the
+# single-device tests (they use device 0). Must run before any backend use.
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)

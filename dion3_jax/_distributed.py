@@ -1,0 +1,348 @@
+"""Mesh context and per-leaf sharding plans for the distributed Dion3 step.
+
+Everything here is static (computed at trace time from shapes, the mesh and the leaves'
+shardings). The step itself (``_transform``) runs inside one ``jax.shard_map`` over the mesh axes
+that are not already manual; this module decides, per leaf, how its local shard maps onto whole
+matrices:
+
+``"local"``
+  every device holds whole matrices: the leaf is replicated over the shard axes (then the group's
+  batch of matrices is split across the shard axes and all-gathered: ``split=True``), or it is
+  sharded along a batch axis (stacked layers, experts, whole heads: ``split=False``, no
+  communication), or there is no mesh at all (one device).
+``"rows"``
+  sharded along its output axis: each device holds a contiguous range of rows; the selected rows
+  travel (one all-to-all per shape group) and are assembled into whole (k × C) matrices.
+``"cols"``
+  sharded along its reduction axis: each device holds every row and a range of columns; row norms
+  are all-reduced (n floats per matrix), so the selection is exact, and the selected rows' column
+  shards travel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, PartitionSpec as P
+import numpy as np
+
+from dion3_jax import _layout
+
+SELECTION_SCOPES = ("local", "global")
+REPLICA_SELECTIONS = ("random", "norms")
+
+
+def _as_axes(axis, what: str) -> tuple[str, ...] | None:
+    if axis is None:
+        return None
+    if isinstance(axis, str):
+        axes = (axis,)
+    elif isinstance(axis, (tuple, list)):
+        axes = tuple(axis)
+    else:
+        axes = ()
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise ValueError(f"{what} must be a mesh axis name or a tuple of names, got {what}={axis!r}")
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"{what} repeats an axis: {what}={axis!r}")
+    return axes
+
+
+def check_options(mesh, shard_axis, replica_axis, selection_scope, replica_selection,
+                  param_specs) -> None:
+    """Validates the distribution keywords of ``scale_by_dion3`` (at construction)."""
+    if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh,
+                                                  jax.sharding.AbstractMesh)):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {mesh=!r}")
+    shard = _as_axes(shard_axis, "shard_axis")
+    if replica_axis is not None and not isinstance(replica_axis, str):
+        raise ValueError(f"replica_axis must be one mesh axis name or None, got {replica_axis=!r}")
+    if shard and replica_axis in shard:
+        raise ValueError(f"replica_axis={replica_axis!r} cannot also be a shard axis "
+                         f"({shard_axis=!r})")
+    if selection_scope not in SELECTION_SCOPES:
+        raise ValueError(f"selection_scope must be one of {SELECTION_SCOPES}, got "
+                         f"{selection_scope=!r}")
+    if replica_selection not in REPLICA_SELECTIONS:
+        raise ValueError(f"replica_selection must be one of {REPLICA_SELECTIONS}, got "
+                         f"{replica_selection=!r}")
+    if mesh is not None:
+        names = tuple(mesh.axis_names)
+        for a in (shard or ()) + ((replica_axis,) if replica_axis else ()):
+            if a not in names:
+                raise ValueError(f"mesh axis {a!r} (from shard_axis / replica_axis) is not an axis "
+                                 f"of the mesh {names}")
+    if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, P)
+                                        or not _layout.is_single_value(param_specs)):
+        raise ValueError(f"param_specs must be a PartitionSpec, a tree of them or a callable, got "
+                         f"{param_specs=!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """Where the step runs.
+
+    Attributes:
+      mesh: the (abstract) mesh, or None on one device.
+      axis_names: the mesh axes the step's shard_map makes manual (all that are not manual yet).
+      shard_axes: FSDP axes (non-manual): replicated matrices are split across them.
+      replica_axis: the slow data-parallel axis, or None.
+      compressed: True when the replica axis is already manual (``update`` is called inside a
+        shard_map over it, with per-replica gradients): only the selected rows are averaged.
+      sizes: mesh axis sizes.
+    """
+
+    mesh: Any
+    axis_names: tuple[str, ...]
+    shard_axes: tuple[str, ...]
+    replica_axis: str | None
+    compressed: bool
+    sizes: dict
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None and bool(self.axis_names)
+
+    def size(self, axes: Sequence[str]) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+    def auto(self) -> bool:
+        """True when some step axis has Auto type (leaf shardings are not in the types)."""
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
+        return any(types[a] == AxisType.Auto for a in self.axis_names)
+
+
+def _mesh_of_leaves(leaves) -> Any:
+    for x in leaves:
+        try:
+            sh = jax.typeof(x).sharding
+        except Exception:  # noqa: BLE001 - plain numpy inputs
+            continue
+        mesh = getattr(sh, "mesh", None)
+        if mesh is not None and not mesh.empty:
+            return mesh
+    for x in leaves:
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, jax.sharding.NamedSharding):
+            return sh.mesh.abstract_mesh
+    return None
+
+
+def resolve_context(mesh, shard_axis, replica_axis, leaves) -> Context:
+    """The mesh (argument, ambient ``jax.set_mesh`` or the leaves' own) and the axis roles."""
+    if mesh is not None:
+        mesh = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
+    else:
+        ambient = jax.sharding.get_abstract_mesh()
+        mesh = ambient if not ambient.empty else _mesh_of_leaves(leaves)
+        if mesh is not None and mesh.empty:
+            mesh = None
+    if mesh is None:
+        if replica_axis is not None or shard_axis is not None:
+            names = (_as_axes(shard_axis, "shard_axis") or ()) + (
+                (replica_axis,) if replica_axis else ())
+            raise ValueError(f"mesh axes {names} were given but there is no mesh: pass mesh= or "
+                             "call update under jax.set_mesh(mesh)")
+        return Context(None, (), (), None, False, {})
+    names = tuple(mesh.axis_names)
+    sizes = dict(zip(names, mesh.axis_sizes))
+    types = dict(zip(names, mesh.axis_types))
+    manual = tuple(a for a in names if types[a] == AxisType.Manual)
+    shard = _as_axes(shard_axis, "shard_axis")
+    for a in (shard or ()) + ((replica_axis,) if replica_axis else ()):
+        if a not in names:
+            raise ValueError(f"mesh axis {a!r} (from shard_axis / replica_axis) is not an axis of "
+                             f"the mesh {names}")
+    if shard is None:
+        shard = tuple(a for a in names if a != replica_axis and a not in manual)
+    elif any(a in manual for a in shard):
+        raise ValueError(f"shard_axis={shard_axis!r} names an axis that is already manual "
+                         f"({manual}); call update outside the shard_map over it")
+    axis_names = tuple(a for a in names if a not in manual)
+    compressed = replica_axis is not None and replica_axis in manual
+    return Context(mesh, axis_names, shard, replica_axis, compressed, sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Leaf specs
+
+
+def _entries(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    spec = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+    out = []
+    for e in spec[:ndim]:
+        if e is None or e is P.UNCONSTRAINED:
+            out.append(())
+        elif isinstance(e, str):
+            out.append((e,))
+        else:
+            out.append(tuple(e))
+    return tuple(out)
+
+
+def _spec_of(entries) -> P:
+    return P(*[None if not e else (e[0] if len(e) == 1 else e) for e in entries])
+
+
+def leaf_specs(ctx: Context, leaves, param_specs, tree) -> list[tuple[tuple[str, ...], ...]]:
+    """Per leaf, the mesh axes of each of its dimensions (restricted to the step's axes)."""
+    lookup = None
+    if param_specs is not None:
+        if isinstance(param_specs, P):
+            lookup = lambda path: param_specs  # noqa: E731
+        else:
+            lookup = _layout.per_leaf(param_specs, tree)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    out = []
+    auto = ctx.auto()
+    for (path, _), x in zip(flat, leaves):
+        ndim = len(x.shape)
+        spec = None
+        if lookup is not None:
+            spec = lookup(path)
+        if spec is None and not auto:
+            sh = getattr(jax.typeof(x), "sharding", None)
+            spec = getattr(sh, "spec", None)
+            if spec is None and isinstance(getattr(x, "sharding", None),
+                                           jax.sharding.NamedSharding):
+                spec = x.sharding.spec
+        if spec is None and auto:
+            spec = _auto_spec(ctx, x.shape)
+        ent = _entries(spec if spec is not None else P(), ndim)
+        ent = tuple(tuple(a for a in e if a in ctx.axis_names) for e in ent)
+        out.append(ent)
+    return out
+
+
+def _auto_spec(ctx: Context, shape) -> P:
+    """Default spec under Auto axes: shard the first axis divisible by the shard-axis size."""
+    w = ctx.size(ctx.shard_axes)
+    if w <= 1:
+        return P()
+    for i, s in enumerate(shape):
+        if s % w == 0:
+            return P(*([None] * i + [ctx.shard_axes if len(ctx.shard_axes) > 1
+                                     else ctx.shard_axes[0]]))
+    return P()
+
+
+# ---------------------------------------------------------------------------------------------
+# Leaf plans
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A matrix (block of rows) of a row-sharded leaf, as seen by every device.
+
+    Attributes:
+      layout: the global block (n rows, c columns, batch).
+      start: per device, first local row of the segment (static table).
+      count: per device, number of the segment's rows held locally (0: an empty shard).
+      width: max of ``count`` (every device works on ``width`` padded rows).
+    """
+
+    layout: _layout.BlockLayout
+    start: tuple[int, ...]
+    count: tuple[int, ...]
+    width: int
+
+    @property
+    def whole(self) -> bool:
+        """True when the segment is the device's whole local block on every device."""
+        return all(s == 0 for s in self.start) and all(c == self.width for c in self.count)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """How one leaf's local shard is processed.
+
+    Attributes:
+      spec: the leaf's PartitionSpec (in/out spec of the shard_map).
+      var_spec: the spec of its per-row second moments (reduction axes unsharded).
+      mode: ``"local"``, ``"rows"`` or ``"cols"``.
+      comm: mesh axes of the sharded matrix axis (rows/cols) or of the batch split (local).
+      split: local mode: the leaf is replicated over ``comm`` and the group's batch is split.
+      layout: the global leaf layout (numbers of rows/columns for k, lr scale).
+      local: the layout of the local shard (its blocks are what the device sees).
+      segments: rows mode: the matrices of the local block (whole leaf, heads or split sizes).
+    """
+
+    spec: P
+    var_spec: P
+    mode: str
+    comm: tuple[str, ...]
+    split: bool
+    layout: _layout.LeafLayout
+    local: _layout.LeafLayout
+    segments: tuple[Segment, ...] = ()
+
+
+def make_plan(ctx: Context, entries, shape, dn, num_heads, split_sizes, name: str) -> LeafPlan:
+    """Builds the plan of one leaf from its dimension specs."""
+    glob = _layout.make_layout(shape, dn, num_heads, split_sizes, name=name)
+    spec = _spec_of(entries)
+    var_entries = tuple(() if i in glob.reduction_axes else e for i, e in enumerate(entries))
+    var_spec = _spec_of(var_entries)
+    sharded = [i for i, e in enumerate(entries) if e]
+    if ctx.replica_axis is not None and any(ctx.replica_axis in e for e in entries):
+        raise ValueError(f"{name} is sharded over the replica axis {ctx.replica_axis!r} "
+                         f"({spec}); parameters must be replicated across replicas")
+    if not sharded:
+        comm = tuple(a for a in ctx.shard_axes if ctx.sizes.get(a, 1) > 1)
+        return LeafPlan(spec, var_spec, "local", comm, bool(comm), glob, glob)
+    if len(sharded) > 1:
+        raise ValueError(f"{name} ({shape=}) is sharded along more than one axis ({spec}); Dion3 "
+                         "supports one sharded axis per leaf (merge mesh axes into one entry, "
+                         "e.g. P(('a', 'b'), None))")
+    axis = sharded[0]
+    comm = entries[axis]
+    w = ctx.size(comm)
+    local_shape = tuple(s // w if i == axis else s for i, s in enumerate(shape))
+    if axis in glob.reduction_axes:
+        local = _layout.make_layout(local_shape, dn, num_heads, split_sizes, name=name)
+        return LeafPlan(spec, var_spec, "cols", comm, False, glob, local)
+    if axis not in glob.output_axes:  # a batch axis: whole matrices on every device
+        local = _layout.make_layout(local_shape, dn, num_heads, split_sizes, name=name)
+        return LeafPlan(spec, var_spec, "local", comm, False, glob, local)
+    # Output axis: rows.
+    n_total = math.prod(shape[i] for i in glob.output_axes)
+    n_loc = n_total // w
+    leading = axis == glob.output_axes[0]
+    blocks = glob.blocks
+    if glob.num_heads > 1 or len(glob.split_sizes) > 1:
+        if not leading:
+            raise ValueError(f"{name} ({shape=}, {spec}): with num_heads / split_sizes only the "
+                             "leading output axis may be sharded")
+        hd = blocks[0].n
+        if glob.num_heads > 1 and n_loc % hd == 0:  # whole heads on each device: batch-like
+            local = _layout.make_layout(local_shape, dn, glob.num_heads // w, None, name=name)
+            return LeafPlan(spec, var_spec, "local", comm, False, glob, local)
+    local = _layout.make_layout(local_shape, dn, None, None, name=name)
+    # Row ranges of the matrices of this leaf, in the output axis (per batch element).
+    if glob.num_heads > 1:
+        ranges = [(h * blocks[0].n, blocks[0].n) for h in range(glob.num_heads)]
+        per_block = [dataclasses.replace(blocks[0], batch=local.blocks[0].batch)] * len(ranges)
+    else:
+        offs = np.cumsum((0,) + glob.split_sizes[:-1])
+        ranges = [(int(o), s) for o, s in zip(offs, glob.split_sizes)]
+        per_block = [dataclasses.replace(b, batch=local.blocks[0].batch) for b in blocks]
+    segments = []
+    for (off, size), bl in zip(ranges, per_block):
+        starts, counts = [], []
+        for d in range(w):
+            lo, hi = max(off, d * n_loc), min(off + size, (d + 1) * n_loc)
+            c = max(0, hi - lo)
+            counts.append(c)
+            starts.append(lo - d * n_loc if c else 0)
+        segments.append(Segment(bl, tuple(starts), tuple(counts), max(counts)))
+    return LeafPlan(spec, var_spec, "rows", comm, False, glob, local, tuple(segments))
+
+
+def shard_map(ctx: Context, fn: Callable, in_specs, out_specs) -> Callable:
+    """``jax.shard_map`` over the context's (non-manual) axes."""
+    return jax.shard_map(fn, mesh=ctx.mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names=set(ctx.axis_names), check_vma=False)

@@ -1,0 +1,284 @@
+"""Distributed scale_by_dion3 on 8 simulated CPU devices (tests/conftest.py sets them up).
+
+The sharded update must equal the single-device one (global scope at any f; local scope at f = 1),
+keep every state leaf's sharding, use exactly two all-to-alls per shape group whatever the depth,
+and never all-gather a whole matrix of an FSDP-sharded parameter.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import numpy as np
+import pytest
+
+import dion3_jax
+from dion3_jax import DimensionNumbers
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+POLAR = dict(method="standard", compute_dtype=jnp.float32)  # tight tolerances
+TORCH = DimensionNumbers(reduction_axis=1, output_axis=0)
+
+
+def make_mesh(shape, types=AxisType.Explicit):
+    names = ("x",) if len(shape) == 1 else ("a", "b")
+    return jax.make_mesh(shape, names, axis_types=(types,) * len(shape))
+
+
+def fsdp(mesh):
+    """The FSDP spec entry: every mesh axis (one axis of size 8)."""
+    names = mesh.axis_names
+    return names[0] if len(names) == 1 else tuple(names)
+
+
+def model(mesh):
+    """(shape, spec, options) per leaf: every layout the plan knows, with awkward sizes."""
+    s = fsdp(mesh)
+    last = mesh.axis_names[-1]
+    leaves = {
+        "rows": ((16, 40), P(None, s), {}),                       # output axis sharded
+        "cols_18_rows": ((16, 18), P(s, None), {}),                # 18 rows ∤ 8: column shards
+        "rep_a": ((12, 20), P(), {}),                              # replicated: batch split
+        "rep_b": ((12, 20), P(), {}),
+        "stack": ((8, 12, 6), P(s, None, None), {}),               # batch axis sharded
+        "qkv": ((16, 40), P(None, s), {"split_sizes": (24, 8, 8)}),  # uneven + empty shards
+        "heads3": ((16, 24), P(None, s), {"num_heads": 3}),        # head_dim 8 ∤ 3 local rows
+        "heads8": ((16, 24), P(None, s), {"num_heads": 8}),        # whole heads per device
+        "torch_rows": ((40, 16), P(s, None), {"dn": TORCH}),       # (out, in), rows sharded
+        "one_axis": ((16, 20), P(last, None), {}),                 # sharded over one mesh axis
+    }
+    for i in range(3):                                             # 3 matrices ∤ 8 devices
+        leaves[f"layer{i}"] = ((24, 16), P(None, s), {})
+    return leaves
+
+
+def opts(leaves):
+    return dict(
+        dimension_numbers={k: v[2].get("dn") for k, v in leaves.items()},
+        num_heads={k: v[2].get("num_heads") for k, v in leaves.items()},
+        split_sizes={k: v[2].get("split_sizes") for k, v in leaves.items()},
+    )
+
+
+def random_tree(leaves, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v[0]).astype(dtype) for k, v in leaves.items()}
+
+
+def put(tree, leaves, mesh):
+    return {k: jax.device_put(v, NamedSharding(mesh, leaves[k][1])) for k, v in tree.items()}
+
+
+def run_single(tx, params, grads):
+    state = tx.init(params)
+    outs = []
+    for g in grads:
+        u, state = jax.jit(tx.update)(g, state)
+        outs.append(u)
+    return outs, state
+
+
+def assert_close(a, b, tol, what=""):
+    for k in a:
+        x, y = np.asarray(a[k], np.float32), np.asarray(b[k], np.float32)
+        err = np.max(np.abs(x - y)) / max(1.0, np.max(np.abs(y)))
+        assert err < tol, f"{what}{k}: max rel error {err:.3g}"
+
+
+MESHES = [(8,), (2, 4), (4, 2)]
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("scope,fraction", [("global", 0.25), ("local", 1.0)])
+def test_sharded_equals_single_device(mesh_shape, scope, fraction):
+    mesh = make_mesh(mesh_shape)
+    leaves = model(mesh)
+    params = random_tree(leaves, 0)
+    grads = [random_tree(leaves, s + 1) for s in range(2)]
+    kw = dict(selection_scope=scope, **opts(leaves), **POLAR)
+    ref_u, ref_state = run_single(dion3_jax.scale_by_dion3(fraction, **kw), params, grads)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(fraction, **kw)
+        state = tx.init(put(params, leaves, mesh))
+        types = jax.tree.map(jax.typeof, state)
+        update = jax.jit(tx.update)
+        for g, ref in zip(grads, ref_u):
+            u, state = update(put(g, leaves, mesh), state)
+            assert_close(u, ref, 2e-5, "update ")
+            assert jax.tree.map(jax.typeof, state) == types
+            for k, v in u.items():
+                assert v.sharding.is_equivalent_to(NamedSharding(mesh, leaves[k][1]), v.ndim), k
+    assert_close(state.momentum, ref_state.momentum, 2e-5, "momentum ")
+    assert_close(state.variance, ref_state.variance, 2e-5, "variance ")
+
+
+def test_bfloat16_sharded_equals_single_device():
+    mesh = make_mesh((2, 4))
+    leaves = {k: v for k, v in model(mesh).items() if k in ("rows", "qkv", "cols_18_rows",
+                                                           "rep_a", "layer0", "layer1")}
+    params = random_tree(leaves, 0, jnp.bfloat16)
+    grads = [random_tree(leaves, s + 1, jnp.bfloat16) for s in range(2)]
+    # bf16 params and momentum, bf16 Newton-Schulz. (Standard NS: the assembled matrix of a
+    # global-scope segment is zero-padded, and Gram NS falls back to standard NS on squares.)
+    kw = dict(selection_scope="global", method="standard", **opts(leaves))
+    ref_u, _ = run_single(dion3_jax.scale_by_dion3(0.5, **kw), params, grads)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(0.5, **kw)
+        state = tx.init(put(params, leaves, mesh))
+        for g, ref in zip(grads, ref_u):
+            u, state = jax.jit(tx.update)(put(g, leaves, mesh), state)
+            assert u["rows"].dtype == jnp.bfloat16
+            # bf16 outputs; one-ulp differences in the fp32-accumulated bf16 products (different
+            # matrix sizes after zero padding) grow through the Newton-Schulz steps.
+            assert_close(u, ref, 4e-2, "bf16 update ")
+            for k in u:
+                x, y = np.asarray(u[k], np.float32), np.asarray(ref[k], np.float32)
+                assert np.mean(np.abs(x - y)) < 3e-3 * max(1.0, np.max(np.abs(y))), k
+
+
+def test_auto_axes_equal_single_device_and_keep_shardings():
+    mesh = make_mesh((2, 4), AxisType.Auto)
+    leaves = model(mesh)
+    specs = {k: v[1] for k, v in leaves.items()}
+    params = random_tree(leaves, 0)
+    grads = [random_tree(leaves, 3)]
+    kw = dict(selection_scope="global", **opts(leaves), **POLAR)
+    ref_u, _ = run_single(dion3_jax.scale_by_dion3(0.25, **kw), params, grads)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(0.25, param_specs=specs, **kw)
+        state = tx.init(put(params, leaves, mesh))
+        before = jax.tree.map(lambda x: x.sharding, state)
+        update = jax.jit(tx.update)
+        u, state = update(put(grads[0], leaves, mesh), state)
+        assert_close(u, ref_u[0], 2e-5, "auto ")
+        same = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state, before)
+        assert all(jax.tree.leaves(same))
+        hlo = update.lower(put(grads[0], leaves, mesh), state).compile().as_text()
+        assert count_op(hlo, "all-to-all") > 0
+
+
+def test_local_scope_selects_per_shard():
+    """Local scope at f < 1: each shard sends k = ceil(f·ceil(n/W)) rows, orthogonalized jointly."""
+    mesh = make_mesh((8,))
+    leaves = {"w": ((16, 64), P(None, "x"), {})}              # n = 64, 8 rows per device
+    g = random_tree(leaves, 1)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(0.25, flavour="muon", adjust_lr=None, **POLAR)
+        state = tx.init(put(random_tree(leaves, 0), leaves, mesh))
+        u, _ = jax.jit(tx.update)(put(g, leaves, mesh), state)
+    u = np.asarray(u["w"]).T                                   # (out, in)
+    nonzero = np.flatnonzero(np.abs(u).sum(1))
+    assert len(nonzero) == 8 * 2                               # k = ceil(0.25·8) = 2 per shard
+    assert np.bincount(nonzero // 8, minlength=8).tolist() == [2] * 8
+    # Per shard, its two largest-ℓ1 rows; orthogonalized jointly (one 16 × 16 polar).
+    m = g["w"].T
+    for d in range(8):
+        top = np.argsort(-np.abs(m[d * 8:(d + 1) * 8]).sum(1), kind="stable")[:2] + d * 8
+        assert sorted(top) == sorted(nonzero[nonzero // 8 == d])
+    joint = np.asarray(dion3_jax.polar(jnp.asarray(m[nonzero]), **POLAR))
+    np.testing.assert_allclose(u[nonzero], joint, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled HLO: collectives per step.
+
+
+def count_op(hlo: str, op: str) -> int:
+    """Number of ``op`` instructions (sync or async start) in compiled HLO text."""
+    return len(re.findall(rf" {op}(?:-start)?\(", hlo))
+
+
+def op_result_sizes(hlo: str, op: str) -> list[int]:
+    """Number of elements of each ``op`` instruction's result(s)."""
+    sizes = []
+    for line in hlo.splitlines():
+        m = re.search(rf"= (.*) {op}(?:-start)?\(", line)
+        if m:
+            dims = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", m.group(1))
+            sizes.append(sum(int(np.prod([int(d) for d in ds.split(",") if d] or [1]))
+                             for ds in dims))
+    return sizes
+
+
+def fsdp_model(layers: int, mesh):
+    s = fsdp(mesh)
+    leaves = {}
+    for i in range(layers):
+        leaves[f"l{i}/q"] = ((32, 32), P(None, s), {})    # rows sharded
+        leaves[f"l{i}/up"] = ((32, 64), P(None, s), {})   # rows sharded, another shape
+        leaves[f"l{i}/down"] = ((64, 32), P(s, None), {})  # columns sharded
+    return leaves
+
+
+@pytest.mark.parametrize("scope", ["local", "global"])
+def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
+    mesh = make_mesh((2, 4))
+    counts = {}
+    for layers in (2, 8):
+        leaves = fsdp_model(layers, mesh)
+        with jax.set_mesh(mesh):
+            tx = dion3_jax.scale_by_dion3(0.25, selection_scope=scope)
+            params = put(random_tree(leaves, 0), leaves, mesh)
+            state = tx.init(params)
+            hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
+        counts[layers] = count_op(hlo, "all-to-all")
+        # No whole matrix is ever all-gathered (the smallest one has 32·32 entries): only row
+        # scores (n floats per matrix) with global scope.
+        gathers = op_result_sizes(hlo, "all-gather")
+        assert all(s < 32 * 32 for s in gathers), gathers
+        if scope == "local":
+            assert not gathers
+    assert counts[2] == counts[8] == 2 * 3, counts          # 3 shape groups: q, up, down
+
+
+def test_replicated_params_split_the_batch_and_all_gather():
+    mesh = make_mesh((8,))
+    leaves = {f"w{i}": ((16, 24), P(), {}) for i in range(5)}
+    params = random_tree(leaves, 0)
+    ref_u, _ = run_single(dion3_jax.scale_by_dion3(0.5, **POLAR), params, [params])
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(0.5, **POLAR)
+        p = put(params, leaves, mesh)
+        state = tx.init(p)
+        update = jax.jit(tx.update)
+        u, _ = update(p, state)
+        hlo = update.lower(p, state).compile().as_text()
+    assert_close(u, ref_u[0], 2e-5)
+    assert count_op(hlo, "all-gather") == 1                  # one group, one all_gather
+    assert count_op(hlo, "all-to-all") == 0
+
+
+def test_single_device_path_unchanged_without_mesh():
+    leaves = {"w": ((16, 24), P(), {})}
+    params = random_tree(leaves, 0)
+    tx = dion3_jax.scale_by_dion3(0.5)
+    state = tx.init(params)
+    hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
+    assert count_op(hlo, "all-to-all") == count_op(hlo, "all-gather") == 0
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="selection_scope"):
+        dion3_jax.scale_by_dion3(selection_scope="everywhere")
+    with pytest.raises(ValueError, match="replica_selection"):
+        dion3_jax.scale_by_dion3(replica_selection="sometimes")
+    with pytest.raises(ValueError, match="replica_axis"):
+        dion3_jax.scale_by_dion3(shard_axis="dcn", replica_axis="dcn")
+    with pytest.raises(ValueError, match="shard_axis"):
+        dion3_jax.scale_by_dion3(shard_axis=3)
+    mesh = make_mesh((2, 4))
+    with pytest.raises(ValueError, match="not an axis"):
+        dion3_jax.scale_by_dion3(mesh=mesh, replica_axis="pod")
+    with pytest.raises(ValueError, match="seed"):
+        dion3_jax.scale_by_dion3(seed=1.5)
+    with jax.set_mesh(mesh):
+        w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("a", "b")))
+        with pytest.raises(ValueError, match="more than one axis"):
+            dion3_jax.scale_by_dion3().init({"w": w})
+        w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P(None, "a")))
+        with pytest.raises(ValueError, match="replica"):
+            dion3_jax.scale_by_dion3(replica_axis="a").init({"w": w})
