@@ -22,6 +22,7 @@ from dion3_jax._coefficients import get_coefficients
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._restarts import autotune_restarts, restart_growth
 from dion3_jax._polar import gram_newton_schulz, make_orthogonalizer, polar, standard_newton_schulz
+from dion3_jax._replica_sync import synchronize_momentum
 from dion3_jax._selection import num_selected
 from dion3_jax._transform import ScaleByDion3State, lr_scale, scale_by_dion3
 
@@ -46,5 +47,6 @@ __all__ = (
     "restart_growth",
     "scale_by_dion3",
     "standard_newton_schulz",
+    "synchronize_momentum",
     "transfer_learning_rate",
 )

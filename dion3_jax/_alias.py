@@ -105,6 +105,13 @@ def dion3(
     restarts: Sequence[int] = (2,),
     compute_dtype: jax.typing.DTypeLike | None = None,
     backend: Literal["auto", "xla", "mosaic", "triton"] = "auto",
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    shard_axis: str | Sequence[str] | None = None,
+    replica_axis: str | None = None,
+    selection_scope: Literal["local", "global"] = "local",
+    replica_selection: Literal["random", "norms"] = "random",
+    seed: int = 0,
+    param_specs: Any = None,
     param_labels: Any = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -142,6 +149,8 @@ def dion3(
       mu_dtype: momentum dtype (default: the params' dtype).
       orthogonalizer: custom ``(batch, rows, cols) -> polar factors`` callable.
       method, coefficients, restarts, compute_dtype, backend: :func:`dion3_jax.polar` options.
+      mesh, shard_axis, replica_axis, selection_scope, replica_selection, seed, param_specs:
+        distribution options, passed to :func:`scale_by_dion3` (see ``docs/DISTRIBUTED.md``).
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
       scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
@@ -182,7 +191,9 @@ def dion3(
             dimension_numbers=dimension_numbers, num_heads=num_heads, split_sizes=split_sizes,
             mu_dtype=mu_dtype, orthogonalizer=orthogonalizer, method=method,
             coefficients=coefficients, restarts=restarts, compute_dtype=compute_dtype,
-            backend=backend),
+            backend=backend, mesh=mesh, shard_axis=shard_axis, replica_axis=replica_axis,
+            selection_scope=selection_scope, replica_selection=replica_selection, seed=seed,
+            param_specs=param_specs),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -504,13 +504,39 @@ def scale_by_dion3(
         defaults to :func:`dion3_jax.polar` with the arguments below.
       method, coefficients, restarts, compute_dtype, backend: passed to :func:`dion3_jax.polar`
         when ``orthogonalizer`` is None.
+      mesh: the device mesh. Default: the ambient one (``jax.set_mesh``), else the mesh of the
+        leaves' shardings; none → the single-device path. Under ``jit`` with a mesh, the step
+        runs in one ``jax.shard_map`` over every mesh axis that is not already manual, and each
+        leaf keeps its sharding (see ``docs/DISTRIBUTED.md``). A leaf may be sharded along one
+        axis: its output axis ("rows"), its reduction axis ("cols"), a batch axis (whole
+        matrices per device), or replicated (the group's batch is split across ``shard_axis``
+        and all-gathered). Matrices of the same shape go through ONE all-to-all each way.
+      shard_axis: the FSDP mesh axis or axes (a name or a tuple); replicated matrices are split
+        across them. Default: every mesh axis except ``replica_axis`` and manual axes.
+      replica_axis: the slow data-parallel axis (e.g. ``"dcn"``), or None. Parameters must be
+        replicated over it. When ``update`` is called inside a ``jax.shard_map`` that makes it
+        manual, gradients are per replica (not all-reduced) and only the selected rows
+        ``M[I, :]`` are averaged over it (compressed sync); see
+        :func:`dion3_jax.synchronize_momentum`.
+      selection_scope: on row-sharded matrices, ``"local"`` (each shard selects its own
+        ``ceil(f·ceil(n/W))`` rows; only those travel) or ``"global"`` (exact top-k of the whole
+        matrix; the result does not depend on the mesh). Elsewhere both are exact.
+      replica_selection: with ``replica_axis``: ``"random"`` (row set from a PRNG key shared by
+        the replicas; the update equals the fully synchronised one exactly) or ``"norms"``
+        (top-k of the row ℓ1 norms summed over replicas; only the norms are all-reduced).
+      seed: seed of the ``"random"`` replica selection.
+      param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable), needed
+        when mesh axes are Auto (the traced shardings are unknown then); default under Auto:
+        each leaf sharded over ``shard_axis`` along its first divisible axis. Under Explicit
+        axes the shardings are read from the leaves' types.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`ScaleByDion3State`.
 
     Raises:
-      ValueError: for an invalid hyperparameter (at construction) or a leaf that is not a
-        matrix (at init).
+      ValueError: for an invalid hyperparameter or distribution option (at construction), a
+        leaf that is not a matrix, an unsupported sharding or a mesh axis that does not exist
+        (at init / update).
 
     References:
       Amsel et al., `Dion3: Full-Stack Orthogonal Updates <https://arxiv.org/abs/2608.11612>`_,
