@@ -102,6 +102,7 @@ class Context:
     replica_axis: str | None
     compressed: bool
     sizes: dict
+    concrete_mesh: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -134,10 +135,14 @@ def _mesh_of_leaves(leaves) -> Any:
 
 def resolve_context(mesh, shard_axis, replica_axis, leaves) -> Context:
     """The mesh (argument, ambient ``jax.set_mesh`` or the leaves' own) and the axis roles."""
+    ambient = jax.sharding.get_abstract_mesh()
+    concrete = mesh if isinstance(mesh, jax.sharding.Mesh) else None
     if mesh is not None:
-        mesh = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
+        given = mesh.abstract_mesh if isinstance(mesh, jax.sharding.Mesh) else mesh
+        # The ambient mesh knows which axes are manual (inside a shard_map); prefer it.
+        mesh = ambient if (not ambient.empty
+                           and tuple(ambient.axis_names) == tuple(given.axis_names)) else given
     else:
-        ambient = jax.sharding.get_abstract_mesh()
         mesh = ambient if not ambient.empty else _mesh_of_leaves(leaves)
         if mesh is not None and mesh.empty:
             mesh = None
@@ -164,7 +169,7 @@ def resolve_context(mesh, shard_axis, replica_axis, leaves) -> Context:
                          f"({manual}); call update outside the shard_map over it")
     axis_names = tuple(a for a in names if a not in manual)
     compressed = replica_axis is not None and replica_axis in manual
-    return Context(mesh, axis_names, shard, replica_axis, compressed, sizes)
+    return Context(mesh, axis_names, shard, replica_axis, compressed, sizes, concrete)
 
 
 # ---------------------------------------------------------------------------------------------

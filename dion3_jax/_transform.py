@@ -441,8 +441,9 @@ def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
     sharding = getattr(ref, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding) and not isinstance(ref, jax.core.Tracer):
         return jnp.zeros(shape, dtype, device=jax.sharding.NamedSharding(sharding.mesh, spec))
-    if isinstance(ctx.mesh, jax.sharding.Mesh):
-        return jnp.zeros(shape, dtype, device=jax.sharding.NamedSharding(ctx.mesh, spec))
+    if ctx.concrete_mesh is not None and not isinstance(ref, jax.core.Tracer):
+        return jnp.zeros(shape, dtype,
+                         device=jax.sharding.NamedSharding(ctx.concrete_mesh, spec))
     z = jnp.zeros(shape, dtype)
     if ctx.auto():
         return jax.lax.with_sharding_constraint(z, spec)
