@@ -223,10 +223,41 @@ def bench_polar(args, log):
         log(f"{'':<24} {method:<9} {backend:<8} {ms:8.3f} {diff:21.2e}")
 
 
+def diagnose(args, log):
+    """Locates non-symmetric or unwritten output tiles of each kernel's ``sym_matmul``/``syrk``.
+
+    The output is computed right after a NaN-filled buffer of its size was freed; ``reused`` says
+    whether it landed there (then NaN marks every element the kernel did not write).
+    """
+    from pallas_kernels import _api
+
+    tile = 128
+    for impl in [i for i in pallas_kernels.available_implementations() if i != "xla"]:
+        for n, batch, use_c in [(1024, (), True), (4096, (), True), (4096, (), False),
+                                (1024, (4,), True)]:
+            (r, z, c), kw, _ = make_inputs("sym", batch, n, n, jnp.float16, jax.random.key(n))
+            c, kw = (c, kw) if use_c else (None, {})
+            poison = jnp.full(r.shape, jnp.nan, jnp.float16).block_until_ready()
+            address = poison.unsafe_buffer_pointer()
+            poison.delete()
+            out = jax.block_until_ready(_api.sym_matmul(r, z, c, implementation=impl, **kw))
+            reused = out.unsafe_buffer_pointer() == address
+            o = np.asarray(out.astype(jnp.float32)).reshape(-1, n, n)
+            nan = np.isnan(o)
+            asym = (o != np.swapaxes(o, -1, -2)) & ~nan
+            bad = sorted({(int(b), int(i) // tile, int(j) // tile)
+                          for b, i, j in zip(*np.nonzero(asym | nan))})
+            log(f"diagnose {impl} sym_matmul n={n} batch={batch} c={use_c}: reused={reused} "
+                f"nan={int(nan.sum())} asym={int(asym.sum())} bad (b, i, j) tiles={len(bad)} "
+                f"{bad[:12]}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", action="store_true", help="also kernel tuning variants")
     parser.add_argument("--polar", action="store_true", help="also dion3_jax.polar per backend")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="locate non-symmetric / unwritten tiles of the kernels' outputs")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     parser.add_argument("--quick", action="store_true", help="skip the largest syrk shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
@@ -247,6 +278,8 @@ def main(argv=None):
     while time.perf_counter() - t0 < args.warmup_s:
         jax.block_until_ready(w @ w)
     del w
+    if args.diagnose:
+        diagnose(args, log)
     rows = []
     if not args.no_kernels:
         log(HEADER)
