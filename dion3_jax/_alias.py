@@ -110,7 +110,7 @@ def dion3(
     replica_axis: str | None = None,
     selection_scope: Literal["local", "global"] = "local",
     replica_selection: Literal["random", "norms"] = "random",
-    seed: int = 0,
+    seed: int | None = None,
     param_specs: Any = None,
     param_labels: Any = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",

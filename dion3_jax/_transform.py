@@ -472,7 +472,7 @@ def scale_by_dion3(
     replica_axis: str | None = None,
     selection_scope: Literal["local", "global"] = "local",
     replica_selection: Literal["random", "norms"] = "random",
-    seed: int = 0,
+    seed: int | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
     r"""Dion3's orthogonal update direction for matrix parameters (before learning rate and decay).
@@ -525,7 +525,8 @@ def scale_by_dion3(
       replica_selection: with ``replica_axis``: ``"random"`` (row set from a PRNG key shared by
         the replicas; the update equals the fully synchronised one exactly) or ``"norms"``
         (top-k of the row ℓ1 norms summed over replicas; only the norms are all-reduced).
-      seed: seed of the ``"random"`` replica selection.
+      seed: int seed of the ``"random"`` replica selection (default ``None`` = 0). Static: with
+        ``optax.inject_hyperparams`` an explicit seed must be listed in ``static_args``.
       param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable), needed
         when mesh axes are Auto (the traced shardings are unknown then); default under Auto:
         each leaf sharded over ``shard_axis`` along its first divisible axis. Under Explicit
@@ -567,6 +568,11 @@ def scale_by_dion3(
 
     _distributed.check_options(mesh, shard_axis, replica_axis, selection_scope,
                                replica_selection, param_specs)
+    if seed is None:
+        seed = 0
+    if _is_tracer(seed):
+        raise ValueError("seed must be a static int; with optax.inject_hyperparams pass "
+                         "static_args=('seed', ...)")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f"seed must be an int, got {seed=!r}")
     cfg = _StepConfig(fraction, mu, beta2, flavour, adjust_lr, selection_scope,
