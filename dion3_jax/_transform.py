@@ -551,7 +551,17 @@ def scale_by_dion3(
         raise ValueError(f"flavour must be one of {_FLAVOURS}, got {flavour=!r}")
     if adjust_lr not in _ADJUST:
         raise ValueError(f"adjust_lr must be one of {_ADJUST}, got {adjust_lr=!r}")
-    mu_dtype = optax._src.utils.canonicalize_dtype(mu_dtype)
+    try:
+        mu_dtype = optax._src.utils.canonicalize_dtype(mu_dtype)
+    except TypeError as e:
+        raise ValueError(f"mu_dtype must be a dtype or None, got {mu_dtype=!r}") from e
+    if mu_dtype is not None and not jnp.issubdtype(mu_dtype, jnp.floating):
+        raise ValueError(f"mu_dtype must be a floating dtype, got {mu_dtype=!r}")
+    if (dimension_numbers is not None and not callable(dimension_numbers)
+            and _layout.is_single_value(dimension_numbers)
+            and not hasattr(dimension_numbers, "reduction_axis")):
+        raise ValueError("dimension_numbers must be a DimensionNumbers, a tree of them or a "
+                         f"callable, got {dimension_numbers=!r}")
     if orthogonalizer is None:
         orthogonalizer = make_orthogonalizer(
             method=method, coefficients=coefficients, restarts=tuple(restarts),

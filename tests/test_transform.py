@@ -271,6 +271,10 @@ def test_bfloat16_params_stay_bfloat16():
     ({"adam_eps": -1e-8}, "adam_eps"),
     ({"adam_learning_rate": -1e-3}, "adam_learning_rate"),
     ({"compute_dtype": jnp.int32}, "compute_dtype"),
+    ({"mu_dtype": jnp.int32}, "mu_dtype"),
+    ({"mu_dtype": "not-a-dtype"}, "mu_dtype"),
+    ({"dimension_numbers": "flax"}, "dimension_numbers"),
+    ({"dimension_numbers": 3}, "dimension_numbers"),
 ])
 def test_invalid_hyperparameters_raise_at_construction(kwargs, name):
     kwargs = {"learning_rate": 0.01, **kwargs}
