@@ -62,8 +62,8 @@ def test_heldout_split_is_disjoint_and_deterministic(train_lm):
     train1, held1, info1 = train_lm.load_stdlib_bytes(0.3, 5.0)
     train2, held2, info2 = train_lm.load_stdlib_bytes(0.3, 5.0)
     assert info1 == info2 and (train1 == train2).all() and (held1 == held2).all()
-    # Each file goes to exactly one side, decided by its relative path alone.
-    assert train_lm._is_heldout("json/decoder.py", 5.0) == train_lm._is_heldout("json/decoder.py", 5.0)
+    assert info1["train_files"] > 0 and info1["heldout_files"] > 0
+    # Each file goes to one side by a hash of its relative path: about the requested share.
     share = sum(train_lm._is_heldout(f"m{i}.py", 5.0) for i in range(4000)) / 4000
     assert 0.03 < share < 0.07
 
