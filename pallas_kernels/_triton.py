@@ -8,8 +8,9 @@ output tile ``(i, j)``, ``i >= j``, of every matrix in the batch, in the walk or
 - ``syrk``: ``out[i, j] = x[i] · x[j]ᵀ`` (``tl.trans`` of the ``x[j]`` panel; free on the tensor core);
 - ``sym_matmul``: ``out[i, j] = α · a[i, :] · b[:, j] + β · c[i, j]``.
 
-The epilogue stores the tile and, off the diagonal, its transpose; a diagonal tile is made exactly
-symmetric in registers (lower triangle mirrored) and stored once. Operands are padded to tile
+The epilogue stores the tile and its transpose at the mirror position; on a diagonal tile the two
+masked stores write the lower triangle and its mirror, so every element is written exactly once and
+the output is exactly symmetric. Operands are padded to tile
 multiples by the wrapper so the kernel has no masks.
 
 ``triton`` and ``jax_triton`` are imported lazily: this module imports without them, and calling a
@@ -102,13 +103,15 @@ def _kernel():
             c_ptrs = c_ptr + bi.to(tl.int64) * (N * N) + offs_i[:, None] * N + offs_j[None, :]
             acc += BETA * tl.load(c_ptrs).to(tl.float32)
         out = acc.to(out_ptr.dtype.element_ty)
-        if ti == tj:
-            lower = offs_i[:, None] >= offs_j[None, :]
-            out = tl.where(lower, out, tl.trans(out))
-            tl.store(out_base + offs_i[:, None] * N + offs_j[None, :], out)
-        else:
-            tl.store(out_base + offs_i[:, None] * N + offs_j[None, :], out)
-            tl.store(out_base + offs_j[:, None] * N + offs_i[None, :], tl.trans(out))
+        # Branch-free epilogue: an off-diagonal tile is stored whole, and its transpose whole at the
+        # mirror; on a diagonal tile the first store keeps the lower triangle (diagonal included)
+        # and the second fills the strict upper triangle with the mirrored lower values, so each
+        # element is written exactly once.
+        off_diag = ti != tj
+        tl.store(out_base + offs_i[:, None] * N + offs_j[None, :], out,
+                 mask=off_diag | (offs_i[:, None] >= offs_j[None, :]))
+        tl.store(out_base + offs_j[:, None] * N + offs_i[None, :], tl.trans(out),
+                 mask=off_diag | (offs_j[:, None] < offs_i[None, :]))
 
     return symmetric_kernel
 
