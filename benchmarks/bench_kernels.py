@@ -2,8 +2,8 @@
 
 Prints one table: case, shape, dtype, implementation (and config), ms, speed-up over XLA, TFLOP/s
 counting only the useful half of the work (the ``n(n+1)/2`` distinct entries: ``n(n+1)·m`` FLOPs
-for ``syrk`` of ``(n, m)``, ``n(n+1)·k`` for ``sym_matmul`` of ``(n, k)·(k, n)``), the relative error
-against a float64 product, XLA's own error, and whether the output is exactly symmetric.
+for ``syrk`` of ``(n, m)``, ``n(n+1)·k`` for ``sym_matmul`` of ``(n, k)·(k, n)``), the relative
+error against a float64 product, XLA's own error, and whether the output is exactly symmetric.
 
 Times: ``jax.block_until_ready`` around each call, warm-up first, the median of ``--reps`` calls;
 all variants in one run.
@@ -207,7 +207,8 @@ def bench_polar(args, log):
     runs = [("gram", "xla"), ("standard", "xla")] + [
         ("gram", b) for b in pallas_kernels.available_implementations() if b != "xla"]
     ref = None
-    log(f"{'polar ' + 'x'.join(map(str, shape)) + ' fp16':<24} {'method':<9} {'backend':<8} {'ms':>8} {'rel.diff vs gram/xla':>21}")
+    title = "polar " + "x".join(map(str, shape)) + " fp16"
+    log(f"{title:<24} {'method':<9} {'backend':<8} {'ms':>8} {'rel.diff vs gram/xla':>21}")
     for method, backend in runs:
         try:
             fn = jax.jit(lambda v, m=method, b=backend: polar(v, method=m, backend=b))

@@ -2,17 +2,18 @@
 
 One kernel serves both products. Each CTA is persistent (one per SM) and walks the lower-triangular
 output tiles ``(i, j)``, ``i >= j``, of every matrix in the batch (:mod:`pallas_kernels._schedule`).
-A memory warpgroup streams ``(tile, tile_k)`` panels of the operands into shared memory with TMA; two
-compute warpgroups each own half of the tile's rows and accumulate in float32 with ``wgmma``:
+A memory warpgroup streams ``(tile, tile_k)`` panels of the operands into shared memory with TMA;
+two compute warpgroups each own half of the tile's rows and accumulate in float32 with ``wgmma``:
 
 - ``syrk``: ``out[i, j] = x[i] · x[j]ᵀ``; the ``x[j]`` panel is fed to ``wgmma`` through
-  a transposed shared-memory view (the tensor core transposes 16-bit shared-memory operands for free).
+  a transposed shared-memory view (the tensor core transposes 16-bit shared-memory operands for
+  free).
 - ``sym_matmul``: ``out[i, j] = α · a[i, :] · b[:, j] + β · c[i, j]``.
 
 The epilogue rounds the tile once to the output dtype, stores it to ``out[i, j]`` and, off the
 diagonal, stores its transpose (a register layout cast to ``WGMMA_TRANSPOSED`` and a transposed
-shared-memory view) to ``out[j, i]``. Diagonal tiles are written exactly once. Operands are padded to
-tile multiples by the wrapper and the result is sliced back, so any size works.
+shared-memory view) to ``out[j, i]``. Diagonal tiles are written exactly once. Operands are padded
+to tile multiples by the wrapper and the result is sliced back, so any size works.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 __all__ = ("MosaicConfig", "sym_matmul_mosaic", "syrk_mosaic", "sym_matmul_reference",
            "syrk_reference")
 
-_INTERPRET_NUM_SMS = 4  # SMs simulated by GPU interpret mode when no abstract device says otherwise.
+#: SMs simulated by GPU interpret mode when no abstract device says otherwise.
+_INTERPRET_NUM_SMS = 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,7 +91,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
 
     Args:
       a_gmem: ``(batch, n, k)`` left operand.
-      b_gmem: ``(batch, n, k)`` when ``b_transposed`` (the product is ``a · bᵀ``), else ``(batch, k, n)``.
+      b_gmem: ``(batch, n, k)`` when ``b_transposed`` (the product is ``a · bᵀ``), else
+        ``(batch, k, n)``.
       c_gmem: ``(batch, n, n)`` addend in the output dtype, or ``None``.
       out_gmem: ``(batch, n, n)`` output.
       config: tile sizes.

@@ -5,11 +5,11 @@ diagonal. The kernels walk them with one linear index ``t`` and need ``t → (i,
 computed cheaply inside the kernel, from integer division, remainder and one select only (no square
 root, which would need float maths and fix-ups).
 
-The walk folds the triangle into a ``⌈T/2⌉ × (T+1)`` rectangle: row ``q`` of the rectangle holds tile
-row ``T-1-q`` (``T-q`` tiles) followed by tile row ``q`` (``q+1`` tiles), ``T+1`` tiles in all. For odd
-``T`` the middle tile row ``(T-1)/2`` is the last, half-filled rectangle row, and the same formula
-covers it. Each rectangle row pairs a long tile row with a short one, so consecutive linear indices
-share their row operand (good for L2) and the work per rectangle row is constant.
+The walk folds the triangle into a ``⌈T/2⌉ × (T+1)`` rectangle: row ``q`` of the rectangle holds
+tile row ``T-1-q`` (``T-q`` tiles) followed by tile row ``q`` (``q+1`` tiles), ``T+1`` tiles in all.
+For odd ``T`` the middle tile row ``(T-1)/2`` is the last, half-filled rectangle row, and the same
+formula covers it. Each rectangle row pairs a long tile row with a short one, so consecutive linear
+indices share their row operand (good for L2) and the work per rectangle row is constant.
 
 Every function here accepts Python ints, NumPy integer arrays or traced JAX int32 scalars.
 """
@@ -64,8 +64,8 @@ def lower_tile_coords(t: Any, tiles_per_side: int) -> tuple[Any, Any]:
       tiles_per_side: ``T``, the number of tiles along each side of the output (static).
 
     Returns:
-      ``(i, j)``: row and column tile indices with ``0 <= j <= i < T``; each lower tile is produced by
-      exactly one ``t``.
+      ``(i, j)``: row and column tile indices with ``0 <= j <= i < T``; each lower tile is
+      produced by exactly one ``t``.
     """
     width = tiles_per_side + 1
     q, s = _divmod(t, width)
@@ -93,7 +93,7 @@ def batched_lower_tile_coords(t: Any, tiles_per_side: int) -> tuple[Any, Any, An
 
 
 def lower_tile_table(tiles_per_side: int) -> np.ndarray:
-    """All lower tiles in walk order, as an int32 array of shape ``(T(T+1)/2, 2)`` (for tests/Triton)."""
+    """All lower tiles in walk order: an int32 array of shape ``(T(T+1)/2, 2)`` (for tests)."""
     t = np.arange(num_lower_tiles(tiles_per_side), dtype=np.int64)
     i, j = lower_tile_coords(t, tiles_per_side)
     return np.stack([i, j], axis=-1).astype(np.int32)

@@ -5,7 +5,8 @@ output tile ``(i, j)``, ``i >= j``, of every matrix in the batch, in the walk or
 :mod:`pallas_kernels._schedule`; a pipelined loop over the contraction axis (``num_stages``) feeds
 ``tl.dot`` with float32 accumulation:
 
-- ``syrk``: ``out[i, j] = x[i] · x[j]ᵀ`` (``tl.trans`` of the ``x[j]`` panel; free on the tensor core);
+- ``syrk``: ``out[i, j] = x[i] · x[j]ᵀ`` (``tl.trans`` of the ``x[j]`` panel; free on the tensor
+  core);
 - ``sym_matmul``: ``out[i, j] = α · a[i, :] · b[:, j] + β · c[i, j]``.
 
 The epilogue stores the tile and its transpose at the mirror position; on a diagonal tile the two

@@ -21,7 +21,7 @@ def rel_error(out, ref64) -> float:
 
 
 def gram_inputs(key, shape, dtype):
-    """Random ``x`` of ``shape`` in ``dtype`` and its float64 Gram ``x xᵀ`` (on the default device)."""
+    """Random ``x`` of ``shape`` in ``dtype`` and its float64 Gram ``x xᵀ`` (default device)."""
     x = jax.random.normal(key, shape, jnp.float32).astype(dtype)
     with jax.enable_x64(True):
         x64 = x.astype(jnp.float64)
@@ -49,7 +49,7 @@ def xla_error_syrk(x, ref64, out_dtype):
 
 
 class KernelSuite:
-    """Accuracy and symmetry checks shared by every backend (subclasses set the class attributes)."""
+    """Accuracy and symmetry checks shared by every backend (subclasses set the attributes)."""
 
     IMPLEMENTATION = "xla"
     INTERPRET = False
@@ -83,7 +83,8 @@ class KernelSuite:
         out = self.syrk(x, out_dtype=jnp.float32)
         assert out.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(out), np.swapaxes(np.asarray(out), -1, -2))
-        xla_err = rel_error(pallas_kernels.syrk(x, out_dtype=jnp.float32, implementation="xla"), ref)
+        xla = pallas_kernels.syrk(x, out_dtype=jnp.float32, implementation="xla")
+        xla_err = rel_error(xla, ref)
         # float32 accumulation error only (~1e-6): compare with XLA's, plus float32 slack.
         assert rel_error(out, ref) <= self.ERROR_FACTOR * xla_err + 1e-6
 
@@ -104,7 +105,8 @@ class KernelSuite:
                         np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
                     xla = pallas_kernels.sym_matmul(a, b, c, implementation="xla", **kw)
                     err, xla_err = rel_error(out, ref), rel_error(xla, ref)
-                    assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (n, dtype, alpha, err, xla_err)
+                    assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (n, dtype, alpha, err,
+                                                                       xla_err)
 
 
 class TestXla(KernelSuite):
