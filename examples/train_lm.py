@@ -85,7 +85,7 @@ class Config:
     adamw_b2: float = 0.95
     adamw_weight_decay: float = 0.1  # on 2D+ leaves only (not norms).
     # Dion3 (and muon / normuon, which share these settings at fraction 1).
-    dion3_lr: float = 0.08
+    dion3_lr: float = 0.04
     fraction: float = 0.25
     mu: float = 0.8  # reference default 0.95; 0.8 ≈ 0.95**(1/f) wins here, see docs/TRAINING.md.
     beta2: float = 0.95
@@ -490,6 +490,8 @@ def train(cfg: Config) -> dict:
             raise ValueError(
                 f"unknown optimizer {n!r} in {cfg.optimizers=}; choose from {OPTIMIZERS}"
             )
+    if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
+        raise ValueError(f"d_model must be heads × an even head_dim: {cfg.d_model=}, {cfg.heads=}")
     data = prepare_data(cfg)
     model = ByteLM(cfg, nnx.Rngs(cfg.seed))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

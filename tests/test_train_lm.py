@@ -77,3 +77,5 @@ def test_parse_args_round_trip(train_lm):
     assert train_lm.parse_args([]) == train_lm.Config()
     with pytest.raises(ValueError, match="optimizer"):
         train_lm.make_optimizer("sgd", cfg)
+    with pytest.raises(ValueError, match="d_model"):
+        train_lm.train(train_lm.Config(d_model=30, heads=4))
