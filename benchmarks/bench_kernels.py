@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import _mosaic, _triton
+from _timing import median_ms
 
 # (name, op, batch, n, m, dtype): syrk of (batch, n, m); sym_matmul of (batch, n, n)·(batch, n, n).
 CASES = [
@@ -65,16 +65,7 @@ TRITON_VARIANTS = {
 }
 
 
-def timed(fn, *args, reps: int) -> float:
-    """Median wall time in ms of ``fn(*args)``, synchronised, after two warm-up calls."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+timed = median_ms
 
 
 def make_inputs(op, batch, n, m, dtype, key):

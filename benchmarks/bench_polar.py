@@ -12,9 +12,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +21,10 @@ import optax
 
 import dion3_jax
 import pallas_kernels
+from _timing import median_ms
 
 FULL_SHAPES = [(4096, 4096), (4096, 16384), (8192, 28672), (32, 1024, 4096)]
 SMALL_SHAPES = [(128, 128), (128, 512), (4, 64, 256)]
-
-
-def _time(fn, x, reps: int) -> float:
-    jax.block_until_ready(fn(x))  # compile + warm-up
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _useful_flops(shape, steps=5) -> float:
@@ -77,7 +65,7 @@ def main(argv=None) -> None:
             fn = jax.jit(lambda y, m=method, b=backend, c=cdt: dion3_jax.polar(
                 y, method=m, backend=b, compute_dtype=jnp.dtype(c)))
             try:
-                ms = _time(fn, x, args.reps)
+                ms = median_ms(fn, x, reps=args.reps)
                 out = fn(x).astype(jnp.float32)
                 err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             except Exception as e:  # report, keep going with the other variants
@@ -92,7 +80,7 @@ def main(argv=None) -> None:
         ox = x.astype(jnp.bfloat16)
         ofn = jax.jit(lambda y: jax.vmap(lambda z: optax.contrib._muon.orthogonalize_via_newton_schulz(
             z, jnp.asarray((3.4445, -4.7750, 2.0315)), 5))(y.reshape((-1, *y.shape[-2:]))))
-        ms = _time(ofn, ox, args.reps)
+        ms = median_ms(ofn, ox, reps=args.reps)
         rows.append((shape, "optax NS (jordan)", "xla", "bfloat16", ms,
                      _useful_flops(shape) / ms / 1e9, "-"))
     hdr = ("shape", "method", "backend", "compute", "ms", "TFLOP/s*", "rel.err vs f32")

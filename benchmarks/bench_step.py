@@ -36,6 +36,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
 import pallas_kernels
+from _timing import median_ms
 
 FULL = dict(layers=8, d=4096, ff=11008)
 SMALL = dict(layers=2, d=64, ff=176)
@@ -90,14 +91,7 @@ def time_polar(shapes, fraction: float, ortho, reps: int) -> float:
     xs = [jax.random.normal(jax.random.key(i), (c, a, b), jnp.float32)
           for i, ((a, b), c) in enumerate(groups.items())]
     fn = jax.jit(lambda xs: [ortho(x) for x in xs])
-    jax.block_until_ready(fn(xs))
-    jax.block_until_ready(fn(xs))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(xs))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_ms(fn, xs, reps=reps)
 
 
 def main(argv=None) -> list[dict]:

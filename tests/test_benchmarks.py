@@ -1,0 +1,23 @@
+"""The benchmark scripts run end to end on the CPU in their small configurations (smoke only:
+no timing is asserted; timings are reported by the scripts, never by tests)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args", [
+    ["benchmarks/bench_polar.py", "--small", "--reps", "1"],
+    ["benchmarks/bench_step.py", "--small", "--reps", "1"],
+])
+def test_benchmark_script_runs(args):
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ms" in out.stdout
