@@ -79,3 +79,21 @@ def test_parse_args_round_trip(train_lm):
         train_lm.make_optimizer("sgd", cfg)
     with pytest.raises(ValueError, match="d_model"):
         train_lm.train(train_lm.Config(d_model=30, heads=4))
+
+
+def test_normuon_and_muon_take_a_step(train_lm):
+    """The other two choices of --optimizers (dion3 and adamw are covered above)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    cfg = train_lm.Config(d_model=16, layers=1, heads=2, seq_len=8, batch=2, steps=10, warmup=0)
+    batch = jnp.asarray(np.arange(2 * 9).reshape(2, 9), dtype=jnp.int32)
+    for name in ("normuon", "muon"):
+        model = train_lm.ByteLM(cfg, nnx.Rngs(0))
+        kernel_before = np.asarray(model.blocks[0].fc.kernel[...])
+        tx, _ = train_lm.make_optimizer(name, cfg)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        loss = train_lm.train_step(model, optimizer, batch)
+        assert np.isfinite(float(loss)), name
+        assert not np.allclose(kernel_before, model.blocks[0].fc.kernel[...]), name
