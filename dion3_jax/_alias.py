@@ -119,6 +119,7 @@ def dion3(
     adam_b2: jax.typing.ArrayLike = 0.95,
     adam_eps: jax.typing.ArrayLike = 1e-8,
     adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_weight_decay_mask: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Dion3 for matrix parameters, AdamW (or Lion) for everything else.
 
@@ -154,9 +155,13 @@ def dion3(
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
       scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
-      adam_learning_rate: learning rate of the scalar optimizer (default: ``learning_rate``).
+      adam_learning_rate: learning rate of the scalar optimizer. Default ``None`` reuses
+        ``learning_rate`` (as the reference does), which is large for AdamW when the Dion3 rate
+        is 0.01–0.04: set it explicitly (e.g. 1e-3–8e-3) in practice.
       adam_b1, adam_b2, adam_eps: scalar optimizer's moments (Lion uses ``b1``, ``b2``).
-      adam_weight_decay: weight decay of the scalar optimizer.
+      adam_weight_decay: weight decay of the scalar optimizer (all its leaves, norm scales
+        included, unless masked).
+      adam_weight_decay_mask: optional mask (tree or callable) for it, e.g. to exclude norms.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -200,9 +205,10 @@ def dion3(
     scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
     if scalar_optimizer == "adamw":
         scalar_tx = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
-                                weight_decay=adam_weight_decay)
+                                weight_decay=adam_weight_decay, mask=adam_weight_decay_mask)
     else:
-        scalar_tx = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2, weight_decay=adam_weight_decay)
+        scalar_tx = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2, weight_decay=adam_weight_decay,
+                               mask=adam_weight_decay_mask)
     if param_labels is None:
         def param_labels(params):
             return default_param_labels(params, dimension_numbers)

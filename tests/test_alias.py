@@ -143,6 +143,16 @@ def test_weight_decay_and_mask():
     np.testing.assert_allclose(upd["b"], 0.0, atol=0)
 
 
+def test_scalar_weight_decay_mask():
+    params = {"embed": jnp.ones((6, 4)), "norm": {"scale": jnp.ones((4,))}}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    tx = dion3_jax.dion3(0.1, adam_weight_decay=0.5,
+                         adam_weight_decay_mask={"embed": True, "norm": {"scale": False}})
+    upd, _ = tx.update(zeros, tx.init(params), params)
+    np.testing.assert_allclose(upd["embed"], -0.05 * np.ones((6, 4)), rtol=1e-6)
+    np.testing.assert_allclose(upd["norm"]["scale"], 0.0, atol=0)
+
+
 def test_chains_with_other_transforms():
     params, grads = _params(), _grads(_params())
     tx = optax.chain(optax.clip_by_global_norm(1.0), dion3_jax.dion3(0.02, 0.25))
