@@ -21,3 +21,15 @@ def test_benchmark_script_runs(args):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ms" in out.stdout
+
+
+def test_polar_standalone_example():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import polar_standalone
+    finally:
+        sys.path.pop(0)
+    res = polar_standalone.main(["--shape", "2", "32", "96"])
+    for method in ("gram", "standard"):
+        assert 0.7 < res[method]["sv_min"] and res[method]["sv_max"] < 1.25
+        assert res[method]["rel_err"] < 0.2
