@@ -617,16 +617,10 @@ def scale_by_dion3(
 
     def update_fn(updates, state, params=None):
         del params
-        moms_tree = state.momentum
         grads, plans, treedef, ctx = plan(updates)
-        moms = treedef.flatten_up_to(moms_tree)
-        vars_ = (treedef.flatten_up_to(state.variance) if flavour == "normuon"
-                 else [None] * len(grads))
+        moms = treedef.flatten_up_to(state.momentum)
+        vars_in = treedef.flatten_up_to(state.variance) if flavour == "normuon" else []
         units = _make_units(plans, fraction, selection_scope, ctx)
-        if flavour != "normuon":
-            vars_in = []
-        else:
-            vars_in = vars_
 
         def step(g, m, v, count):
             vv = v if flavour == "normuon" else [None] * len(g)
