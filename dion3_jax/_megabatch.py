@@ -123,31 +123,3 @@ def unstack(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
         out.append(x if len(sizes) == 1 else jax.lax.slice_in_dim(x, off, off + s, axis=0))
         off += s
     return out
-
-
-def _to_wide(s: jax.Array) -> tuple[jax.Array, bool]:
-    """Orients a (batch, a, b) block so that a ≤ b; polar(Sᵀ) = polar(S)ᵀ."""
-    if s.shape[1] > s.shape[2]:
-        return jnp.swapaxes(s, 1, 2), True
-    return s, False
-
-
-def orthogonalize_blocks(blocks: Sequence[jax.Array],
-                         orthogonalizer: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
-    """Applies ``orthogonalizer`` to every matrix of every (local) block, one call per shape group.
-
-    Args:
-      blocks: 3-D arrays ``(batch, rows, cols)``; each batch element is an independent matrix.
-      orthogonalizer: maps a ``(batch, rows, cols)`` array with rows ≤ cols to its polar factors.
-
-    Returns:
-      The orthogonalized blocks, in the input order and orientation.
-    """
-    wide = [_to_wide(b) for b in blocks]
-    keys = [GroupKey("local", (), 0, w.shape[1:], jnp.dtype(w.dtype)) for w, _ in wide]
-    out: list[jax.Array | None] = [None] * len(blocks)
-    for key, members in group_plan(keys).items():
-        res = orthogonalize_group(stack([wide[i][0] for i in members]), key, 1, orthogonalizer)
-        for i, piece in zip(members, unstack(res, [wide[i][0].shape[0] for i in members])):
-            out[i] = jnp.swapaxes(piece, 1, 2) if wide[i][1] else piece
-    return out  # type: ignore[return-value]
