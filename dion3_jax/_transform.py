@@ -99,32 +99,6 @@ def check_range(name: str, value, lo: float, hi: float, hi_open: bool = False) -
         raise ValueError(f"{name} must be in [{lo}, {hi}{bracket}, got {name}={value!r}")
 
 
-def normuon_normalize(o: jax.Array, v_sel: jax.Array, beta2, row_axis: int
-                      ) -> tuple[jax.Array, jax.Array]:
-    """NorMuon row normalisation of a block of orthogonalized rows, in float32.
-
-    Args:
-      o: orthogonalized selected rows, ``(batch, k, C)`` or ``(batch, C, k)``.
-      v_sel: their second moments, ``(batch, k, 1)`` or ``(batch, 1, k)``.
-      beta2: EMA coefficient.
-      row_axis: 1 or 2.
-
-    Returns:
-      ``(D, v_new)``: the normalised rows (float32, Frobenius norm of ``o`` per matrix) and the
-      updated second moments (float32).
-    """
-    col_axis = 3 - row_axis
-    o = o.astype(jnp.float32)
-    norm_o = jnp.sqrt(jnp.sum(jnp.square(o), axis=(1, 2), keepdims=True))
-    nu = jnp.mean(jnp.square(o), axis=col_axis, keepdims=True)
-    beta2 = jnp.asarray(beta2, jnp.float32)
-    v_new = beta2 * v_sel.astype(jnp.float32) + (1.0 - beta2) * nu
-    d = o / (jnp.sqrt(v_new) + NORMUON_EPS)
-    norm_d = jnp.sqrt(jnp.sum(jnp.square(d), axis=(1, 2), keepdims=True))
-    d = d * (norm_o / jnp.maximum(norm_d, NORMUON_EPS))
-    return d, v_new
-
-
 class _Unit(NamedTuple):
     """One matrix batch of the step (static): a local block, or a row segment of a local block.
 
