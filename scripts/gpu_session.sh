@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The single-H200 measurements in one device call (see docs/BENCHMARKS.md). Runs from the repo
+# root on the GPU machine, whose python3 has jax 0.11.2 but not this repo installed and no
+# jax-triton: carry the jax-triton 0.3.1 wheel in .whl/ (see docs/KERNELS.md) to include "triton".
+#
+#   bash scripts/gpu_session.sh kernels   # GPU kernel tests + kernel table with variants + polar
+#   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes) + polar table
+#   bash scripts/gpu_session.sh all       # both (needs two 10-minute calls' worth: prefer parts)
+#
+# Each part stays under ~540 s; logs and tables go to $OUT (or runs/gpu_session/).
+set -uo pipefail
+PART="${1:-all}"
+OUT="${OUT:-runs/gpu_session}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import jax, pallas_kernels; print(jax.__version__, jax.devices(), pallas_kernels.available_implementations())" | tee -a "$OUT/gpu.txt"
+date -u | tee -a "$OUT/gpu.txt"
+
+run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
+  local name=$1 secs=$2; shift 2
+  echo "== $name (limit ${secs}s): $*"
+  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.txt"
+  echo "== $name rc=${PIPESTATUS[0]}"
+}
+
+case "$PART" in
+  kernels|all)
+    run kernel_tests 150 python3 -m pytest -q -x tests/test_kernels_gpu.py tests/test_kernels.py
+    run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
+      --json "$OUT/bench_kernels.jsonl"
+    ;;&
+  step|all)
+    run bench_step 400 python3 benchmarks/bench_step.py
+    run bench_polar 120 python3 benchmarks/bench_polar.py --reps 10
+    ;;
+  kernels) ;;
+  *) echo "unknown part $PART (kernels | step | all)"; exit 2 ;;
+esac
