@@ -1,4 +1,4 @@
-"""Optimizer-step timings on the "7B-shapes" model (DESIGN.md §6), one device.
+"""Optimizer-step timings on the "7B-shapes" model (DESIGN.md §6), one device or FSDP.
 
 The model: 8 layers of Llama-7B matrices in Flax (in, out) layout, float32: per layer four
 4096×4096 (q, k, v, o), two 4096→11008 (gate, up) and one 11008→4096 (down); 1.62 B matrix
@@ -10,23 +10,43 @@ Variants: optax.adamw, optax.contrib.muon, and Dion3 (NorMuon flavour) at f ∈ 
 table also gives the time of the batched polar calls alone (same shape groups and selected sizes
 as the step) and the rest of the step (selection, gathers, scatters, NorMuon, elementwise).
 
+``--fsdp``: every matrix is sharded along its output axis (``P(None, "fsdp")``, Flax layout) over
+a 1-D Explicit mesh of all ``jax.devices()``; params, grads and state stay sharded, and Dion3 runs
+its megabatched step (one all-to-all each way per shape group). ``optax.contrib.muon`` does not
+run on matrices sharded under an Explicit mesh; it is then retried under an Auto mesh with the
+same shardings (labelled "auto mesh"; XLA inserts whatever gathers it needs). ``--no-megabatch``
+adds, per Dion3 variant, the same step with one group per parameter (one all-to-all each way per
+parameter; ``dion3_jax._megabatch._one_group_per_leaf``, same results). Polar-only timings are
+single-device and are skipped with ``--fsdp``.
+
+Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
+of all-to-all, all-gather and all-reduce instructions (async ``-start`` forms counted once; other
+collectives: reduce-scatter, collective-permute) and the bytes they move per step per device,
+defined as the sum of the collectives' operand sizes.
+
 Usage::
 
     python benchmarks/bench_step.py                     # the 7B-shapes model (GPU)
     python benchmarks/bench_step.py --small             # a tiny model, CPU smoke run
     python benchmarks/bench_step.py --fractions 1 0.25 --methods gram --backends xla
+    python benchmarks/bench_step.py --fsdp --no-megabatch --fractions 1 0.25 --methods gram
+    python benchmarks/bench_step.py --small --fsdp --no-megabatch --cpu-devices 8  # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import signal
 import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
@@ -35,6 +55,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
+from dion3_jax import _megabatch
 import pallas_kernels
 from _timing import median_ms
 
@@ -61,25 +82,69 @@ def make_tree(shapes, seed: int, scale: float = 1.0):
     return out
 
 
-def time_step(tx, params, grads, reps: int) -> float:
-    state = tx.init(params)
+COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
-    @jax.jit
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
 
-    step = jax.jit(step, donate_argnums=(0, 1))
-    params = jax.tree.map(jnp.copy, params)
-    for _ in range(2):  # compile + warm-up
-        params, state = jax.block_until_ready(step(params, state, grads))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        params, state = jax.block_until_ready(step(params, state, grads))
-        times.append(time.perf_counter() - t0)
-    del params, state
-    return statistics.median(times) * 1e3
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text):
+        if dt in _DTYPE_BYTES:
+            total += _DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def collective_stats(hlo: str) -> dict:
+    """Per collective kind: instruction count and bytes (sum of operand sizes) in compiled HLO.
+
+    Async pairs count once (the ``-start``; ``-done`` is skipped). Operands are read from the
+    instruction's argument list (compiled HLO prints operand shapes); where an operand's shape is
+    not printed, the result's size is used instead.
+    """
+    stats = {op: [0, 0] for op in COLLECTIVES}
+    for line in hlo.splitlines():
+        for op in COLLECTIVES:
+            m = re.search(rf"= (.*?) {op}(?:-start)?\((.*)$", line)
+            if not m:
+                continue
+            depth, args = 1, ""
+            for ch in m.group(2):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    break
+                args += ch
+            nbytes = _shape_bytes(args) or _shape_bytes(m.group(1))
+            stats[op][0] += 1
+            stats[op][1] += nbytes
+            break
+    return stats
+
+
+def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False):
+    """Median ms of jit(update + apply_updates) and the compiled step's collective stats."""
+    ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    grouping = _megabatch._one_group_per_leaf() if per_leaf else contextlib.nullcontext()
+    with ctx, grouping:
+        state = tx.init(params)
+
+        def step(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        params = jax.tree.map(jnp.copy, params)
+        step = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+        stats = collective_stats(step.as_text())
+        for _ in range(2):  # warm-up
+            params, state = jax.block_until_ready(step(params, state, grads))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            params, state = jax.block_until_ready(step(params, state, grads))
+            times.append(time.perf_counter() - t0)
+        del params, state
+    return statistics.median(times) * 1e3, stats
 
 
 def time_polar(shapes, fraction: float, ortho, reps: int) -> float:
@@ -94,6 +159,10 @@ def time_polar(shapes, fraction: float, ortho, reps: int) -> float:
     return median_ms(fn, xs, reps=reps)
 
 
+class _Stopped(Exception):
+    pass
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
@@ -105,48 +174,112 @@ def main(argv=None) -> list[dict]:
                    help="matmul backends (default: every available one)")
     p.add_argument("--no-baselines", action="store_true", help="skip adamw and optax muon")
     p.add_argument("--no-polar", action="store_true", help="skip the polar-only timings")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard every matrix along its output axis over all devices (1-D mesh)")
+    p.add_argument("--no-megabatch", action="store_true",
+                   help="also time each Dion3 variant with one group (all-to-all) per parameter")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
     a = p.parse_args(argv)
+    if a.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", a.cpu_devices)
     cfg = SMALL if a.small else FULL
     reps = a.reps or (3 if a.small else 10)
     backends = a.backends or list(pallas_kernels.available_implementations())
     shapes = model_shapes(**cfg)
     n_params = sum(int(np.prod(s)) for s in shapes.values())
+    mesh = auto_mesh = None
     params = make_tree(shapes, 0)
     grads = make_tree(shapes, 1, 1e-3)
+    if a.fsdp:
+        devs = jax.devices()
+        mesh = jax.make_mesh((len(devs),), ("fsdp",), axis_types=(AxisType.Explicit,),
+                             devices=devs)
+        auto_mesh = jax.make_mesh((len(devs),), ("fsdp",), axis_types=(AxisType.Auto,),
+                                  devices=devs)
+        for name, (_, fan_out) in shapes.items():
+            if fan_out % len(devs):
+                raise SystemExit(f"--fsdp: {name} has {fan_out} output rows, not a multiple of "
+                                 f"{len(devs)} devices")
+
+        def place(tree, m):
+            return {k: jax.device_put(v, NamedSharding(m, P(None, "fsdp")))
+                    for k, v in tree.items()}
+        params, grads = place(params, mesh), place(grads, mesh)
     dev = jax.devices()[0]
+    where = (f"FSDP over {len(jax.devices())} devices (P(None, 'fsdp'), Explicit mesh)"
+             if a.fsdp else "one device")
     print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']} ({n_params / 1e9:.3f} B matrix "
-          f"params, float32); medians of {reps}", flush=True)
+          f"params, float32); {where}; medians of {reps}", flush=True)
     rows = []
 
-    def record(name, ms, polar_ms=None):
-        rows.append({"variant": name, "ms": ms, "polar_ms": polar_ms})
+    def record(name, ms, stats, polar_ms=None):
+        rows.append({"variant": name, "ms": ms, "polar_ms": polar_ms, "stats": stats})
         extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
-        print(f"  {name}: {ms:.2f} ms{extra}", flush=True)
+        coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
+        print(f"  {name}: {ms:.2f} ms{extra}  [{coll or 'no collectives'}]", flush=True)
 
-    if not a.no_baselines:
-        record("optax.adamw", time_step(optax.adamw(1e-3), params, grads, reps))
-        record("optax.contrib.muon", time_step(optax.contrib.muon(1e-3), params, grads, reps))
-    for method in a.methods:
-        for backend in backends:
-            for f in a.fractions:
-                tx = dion3_jax.dion3(0.01, f, method=method, backend=backend)
-                ms = time_step(tx, params, grads, reps)
-                polar_ms = None
-                if not a.no_polar:
-                    ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
-                    polar_ms = time_polar(shapes, f, ortho, reps)
-                record(f"dion3 f={f:g} {method} {backend}", ms, polar_ms)
+    def variants():
+        if not a.no_baselines:
+            record("optax.adamw", *time_step(optax.adamw(1e-3), params, grads, reps, mesh))
+            try:
+                record("optax.contrib.muon",
+                       *time_step(optax.contrib.muon(1e-3), params, grads, reps, mesh))
+            except Exception as e:  # noqa: BLE001 - sharded matrices under an Explicit mesh
+                if mesh is None:
+                    raise
+                print(f"  optax.contrib.muon failed under the Explicit mesh "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); retrying under an "
+                      f"Auto mesh", flush=True)
+                ap = {k: jax.device_put(v, NamedSharding(auto_mesh, P(None, "fsdp")))
+                      for k, v in params.items()}
+                ag = {k: jax.device_put(v, NamedSharding(auto_mesh, P(None, "fsdp")))
+                      for k, v in grads.items()}
+                record("optax.contrib.muon (auto mesh)",
+                       *time_step(optax.contrib.muon(1e-3), ap, ag, reps, auto_mesh))
+        # Megabatched variants first, then (--no-megabatch) the one-group-per-parameter ones.
+        for per_leaf in [False, True] if a.no_megabatch else [False]:
+            for method in a.methods:
+                for backend in backends:
+                    for f in a.fractions:
+                        tx = dion3_jax.dion3(0.01, f, method=method, backend=backend)
+                        ms, stats = time_step(tx, params, grads, reps, mesh, per_leaf)
+                        polar_ms = None
+                        if not (a.no_polar or a.fsdp or per_leaf):
+                            ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
+                            polar_ms = time_polar(shapes, f, ortho, reps)
+                        name = f"dion3 f={f:g} {method} {backend}" + (
+                            " no-megabatch" if per_leaf else "")
+                        record(name, ms, stats, polar_ms)
+
+    # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far
+    # is still printed.
+    def stop(signum, frame):
+        raise _Stopped
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        variants()
+    except _Stopped:
+        print("# stopped by SIGTERM: the table below has the rows done so far", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
     adamw = next((r["ms"] for r in rows if r["variant"] == "optax.adamw"), None)
     print()
-    print("| step | ms (median) | × AdamW | polar ms | rest ms |")
-    print("|---|---:|---:|---:|---:|")
+    print("| step | ms (median) | × AdamW | polar ms | rest ms | all-to-all | all-gather | "
+          "all-reduce | other coll. | MiB moved / device |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rel = f"{r['ms'] / adamw:.1f}" if adamw else "–"
         pol = f"{r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
         rest = f"{r['ms'] - r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
-        print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {pol} | {rest} |")
+        st = r["stats"]
+        other = sum(st[op][0] for op in COLLECTIVES[3:])
+        moved = sum(b for _, b in st.values()) / 2**20
+        print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {pol} | {rest} | "
+              f"{st['all-to-all'][0]} | {st['all-gather'][0]} | {st['all-reduce'][0]} | {other} | "
+              f"{moved:.2f} |")
     return rows
 
 

@@ -20,7 +20,9 @@ real results.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
@@ -37,6 +39,8 @@ class GroupKey(NamedTuple):
       shape: the payload's (rows, cols) on the sending device, in wide orientation of the
         assembled matrix.
       dtype: the payload dtype.
+      leaf: -1 (megabatching: leaves share groups); the leaf index under
+        :func:`_one_group_per_leaf` (benchmark comparison only).
     """
 
     kind: str
@@ -44,6 +48,28 @@ class GroupKey(NamedTuple):
     concat_axis: int
     shape: tuple[int, int]
     dtype: jnp.dtype
+    leaf: int = -1
+
+
+_PER_LEAF = contextvars.ContextVar("dion3_one_group_per_leaf", default=False)
+
+
+@contextlib.contextmanager
+def _one_group_per_leaf() -> Iterator[None]:
+    """Private, for benchmarks: steps *traced* inside this context group payloads per leaf as well
+    (no megabatching across parameters: one collective per parameter instead of per shape group).
+    The results are the same; only the number of collectives and batched calls changes. Read at
+    trace time: a jitted function already traced outside the context is not traced again."""
+    token = _PER_LEAF.set(True)
+    try:
+        yield
+    finally:
+        _PER_LEAF.reset(token)
+
+
+def group_leaf(leaf: int) -> int:
+    """The ``GroupKey.leaf`` of a payload of leaf ``leaf`` (-1 unless per-leaf grouping)."""
+    return leaf if _PER_LEAF.get() else -1
 
 
 def group_plan(keys: Sequence[GroupKey]) -> dict[GroupKey, list[int]]:

@@ -315,10 +315,11 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
         if u.mode == "local":
             kind = "split" if u.split else "local"
             gk = _megabatch.GroupKey(kind, u.comm if u.split else (), 0, shape,
-                                     jnp.dtype(s.dtype))
+                                     jnp.dtype(s.dtype), _megabatch.group_leaf(u.leaf))
         else:
             concat = want if u.mode == "rows" else 3 - want
-            gk = _megabatch.GroupKey("a2a", u.comm, concat, shape, jnp.dtype(s.dtype))
+            gk = _megabatch.GroupKey("a2a", u.comm, concat, shape, jnp.dtype(s.dtype),
+                                     _megabatch.group_leaf(u.leaf))
         gkeys.append(gk)
         swaps.append(swap)
     synced: dict[int, jax.Array] = {}

@@ -15,6 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("args", [
     ["benchmarks/bench_polar.py", "--small", "--reps", "1"],
     ["benchmarks/bench_step.py", "--small", "--reps", "1"],
+    ["benchmarks/bench_step.py", "--small", "--reps", "1", "--fsdp", "--no-megabatch",
+     "--cpu-devices", "8", "--fractions", "1", "0.25", "--methods", "gram", "--backends", "xla"],
 ])
 def test_benchmark_script_runs(args):
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,

@@ -3,10 +3,18 @@
 The sharded update must equal the single-device one (global scope at any f; local scope at f = 1),
 keep every state leaf's sharding, use exactly two all-to-alls per shape group whatever the depth,
 and never all-gather a whole matrix of an FSDP-sharded parameter.
+
+On real accelerators set ``DION3_TEST_PLATFORM=gpu`` (any ``jax.devices`` platform name): the
+meshes are then built from that platform's N ≥ 2 devices: 1-D over all N, 2-D (2, N/2) when
+N ≥ 4 (and (4, 2) when N = 8), skipping the shapes that do not fit N; float32 matmuls run at
+"highest" precision so the tolerances stay those of the CPU run. Unset, the tests use the
+default backend's devices with exactly the CPU meshes (8,), (2, 4), (4, 2) (scripts/gpu_multi.sh).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 
 import jax
@@ -18,15 +26,41 @@ import pytest
 import dion3_jax
 from dion3_jax import DimensionNumbers
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+PLATFORM = os.environ.get("DION3_TEST_PLATFORM") or None
+DEVICES = jax.devices(PLATFORM) if PLATFORM else jax.devices()
+N = len(DEVICES)
+if PLATFORM:
+    pytestmark = pytest.mark.skipif(N < 2, reason=f"needs 2 or more {PLATFORM} devices")
+else:
+    pytestmark = pytest.mark.skipif(N < 8, reason="needs 8 (simulated) devices")
+    N = 8
+MESH_2D = (2, N // 2) if N >= 4 and N % 2 == 0 else None   # (2, 4) on the CPU
 
 POLAR = dict(method="standard", compute_dtype=jnp.float32)  # tight tolerances
 TORCH = DimensionNumbers(reduction_axis=1, output_axis=0)
 
 
+@pytest.fixture(autouse=True)
+def _platform():
+    """On a DION3_TEST_PLATFORM: float32 matmuls at full precision (no TF32), and the
+    single-device references on that platform's first device."""
+    if not PLATFORM:
+        yield
+        return
+    with jax.default_matmul_precision("highest"), jax.default_device(DEVICES[0]):
+        yield
+
+
+def need_2d():
+    if MESH_2D is None:
+        pytest.skip(f"a 2-D mesh needs 4 or more devices (have {N})")
+    return MESH_2D
+
+
 def make_mesh(shape, types=AxisType.Explicit):
     names = ("x",) if len(shape) == 1 else ("a", "b")
-    return jax.make_mesh(shape, names, axis_types=(types,) * len(shape))
+    devices = DEVICES[:int(np.prod(shape))] if PLATFORM else None
+    return jax.make_mesh(shape, names, axis_types=(types,) * len(shape), devices=devices)
 
 
 def fsdp(mesh):
@@ -89,7 +123,19 @@ def assert_close(a, b, tol, what=""):
         assert err < tol, f"{what}{k}: max rel error {err:.3g}"
 
 
-MESHES = [(8,), (2, 4), (4, 2)]
+def meshes():
+    """(8,), (2, 4), (4, 2) on the CPU; on a platform of N devices those that fit N, plus (N,)
+    and (2, N/2)."""
+    if not PLATFORM:
+        return [(8,), (2, 4), (4, 2)]
+    out = [s for s in [(8,), (2, 4), (4, 2)] if np.prod(s) == N]
+    for s in [(N,), MESH_2D]:
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+MESHES = meshes()
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
@@ -117,7 +163,7 @@ def test_sharded_equals_single_device(mesh_shape, scope, fraction):
 
 
 def test_bfloat16_sharded_equals_single_device():
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(need_2d())
     leaves = {k: v for k, v in model(mesh).items() if k in ("rows", "qkv", "cols_18_rows",
                                                            "rep_a", "layer0", "layer1")}
     params = random_tree(leaves, 0, jnp.bfloat16)
@@ -141,7 +187,7 @@ def test_bfloat16_sharded_equals_single_device():
 
 
 def test_auto_axes_equal_single_device_and_keep_shardings():
-    mesh = make_mesh((2, 4), AxisType.Auto)
+    mesh = make_mesh(need_2d(), AxisType.Auto)
     leaves = model(mesh)
     specs = {k: v[1] for k, v in leaves.items()}
     params = random_tree(leaves, 0)
@@ -163,8 +209,8 @@ def test_auto_axes_equal_single_device_and_keep_shardings():
 
 def test_local_scope_selects_per_shard():
     """Local scope at f < 1: each shard sends k = ceil(f·ceil(n/W)) rows, orthogonalized jointly."""
-    mesh = make_mesh((8,))
-    leaves = {"w": ((16, 64), P(None, "x"), {})}              # n = 64, 8 rows per device
+    mesh = make_mesh((N,))
+    leaves = {"w": ((16, 8 * N), P(None, "x"), {})}           # n = 8·W, 8 rows per device
     g = random_tree(leaves, 1)
     with jax.set_mesh(mesh):
         tx = dion3_jax.scale_by_dion3(0.25, flavour="muon", adjust_lr=None, **POLAR)
@@ -172,11 +218,11 @@ def test_local_scope_selects_per_shard():
         u, _ = jax.jit(tx.update)(put(g, leaves, mesh), state)
     u = np.asarray(u["w"]).T                                   # (out, in)
     nonzero = np.flatnonzero(np.abs(u).sum(1))
-    assert len(nonzero) == 8 * 2                               # k = ceil(0.25·8) = 2 per shard
-    assert np.bincount(nonzero // 8, minlength=8).tolist() == [2] * 8
+    assert len(nonzero) == N * 2                               # k = ceil(0.25·8) = 2 per shard
+    assert np.bincount(nonzero // 8, minlength=N).tolist() == [2] * N
     # Per shard, its two largest-ℓ1 rows; orthogonalized jointly (one 16 × 16 polar).
     m = g["w"].T
-    for d in range(8):
+    for d in range(N):
         top = np.argsort(-np.abs(m[d * 8:(d + 1) * 8]).sum(1), kind="stable")[:2] + d * 8
         assert sorted(top) == sorted(nonzero[nonzero // 8 == d])
     joint = np.asarray(dion3_jax.polar(jnp.asarray(m[nonzero]), **POLAR))
@@ -216,7 +262,7 @@ def fsdp_model(layers: int, mesh):
 
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(need_2d())
     counts = {}
     for layers in (2, 8):
         leaves = fsdp_model(layers, mesh)
@@ -235,8 +281,33 @@ def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     assert counts[2] == counts[8] == 2 * 3, counts          # 3 shape groups: q, up, down
 
 
+def test_one_group_per_leaf_switch_same_update_more_all_to_alls():
+    """The benchmarks' --no-megabatch switch: 2 all-to-alls per parameter, same result."""
+    from dion3_jax import _megabatch
+    mesh = make_mesh(need_2d())
+    leaves = fsdp_model(2, mesh)
+    grads = random_tree(leaves, 1)
+    out, counts = {}, {}
+    for per_leaf in (False, True):
+        with jax.set_mesh(mesh):
+            tx = dion3_jax.scale_by_dion3(0.25, **POLAR)
+            params = put(random_tree(leaves, 0), leaves, mesh)
+            state = tx.init(params)
+            g = put(grads, leaves, mesh)
+            with _megabatch._one_group_per_leaf() if per_leaf else contextlib.nullcontext():
+                update = jax.jit(tx.update)
+                counts[per_leaf] = count_op(update.lower(g, state).compile().as_text(),
+                                            "all-to-all")
+                out[per_leaf], _ = update(g, state)
+    assert counts == {False: 2 * 3, True: 2 * len(leaves)}, counts
+    for k in leaves:
+        # Bitwise on the CPU; batched GPU matmuls may round differently per batch size.
+        np.testing.assert_allclose(np.asarray(out[True][k]), np.asarray(out[False][k]),
+                                   rtol=0, atol=1e-6 if PLATFORM else 0, err_msg=k)
+
+
 def test_replicated_params_split_the_batch_and_all_gather():
-    mesh = make_mesh((8,))
+    mesh = make_mesh((N,))
     leaves = {f"w{i}": ((16, 24), P(), {}) for i in range(5)}
     params = random_tree(leaves, 0)
     ref_u, _ = run_single(dion3_jax.scale_by_dion3(0.5, **POLAR), params, [params])
@@ -270,7 +341,7 @@ def test_validation():
         dion3_jax.scale_by_dion3(shard_axis="dcn", replica_axis="dcn")
     with pytest.raises(ValueError, match="shard_axis"):
         dion3_jax.scale_by_dion3(shard_axis=3)
-    mesh = make_mesh((2, 4))
+    mesh = make_mesh(need_2d())
     with pytest.raises(ValueError, match="not an axis"):
         dion3_jax.scale_by_dion3(mesh=mesh, replica_axis="pod")
     with pytest.raises(ValueError, match="seed"):

@@ -4,10 +4,14 @@ Each replica passes its own gradient (update called inside a shard_map over "dcn
 selected rows are averaged across replicas. With replica_selection="random" the update equals the
 fully synchronised one (gradients averaged first), and after synchronize_momentum so does the
 momentum. The bytes all-reduced over "dcn" scale with f.
+
+With ``DION3_TEST_PLATFORM=gpu`` (any ``jax.devices`` platform name) the mesh is (2, N/2) over
+that platform's N ≥ 4 devices, at "highest" float32 matmul precision (scripts/gpu_multi.sh).
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -18,7 +22,15 @@ import pytest
 
 import dion3_jax
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+PLATFORM = os.environ.get("DION3_TEST_PLATFORM") or None
+DEVICES = jax.devices(PLATFORM) if PLATFORM else jax.devices()
+if PLATFORM:
+    pytestmark = pytest.mark.skipif(len(DEVICES) < 4 or len(DEVICES) % 2,
+                                    reason=f"needs an even number ≥ 4 of {PLATFORM} devices")
+    FSDP = len(DEVICES) // 2
+else:
+    pytestmark = pytest.mark.skipif(len(DEVICES) < 8, reason="needs 8 (simulated) devices")
+    FSDP = 4
 
 POLAR = dict(method="standard", compute_dtype=jnp.float32)
 SPECS = {"rows": ((16, 64), P(None, "fsdp")),     # output axis sharded
@@ -26,8 +38,19 @@ SPECS = {"rows": ((16, 64), P(None, "fsdp")),     # output axis sharded
          "rep": ((16, 24), P())}                   # replicated
 
 
+@pytest.fixture(autouse=True)
+def _platform():
+    if not PLATFORM:
+        yield
+        return
+    with jax.default_matmul_precision("highest"), jax.default_device(DEVICES[0]):
+        yield
+
+
 def mesh():
-    return jax.make_mesh((2, 4), ("dcn", "fsdp"))
+    if not PLATFORM:
+        return jax.make_mesh((2, 4), ("dcn", "fsdp"))
+    return jax.make_mesh((2, FSDP), ("dcn", "fsdp"), devices=DEVICES[:2 * FSDP])
 
 
 def trees(seed, replicas=None):
@@ -117,9 +140,10 @@ def test_bytes_over_replica_axis_scale_with_fraction():
                 ).as_text()
         sizes[f] = dcn_all_reduce_elements(hlo)
     # Only the selected rows cross "dcn": (k rows) × (local columns) per matrix —
-    # rows: 16 local rows of 16 columns; cols: 24 rows of 32/4 columns; rep: 24 rows of 16.
-    expect = {f: sum(cols * max(1, int(np.ceil(f * n))) for n, cols in ((16, 16), (24, 8),
-                                                                          (24, 16)))
+    # rows: 64/4 = 16 local rows of 16 columns; cols: 24 rows of 32/4 columns; rep: 24 rows of 16
+    # (FSDP = 4 on the CPU).
+    expect = {f: sum(cols * max(1, int(np.ceil(f * n)))
+                     for n, cols in ((64 // FSDP, 16), (24, 32 // FSDP), (24, 16)))
               for f in sizes}
     assert sizes == expect, (sizes, expect)
     assert sizes[0.125] < sizes[0.5] < sizes[1.0]
