@@ -52,10 +52,23 @@ SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
 ]
 
 MOSAIC_VARIANTS = {  # (shared memory: 32 KiB per k64 stage + 64 KiB of epilogue buffers)
+    # Every entry was checked to lower for sm_90 on CPU (shared memory and layout inference),
+    # for syrk and sym_matmul: see docs/KERNELS.md.
     "k64s4": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=4),
     "k64s5": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=5),
     "k32s8": _mosaic.MosaicConfig(tile_k=32, max_concurrent_steps=8),
     "1wg_k64s5": _mosaic.MosaicConfig(num_compute_wgs=1, max_concurrent_steps=5),
+    # Main-loop variants after hopper_matmul_mgpu (docs/KERNELS.md, "Why the main loop is at half
+    # speed"). infl1: one wgmma group left in flight per step (delay_release=1).
+    "infl1s4": _mosaic.MosaicConfig(wgmma_in_flight=1, max_concurrent_steps=4),
+    "infl1s5": _mosaic.MosaicConfig(wgmma_in_flight=1, max_concurrent_steps=5),
+    # pair: two 128×128 tiles per CTA sharing the column panel (128×128 accumulator per warpgroup,
+    # 3 panels = 48 KiB per stage; 264 items = 2 waves for 4096²). W: wgmma under pl.when(wg);
+    # I: one stacked row-panel ring indexed by [wg, k % stages]. e128: 64×128 epilogue sub-tiles.
+    "pairW": _mosaic.MosaicConfig(pair_tiles=True),
+    "pairI": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index"),
+    "pairI_infl1": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index", wgmma_in_flight=1),
+    "pairW_e128s3": _mosaic.MosaicConfig(pair_tiles=True, epi_cols=128, max_concurrent_steps=3),
 }
 TRITON_VARIANTS = {
     "w8s4": _triton.TritonConfig(num_warps=8, num_stages=4),
@@ -166,7 +179,7 @@ def bench_kernels(args, log):
     return rows
 
 
-HEADER = (f"{'case':<11} {'shape':<18} {'dtype':<8} {'impl':<17} {'ms':>8} {'xXLA':>6} "
+HEADER = (f"{'case':<11} {'shape':<18} {'dtype':<8} {'impl':<19} {'ms':>8} {'xXLA':>6} "
           f"{'TFLOP/s':>8} {'rel.err':>9} {'err/XLA':>7} {'sym':>4}")
 
 
@@ -177,7 +190,7 @@ def format_row(r):
     sym = "yes" if r["symmetric"] else "NO"
     if not r["finite"]:
         sym += " NaN!"
-    return (f"{r['case']:<11} {shape:<18} {r['dtype']:<8} {r['impl']:<17} {r['ms']:8.3f} "
+    return (f"{r['case']:<11} {shape:<18} {r['dtype']:<8} {r['impl']:<19} {r['ms']:8.3f} "
             f"{sp:>6} {r['tflops']:8.1f} {r['rel_err']:9.2e} {ex:>7} {sym:>4}")
 
 

@@ -14,6 +14,10 @@ The epilogue rounds the tile once to the output dtype, stores it to ``out[i, j]`
 diagonal, stores its transpose (a register layout cast to ``WGMMA_TRANSPOSED`` and a transposed
 shared-memory view) to ``out[j, i]``. Diagonal tiles are written exactly once. Operands are padded
 to tile multiples by the wrapper and the result is sliced back, so any size works.
+
+Optional main-loop variants (``MosaicConfig``; off by default): ``wgmma_in_flight=1`` keeps one
+step's wgmmas in flight (``delay_release=1``); ``pair_tiles=True`` gives each CTA two tiles that
+share their column panel, one 128×128 accumulator per compute warpgroup (:func:`_paired_body`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,20 @@ class MosaicConfig:
       max_concurrent_steps: pipeline depth (panels in flight in shared memory).
       num_compute_wgs: compute warpgroups per CTA; each owns ``tile / num_compute_wgs`` rows.
       num_sms: persistent CTAs to launch; ``None`` takes the device's SM count.
+      wgmma_in_flight: ``wgmma`` groups left in flight at the end of a pipeline step (0 waits
+        for the step's products before the next step; 1 keeps one in flight, and the operand
+        slots are released one step later through ``BlockSpec(delay_release=1)``).
+      pair_tiles: each CTA computes two ``tile × tile`` output tiles that share their column
+        panel (:func:`pallas_kernels._schedule.pair_tile_coords`), one per compute warpgroup, so
+        a step loads three operand panels for two tiles (the CTA tile of jax's
+        ``hopper_matmul_mgpu`` is likewise 128×256). Needs ``num_compute_wgs == 2``.
+      pair_select: with ``pair_tiles``, how a compute warpgroup picks its row panel in the main
+        loop: ``"when"`` issues ``wgmma`` under ``pl.when(wg == 0)`` / ``pl.when(wg != 0)`` on the
+        pipeline's two row-panel buffers; ``"index"`` allocates both row-panel rings as one
+        ``(2, stages, tile, tile_k)`` buffer and indexes it with ``[wg, k % stages]`` (no branch
+        around ``wgmma``; relies on the pipeline's slot being ``step % max_concurrent_steps``).
+      epi_cols: with ``pair_tiles``, width of the epilogue sub-tiles (64 rows × ``epi_cols``)
+        staged in shared memory; 64 leaves room for 4 stages of 128×64 panels.
     """
 
     tile: int = 128
@@ -55,6 +73,10 @@ class MosaicConfig:
     max_concurrent_steps: int = 4
     num_compute_wgs: int = 2
     num_sms: int | None = None
+    wgmma_in_flight: int = 0
+    pair_tiles: bool = False
+    pair_select: str = "when"
+    epi_cols: int = 64
 
     @classmethod
     def get_default(cls) -> "MosaicConfig":
@@ -65,6 +87,14 @@ class MosaicConfig:
             raise ValueError(f"{self.tile=} must be a multiple of 64 * {self.num_compute_wgs=}")
         if self.tile_k % 16 or self.tile_k <= 0:
             raise ValueError(f"{self.tile_k=} must be a positive multiple of 16")
+        if self.wgmma_in_flight not in (0, 1) or self.wgmma_in_flight >= self.max_concurrent_steps:
+            raise ValueError(f"{self.wgmma_in_flight=} must be 0 or 1 and < max_concurrent_steps")
+        if self.pair_tiles and self.num_compute_wgs != 2:
+            raise ValueError("pair_tiles needs num_compute_wgs == 2")
+        if self.pair_tiles and (self.epi_cols % 64 or self.tile % self.epi_cols):
+            raise ValueError(f"{self.epi_cols=} must be a multiple of 64 dividing {self.tile=}")
+        if self.pair_select not in ("when", "index"):
+            raise ValueError(f"{self.pair_select=} must be 'when' or 'index'")
 
 
 def _num_sms(config: MosaicConfig, interpret: bool) -> int:
@@ -110,14 +140,21 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
     k_iters = a_gmem.shape[-1] // tile_k
     in_transforms = _smem_transforms(tile_k, dtype)
     out_transforms = _smem_transforms(tile, out_dtype)
+    # ``delay_release`` only when asked, so the default specs stay exactly as they were.
+    extra = {"delay_release": config.wgmma_in_flight} if config.wgmma_in_flight else {}
     if b_transposed:
         b_spec = plgpu.BlockSpec((tile, tile_k), lambda k: (0, k), transforms=in_transforms,
-                                 memory_space=plgpu.SMEM)
+                                 memory_space=plgpu.SMEM, **extra)
     else:
         b_spec = plgpu.BlockSpec((tile_k, tile), lambda k: (k, 0),
-                                 transforms=_smem_transforms(tile, dtype), memory_space=plgpu.SMEM)
+                                 transforms=_smem_transforms(tile, dtype), memory_space=plgpu.SMEM,
+                                 **extra)
     a_spec = plgpu.BlockSpec((tile, tile_k), lambda k: (0, k), transforms=in_transforms,
-                             memory_space=plgpu.SMEM)
+                             memory_space=plgpu.SMEM, **extra)
+    if config.pair_tiles:
+        return _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, a_spec=a_spec, b_spec=b_spec,
+                            config=config, b_transposed=b_transposed, alpha=alpha, beta=beta,
+                            batch=batch, tiles_per_side=tiles_per_side)
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -186,12 +223,143 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
             def mma_body(_, a_smem, b_smem, acc_ref):
                 b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem
                 plgpu.wgmma(acc_ref, a_smem.at[wg_rows_slice], b_op)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(config.wgmma_in_flight)
                 return acc_ref
 
             b_panel = b_gmem.at[bi, cols, :] if b_transposed else b_gmem.at[bi, :, cols]
             get_pipeline(mma_body, compute_context)(
                 a_gmem.at[bi, rows, :], b_panel, allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: MosaicConfig,
+                 b_transposed: bool, alpha: float, beta: float, batch: int, tiles_per_side: int):
+    """Kernel body for ``config.pair_tiles``: a CTA owns two tiles sharing their column panel.
+
+    Work item ``(c, r1, r2)`` (:func:`pallas_kernels._schedule.pair_tile_coords`): warpgroup 0
+    computes ``out[r1, c] = a[r1] · b[c]``, warpgroup 1 ``out[r2, c]``, each a full ``tile × tile``
+    float32 accumulator (as in ``hopper_matmul_mgpu``). The pipeline streams three panels per step:
+    ``a[r1]``, ``a[r2]``, ``b[c]``. Each warpgroup stores its tile and, off the diagonal, the mirror;
+    an upper tile (``r < c``) is stored directly and its mirror is the lower one. When ``r2 == r1``
+    (a single) warpgroup 1's result is dropped. The epilogue goes through ``64 × epi_cols``
+    sub-tiles to keep the staging buffers small (``2 × 2 × 64 × epi_cols`` elements).
+    """
+    out_dtype = out_gmem.dtype
+    tile, tile_k = config.tile, config.tile_k
+    wgs = 2
+    epi_rows, epi_cols = 64, config.epi_cols
+    k_iters = a_gmem.shape[-1] // tile_k
+    out_transforms = _smem_transforms(epi_cols, out_dtype)
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[a_spec, a_spec, b_spec],
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None
+    a_block = a_gmem.at[0, pl.ds(0, tile), :]
+    b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
+    pipeline_allocs = get_pipeline(ignore, ignore).get_allocations(a_block, a_block, b_block)
+    by_index = config.pair_select == "index"
+    a_both = None
+    if by_index:  # One buffer for both row-panel rings; the pipeline gets its two halves.
+        a1_alloc, _, b_alloc = pipeline_allocs["flat_in_smem_refs"]
+        a_both = plgpu.SMEM((2, *a1_alloc.shape), a1_alloc.dtype, transforms=a1_alloc.transforms)
+        pipeline_allocs = dict(pipeline_allocs, flat_in_smem_refs=[b_alloc])
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=pipeline_allocs,
+        a_both=a_both,
+        out_smem=plgpu.SMEM((wgs, epi_rows, epi_cols), out_dtype, transforms=out_transforms),
+        out_t_smem=plgpu.SMEM((wgs, epi_cols, epi_rows), out_dtype),
+        c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=wgs),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, a_both, out_smem, out_t_smem, c_barrier):
+        wg = lax.axis_index("wg")
+        num_items = _schedule.num_pair_items(tiles_per_side)
+        if by_index:
+            (b_ref,) = pipeline_allocs["flat_in_smem_refs"]
+            pipeline_allocs = dict(pipeline_allocs,
+                                   flat_in_smem_refs=[a_both.at[0], a_both.at[1], b_ref])
+
+        @plgpu.nd_loop((batch * num_items,), collective_axes="sm")
+        def _item_loop(loop_info: plgpu.NDLoopInfo):
+            (lin_idx,) = loop_info.index
+            bi, tc, tr1, tr2 = _schedule.batched_pair_tile_coords(lin_idx, tiles_per_side)
+            tr = lax.select(wg == 0, tr1, tr2)  # This warpgroup's row panel.
+            keep = jnp.logical_or(wg == 0, tr1 != tr2)  # A single's second copy is dropped.
+
+            def compute_context(eval_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile, tile), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    acc = acc_ref[...]
+                    if alpha != 1.0:
+                        acc = acc * alpha
+
+                    @pl.when(keep)
+                    def _store():
+                        for ei in range(tile // epi_rows):
+                            for ej in range(tile // epi_cols):
+                                sub = acc[ei * epi_rows:(ei + 1) * epi_rows,
+                                          ej * epi_cols:(ej + 1) * epi_cols]
+                                rows = pl.ds(tr * tile + ei * epi_rows, epi_rows)
+                                cols = pl.ds(tc * tile + ej * epi_cols, epi_cols)
+                                # Earlier stores must have finished reading the staging buffers.
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                                if c_gmem is not None and beta != 0.0:
+                                    plgpu.copy_gmem_to_smem(c_gmem.at[bi, rows, cols],
+                                                            out_smem.at[wg], c_barrier.at[wg])
+                                    plgpu.barrier_wait(c_barrier.at[wg])
+                                    sub = sub + beta * out_smem[wg].astype(jnp.float32)
+                                out = sub.astype(out_dtype)
+                                out_smem[wg] = out
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[bi, rows, cols])
+
+                                @pl.when(tr != tc)
+                                def _mirror():
+                                    out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+                                    out_t_smem.at[wg].transpose((1, 0))[...] = out_t
+                                    plgpu.commit_smem()
+                                    plgpu.copy_smem_to_gmem(out_t_smem.at[wg],
+                                                            out_gmem.at[bi, cols, rows])
+
+            def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
+                b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem
+                if by_index:
+                    (k_idx,) = idxs
+                    slot = lax.rem(k_idx, jnp.int32(a_both.shape[1]))
+                    plgpu.wgmma(acc_ref, a_both.at[wg, slot], b_op)
+                    plgpu.wgmma_wait(config.wgmma_in_flight)
+                    return acc_ref
+
+                @pl.when(wg == 0)
+                def _wg0():
+                    plgpu.wgmma(acc_ref, a1_smem, b_op)
+
+                @pl.when(wg != 0)
+                def _wg1():
+                    plgpu.wgmma(acc_ref, a2_smem, b_op)
+
+                plgpu.wgmma_wait(config.wgmma_in_flight)
+                return acc_ref
+
+            b_panel = (b_gmem.at[bi, pl.ds(tc * tile, tile), :] if b_transposed
+                       else b_gmem.at[bi, :, pl.ds(tc * tile, tile)])
+            get_pipeline(mma_body, compute_context)(
+                a_gmem.at[bi, pl.ds(tr1 * tile, tile), :], a_gmem.at[bi, pl.ds(tr2 * tile, tile), :],
+                b_panel, allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

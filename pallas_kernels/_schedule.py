@@ -97,3 +97,119 @@ def lower_tile_table(tiles_per_side: int) -> np.ndarray:
     t = np.arange(num_lower_tiles(tiles_per_side), dtype=np.int64)
     i, j = lower_tile_coords(t, tiles_per_side)
     return np.stack([i, j], axis=-1).astype(np.int32)
+
+
+# --- Paired walk: two tiles per work item that share their column panel --------------------------
+#
+# A work item ``(c, r1, r2)`` stands for the tiles ``{r1, c}`` and ``{r2, c}`` (unordered: the
+# kernel computes ``out[r, c] = x_r · x_cᵀ`` and stores it and its mirror, so an upper tile ``r < c``
+# is as good as the lower one). Both tiles read the column panel ``c``, so a CTA whose two compute
+# warpgroups own one tile each loads three panels per step for two tiles (1.5 per tile instead of 2).
+# ``r2 == r1`` marks a single (the second warpgroup's result is discarded); there are at most two
+# singles per matrix (none when ``T % 4 == 0``), so ``T = 32`` gives ``264 = 2 × 132`` items.
+#
+# Sections, in walk order (``h = T // 2`` super-panels of two tiles, ``Q = h // 2`` quads):
+#   S1  the ``Q`` diagonal 4×4-tile blocks (10 tiles each) as 5 items (table ``_QUAD``);
+#   S2  every other 2×2 block below the diagonal inside the first ``4Q`` panels, 2 items each
+#       (column ``2J`` and ``2J+1``, rows ``2I, 2I+1``), walked by row pairs ``(2u, 2u+1)``;
+#   S3  when ``h`` is odd: super-row ``I = 2Q`` (its ``2Q`` off-diagonal blocks, then its diagonal
+#       block as ``(2I; 2I, 2I+1)`` and the single ``(2I+1; 2I+1)``);
+#   S4  when ``T`` is odd: tile row ``p = T-1`` as ``(p; 2v, 2v+1)`` and the single ``(p; p)``.
+
+# (column, row 1, row 2) offsets inside a diagonal 4×4-tile block; covers its 10 lower tiles.
+_QUAD = ((0, 0, 1), (0, 2, 3), (1, 1, 2), (2, 2, 3), (3, 3, 1))
+
+
+def num_pair_items(tiles_per_side: int) -> int:
+    """Number of paired work items for a ``T × T`` tile grid (about ``T(T+1)/4``)."""
+    t = tiles_per_side
+    if t < 0:
+        raise ValueError(f"{tiles_per_side=} must be >= 0")
+    h = t // 2
+    q = h // 2
+    n = 5 * q + 4 * q * (q - 1)
+    if h % 2:
+        n += 4 * q + 2
+    if t % 2:
+        n += (t + 1) // 2
+    return n
+
+
+def _min(a: Any, b: Any) -> Any:
+    return _select(a < b, a, b)
+
+
+def pair_tile_coords(m: Any, tiles_per_side: int) -> tuple[Any, Any, Any]:
+    """Maps ``0 <= m < num_pair_items(T)`` to the work item ``(c, r1, r2)``.
+
+    Args:
+      m: linear item index (Python int, NumPy integer array or traced int32 scalar).
+      tiles_per_side: ``T`` (static).
+
+    Returns:
+      ``(c, r1, r2)``: the shared column panel and the two row panels; the item covers the
+      unordered tiles ``{r1, c}`` and ``{r2, c}`` (one tile when ``r1 == r2``). Every tile on or
+      below the diagonal is covered by exactly one item.
+    """
+    t = tiles_per_side
+    h = t // 2
+    q = h // 2
+    sections = []  # (start, (c, r1, r2)) evaluated for every m, chosen by a select chain.
+    start = 0
+    if q:  # S1
+        qi, s = _divmod(_min(m, 5 * q - 1), 5)
+        base = 4 * qi
+        c = r1 = r2 = 0
+        for k, (dc, d1, d2) in enumerate(_QUAD):
+            hit = s == k
+            c, r1, r2 = (_select(hit, base + dc, c), _select(hit, base + d1, r1),
+                         _select(hit, base + d2, r2))
+        sections.append((start, (c, r1, r2)))
+        start += 5 * q
+    if q > 1:  # S2
+        n2 = 4 * q * (q - 1)
+        mm = _min(_select(m >= start, m - start, 0 * m), n2 - 1)
+        b, which = _divmod(mm, 2)
+        b4, s4 = _divmod(b, 4)
+        v, w = lower_tile_coords(b4, q - 1)
+        u2 = 2 * (v + 1)  # Rows 2u and 2u+1 of super-blocks hold 2u blocks each.
+        e = 4 * w + s4
+        second_row = e >= u2
+        big_i = u2 + _select(second_row, 1 + 0 * e, 0 * e)
+        big_j = _select(second_row, e - u2, e)
+        sections.append((start, (2 * big_j + which, 2 * big_i, 2 * big_i + 1)))
+        start += n2
+    if h % 2:  # S3
+        big_i = 2 * q
+        mm = _min(_select(m >= start, m - start, 0 * m), 4 * q + 1)
+        in_blocks = mm < 4 * q
+        b, which = _divmod(_min(mm, max(4 * q - 1, 0)), 2)
+        tail = mm - 4 * q
+        c = _select(in_blocks, 2 * b + which, 2 * big_i + tail)
+        r1 = _select(in_blocks, 2 * big_i + 0 * mm, 2 * big_i + tail)
+        sections.append((start, (c, r1, 2 * big_i + 1 + 0 * mm)))
+        start += 4 * q + 2
+    if t % 2:  # S4
+        p = t - 1
+        mm = _select(m >= start, m - start, 0 * m)
+        sections.append((start, (p + 0 * mm, _min(2 * mm, p), _min(2 * mm + 1, p))))
+    c, r1, r2 = sections[0][1]
+    for sec_start, (sc, s1, s2) in sections[1:]:
+        later = m >= sec_start
+        c, r1, r2 = _select(later, sc, c), _select(later, s1, r1), _select(later, s2, r2)
+    return c, r1, r2
+
+
+def batched_pair_tile_coords(m: Any, tiles_per_side: int) -> tuple[Any, Any, Any, Any]:
+    """Like :func:`pair_tile_coords` over ``batch · num_pair_items(T)`` items: ``(b, c, r1, r2)``."""
+    per_matrix = num_pair_items(tiles_per_side)
+    b, m = _divmod(m, per_matrix)
+    return (b, *pair_tile_coords(m, tiles_per_side))
+
+
+def pair_tile_table(tiles_per_side: int) -> np.ndarray:
+    """All paired items in walk order: int32 ``(num_pair_items(T), 3)`` of ``(c, r1, r2)``."""
+    m = np.arange(num_pair_items(tiles_per_side), dtype=np.int64)
+    if m.size == 0:
+        return np.zeros((0, 3), np.int32)
+    return np.stack(pair_tile_coords(m, tiles_per_side), axis=-1).astype(np.int32)

@@ -59,3 +59,58 @@ def test_num_tiles_and_errors():
         _schedule.num_tiles(4, 0)
     with pytest.raises(ValueError):
         _schedule.num_lower_tiles(-1)
+
+
+# --- The paired walk (MosaicConfig(pair_tiles=True)) ---------------------------------------------
+
+
+def _pair_cover(tiles):
+    """The unordered tiles covered by the paired walk, as a list (duplicates kept)."""
+    covered = []
+    for c, r1, r2 in _schedule.pair_tile_table(tiles).tolist():
+        assert 0 <= c < tiles and 0 <= r1 < tiles and 0 <= r2 < tiles
+        covered.append(frozenset((r1, c)))
+        if r2 != r1:
+            covered.append(frozenset((r2, c)))
+    return covered
+
+
+@pytest.mark.parametrize("tiles", [*range(0, 41), 63, 64, 65, 66, 67, 229])
+def test_pair_walk_covers_each_lower_tile_once(tiles):
+    table = _schedule.pair_tile_table(tiles)
+    assert table.shape == (_schedule.num_pair_items(tiles), 3)
+    covered = _pair_cover(tiles)
+    expected = {frozenset((a, b)) for a in range(tiles) for b in range(a + 1)}
+    assert len(covered) == len(expected) and set(covered) == expected
+    singles = int(np.sum(table[:, 1] == table[:, 2])) if len(table) else 0
+    assert singles <= 2
+    if tiles % 4 == 0:
+        assert singles == 0
+
+
+def test_pair_walk_4096_fills_two_waves_on_132_sms():
+    assert _schedule.num_pair_items(32) == 264 == 2 * 132
+    assert _schedule.num_lower_tiles(32) == 528 == 4 * 132
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 6, 7, 8, 11, 32])
+def test_pair_walk_python_numpy_and_jax_agree(tiles):
+    count = _schedule.num_pair_items(tiles)
+    table = _schedule.pair_tile_table(tiles)
+    for m in range(count):
+        assert tuple(int(v) for v in _schedule.pair_tile_coords(m, tiles)) == tuple(table[m])
+    traced = jax.jit(lambda m: jnp.stack(_schedule.pair_tile_coords(m, tiles)))
+    got = jax.vmap(traced)(jnp.arange(count, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), table)
+
+
+def test_batched_pair_walk():
+    tiles, batch = 7, 3
+    per = _schedule.num_pair_items(tiles)
+    table = _schedule.pair_tile_table(tiles)
+    for m in range(batch * per):
+        b, c, r1, r2 = _schedule.batched_pair_tile_coords(m, tiles)
+        assert b == m // per and (c, r1, r2) == tuple(table[m % per])
+    got = jax.jit(lambda m: jnp.stack(_schedule.batched_pair_tile_coords(m, tiles)))(
+        jnp.int32(per + 2))
+    assert tuple(np.asarray(got)) == (1, *table[2])
