@@ -31,7 +31,7 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
 case "$PART" in
   kernels|all)
     run kernel_tests 150 python3 -m pytest -q -x tests/test_kernels_gpu.py tests/test_kernels.py
-    run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
+    run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --quick --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;&
   step|all)
