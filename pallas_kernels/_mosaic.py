@@ -114,6 +114,30 @@ def _smem_transforms(cols: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
+def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, rows, cols,
+                off_diagonal, *, beta: float, out_dtype):
+    """Epilogue of one float32 block of a warpgroup: ``+ β·C`` (if any), one rounding, a TMA store
+    to ``out[bi, rows, cols]`` and, when ``off_diagonal``, its transpose to ``out[bi, cols, rows]``
+    (diagonal tiles are written exactly once)."""
+    # Earlier stores must have finished reading the staging buffers.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if c_gmem is not None and beta != 0.0:
+        plgpu.copy_gmem_to_smem(c_gmem.at[bi, rows, cols], out_smem.at[wg], c_barrier.at[wg])
+        plgpu.barrier_wait(c_barrier.at[wg])
+        acc = acc + beta * out_smem[wg].astype(jnp.float32)
+    out = acc.astype(out_dtype)
+    out_smem[wg] = out
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[bi, rows, cols])
+
+    @pl.when(off_diagonal)
+    def _mirror():
+        out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+        out_t_smem.at[wg].transpose((1, 0))[...] = out_t
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
+
+
 def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                       b_transposed: bool, alpha: float, beta: float, batch: int,
                       tiles_per_side: int):
@@ -201,24 +225,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                     acc = acc_ref[...]
                     if alpha != 1.0:
                         acc = acc * alpha
-                    # The previous tile's stores must have finished reading shared memory.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    if c_gmem is not None and beta != 0.0:
-                        plgpu.copy_gmem_to_smem(c_gmem.at[bi, out_rows, cols], out_smem.at[wg],
-                                                c_barrier.at[wg])
-                        plgpu.barrier_wait(c_barrier.at[wg])
-                        acc = acc + beta * out_smem[wg].astype(jnp.float32)
-                    out = acc.astype(out_dtype)
-                    out_smem[wg] = out
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[bi, out_rows, cols])
-
-                    @pl.when(ti != tj)
-                    def _mirror():
-                        out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-                        out_t_smem.at[wg].transpose((1, 0))[...] = out_t
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_t_smem.at[wg], out_gmem.at[bi, cols, out_rows])
+                    _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi,
+                                out_rows, cols, ti != tj, beta=beta, out_dtype=out_dtype)
 
             def mma_body(_, a_smem, b_smem, acc_ref):
                 b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem
@@ -315,25 +323,9 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
                                           ej * epi_cols:(ej + 1) * epi_cols]
                                 rows = pl.ds(tr * tile + ei * epi_rows, epi_rows)
                                 cols = pl.ds(tc * tile + ej * epi_cols, epi_cols)
-                                # Earlier stores must have finished reading the staging buffers.
-                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                                if c_gmem is not None and beta != 0.0:
-                                    plgpu.copy_gmem_to_smem(c_gmem.at[bi, rows, cols],
-                                                            out_smem.at[wg], c_barrier.at[wg])
-                                    plgpu.barrier_wait(c_barrier.at[wg])
-                                    sub = sub + beta * out_smem[wg].astype(jnp.float32)
-                                out = sub.astype(out_dtype)
-                                out_smem[wg] = out
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[bi, rows, cols])
-
-                                @pl.when(tr != tc)
-                                def _mirror():
-                                    out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-                                    out_t_smem.at[wg].transpose((1, 0))[...] = out_t
-                                    plgpu.commit_smem()
-                                    plgpu.copy_smem_to_gmem(out_t_smem.at[wg],
-                                                            out_gmem.at[bi, cols, rows])
+                                _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem,
+                                            c_barrier, wg, bi, rows, cols, tr != tc, beta=beta,
+                                            out_dtype=out_dtype)
 
             def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
                 b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem
