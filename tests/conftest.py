@@ -9,3 +9,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+from platform_setup import on_platform  # noqa: E402
+
+
+@pytest.fixture
+def on_test_platform():
+    """See platform_setup.on_platform (used by the distributed test modules)."""
+    with on_platform():
+        yield

@@ -14,7 +14,6 @@ default backend's devices with exactly the CPU meshes (8,), (2, 4), (4, 2) (scri
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 
 import jax
@@ -25,30 +24,19 @@ import pytest
 
 import dion3_jax
 from dion3_jax import DimensionNumbers
+from platform_setup import DEVICES, PLATFORM
 
-PLATFORM = os.environ.get("DION3_TEST_PLATFORM") or None
-DEVICES = jax.devices(PLATFORM) if PLATFORM else jax.devices()
 N = len(DEVICES)
 if PLATFORM:
-    pytestmark = pytest.mark.skipif(N < 2, reason=f"needs 2 or more {PLATFORM} devices")
+    pytestmark = [pytest.mark.skipif(N < 2, reason=f"needs 2 or more {PLATFORM} devices")]
 else:
-    pytestmark = pytest.mark.skipif(N < 8, reason="needs 8 (simulated) devices")
+    pytestmark = [pytest.mark.skipif(N < 8, reason="needs 8 (simulated) devices")]
     N = 8
+pytestmark.append(pytest.mark.usefixtures("on_test_platform"))
 MESH_2D = (2, N // 2) if N >= 4 and N % 2 == 0 else None   # (2, 4) on the CPU
 
 POLAR = dict(method="standard", compute_dtype=jnp.float32)  # tight tolerances
 TORCH = DimensionNumbers(reduction_axis=1, output_axis=0)
-
-
-@pytest.fixture(autouse=True)
-def _platform():
-    """On a DION3_TEST_PLATFORM: float32 matmuls at full precision (no TF32), and the
-    single-device references on that platform's first device."""
-    if not PLATFORM:
-        yield
-        return
-    with jax.default_matmul_precision("highest"), jax.default_device(DEVICES[0]):
-        yield
 
 
 def need_2d():

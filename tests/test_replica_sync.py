@@ -11,7 +11,6 @@ that platform's N ≥ 4 devices, at "highest" float32 matmul precision (scripts/
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
@@ -21,30 +20,21 @@ import numpy as np
 import pytest
 
 import dion3_jax
+from platform_setup import DEVICES, PLATFORM
 
-PLATFORM = os.environ.get("DION3_TEST_PLATFORM") or None
-DEVICES = jax.devices(PLATFORM) if PLATFORM else jax.devices()
 if PLATFORM:
-    pytestmark = pytest.mark.skipif(len(DEVICES) < 4 or len(DEVICES) % 2,
-                                    reason=f"needs an even number ≥ 4 of {PLATFORM} devices")
+    pytestmark = [pytest.mark.skipif(len(DEVICES) < 4 or len(DEVICES) % 2,
+                                     reason=f"needs an even number ≥ 4 of {PLATFORM} devices")]
     FSDP = len(DEVICES) // 2
 else:
-    pytestmark = pytest.mark.skipif(len(DEVICES) < 8, reason="needs 8 (simulated) devices")
+    pytestmark = [pytest.mark.skipif(len(DEVICES) < 8, reason="needs 8 (simulated) devices")]
     FSDP = 4
+pytestmark.append(pytest.mark.usefixtures("on_test_platform"))
 
 POLAR = dict(method="standard", compute_dtype=jnp.float32)
 SPECS = {"rows": ((16, 64), P(None, "fsdp")),     # output axis sharded
          "cols": ((32, 24), P("fsdp", None)),     # reduction axis sharded
          "rep": ((16, 24), P())}                   # replicated
-
-
-@pytest.fixture(autouse=True)
-def _platform():
-    if not PLATFORM:
-        yield
-        return
-    with jax.default_matmul_precision("highest"), jax.default_device(DEVICES[0]):
-        yield
 
 
 def mesh():
