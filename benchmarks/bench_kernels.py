@@ -51,27 +51,25 @@ SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
     ("sym_matmul", "sym", (2,), 128, 128, jnp.bfloat16),
 ]
 
-MOSAIC_VARIANTS = {  # (shared memory: 32 KiB per k64 stage + 64 KiB of epilogue buffers)
-    # Every entry was checked to lower for sm_90 on CPU (shared memory and layout inference),
-    # for syrk and sym_matmul: see docs/KERNELS.md.
+MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default: pair tiles, index, infl1).
+    # k64s4: the first kernel (one 128×128 tile per CTA, 4 stages of 2 panels + 64 KiB epilogue).
     "k64s4": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=4),
     "k64s5": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=5),
-    "k32s8": _mosaic.MosaicConfig(tile_k=32, max_concurrent_steps=8),
     "1wg_k64s5": _mosaic.MosaicConfig(num_compute_wgs=1, max_concurrent_steps=5),
-    # Main-loop variants after hopper_matmul_mgpu (docs/KERNELS.md, "Why the main loop is at half
-    # speed"). infl1: one wgmma group left in flight per step (delay_release=1).
-    "infl1s4": _mosaic.MosaicConfig(wgmma_in_flight=1, max_concurrent_steps=4),
+    # infl1: one wgmma group left in flight per step (delay_release=1).
     "infl1s5": _mosaic.MosaicConfig(wgmma_in_flight=1, max_concurrent_steps=5),
     # pair: two 128×128 tiles per CTA sharing the column panel (128×128 accumulator per warpgroup,
     # 3 panels = 48 KiB per stage; 264 items = 2 waves for 4096²). W: wgmma under pl.when(wg);
     # I: one stacked row-panel ring indexed by [wg, k % stages]. e128: 64×128 epilogue sub-tiles.
     "pairW": _mosaic.MosaicConfig(pair_tiles=True),
     "pairI": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index"),
-    "pairI_infl1": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index", wgmma_in_flight=1),
     "pairW_e128s3": _mosaic.MosaicConfig(pair_tiles=True, epi_cols=128, max_concurrent_steps=3),
+    "pairI_infl1s3": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index",
+                                          wgmma_in_flight=1, max_concurrent_steps=3),
 }
-TRITON_VARIANTS = {
-    "w8s4": _triton.TritonConfig(num_warps=8, num_stages=4),
+#: Variants also run on every shape (the others only on the two headline shapes).
+ALL_SHAPE_VARIANTS = ("mosaic[default]", "mosaic[k64s4]", "triton[default]")
+TRITON_VARIANTS = {  # Besides "default" (TritonConfig(): 8 warps, 4 stages).
     "w8s3": _triton.TritonConfig(num_warps=8, num_stages=3),
     "w4s4": _triton.TritonConfig(num_warps=4, num_stages=4),
     "k32w8s5": _triton.TritonConfig(tile_k=32, num_warps=8, num_stages=5),
@@ -116,14 +114,14 @@ def implementations(variants: bool):
               lambda a, b, c, **kw: pallas_kernels.sym_matmul(a, b, c, implementation="xla", **kw))]
     available = pallas_kernels.available_implementations()
     if "mosaic" in available:
-        configs = MOSAIC_VARIANTS if variants else {"default": _mosaic.MosaicConfig()}
+        configs = {"default": None, **(MOSAIC_VARIANTS if variants else {})}
         for name, cfg in configs.items():
             impls.append((f"mosaic[{name}]",
                           jax.jit(lambda x, cfg=cfg: _mosaic.syrk_mosaic(x, config=cfg)),
                           lambda a, b, c, cfg=cfg, **kw: _mosaic.sym_matmul_mosaic(
                               a, b, c, config=cfg, **kw)))
     if "triton" in available:
-        configs = TRITON_VARIANTS if variants else {"default": _triton.TritonConfig()}
+        configs = {"default": None, **(TRITON_VARIANTS if variants else {})}
         for name, cfg in configs.items():
             impls.append((f"triton[{name}]",
                           jax.jit(lambda x, cfg=cfg: _triton.syrk_triton(x, config=cfg)),
@@ -146,9 +144,8 @@ def bench_kernels(args, log):
         xla_err = None
         for label, syrk_fn, sym_fn in impls:
             # Variants only on the two headline shapes.
-            if "[" in label and args.variants and not label.endswith("[k64s4]") \
-                    and not label.endswith("[w8s4]") and (n, m, batch) not in (
-                        (4096, 16384, ()), (4096, 4096, ())):
+            if "[" in label and label not in ALL_SHAPE_VARIANTS and (n, m, batch) not in (
+                    (4096, 16384, ()), (4096, 4096, ())):
                 continue
             fn = syrk_fn if op == "syrk" else (lambda a, b, c, f=sym_fn: f(a, b, c, **kw))
             try:
@@ -226,6 +223,50 @@ def bench_polar(args, log):
         diff = (float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
                 if ref is not None else float("nan"))
         log(f"{'':<24} {method:<9} {backend:<8} {ms:8.3f} {diff:21.2e}")
+    polar_breakdown(args, log, x, polar)
+
+
+def polar_breakdown(args, log, x, polar):
+    """Where Gram NS spends its time: each product of ``polar(x)`` counted and timed on its own."""
+    import dion3_jax._polar as polar_mod
+
+    counts = {"syrk": 0, "sym_matmul": 0, "matmul": 0}
+    originals = (pallas_kernels.syrk, pallas_kernels.sym_matmul, polar_mod._matmul)
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    pallas_kernels.syrk, pallas_kernels.sym_matmul, polar_mod._matmul = (
+        counting(n, f) for n, f in zip(counts, originals))
+    try:
+        jax.make_jaxpr(lambda v: polar(v, method="gram", backend="xla"))(x)
+    finally:
+        pallas_kernels.syrk, pallas_kernels.sym_matmul, polar_mod._matmul = originals
+    n = x.shape[0]
+    g = jax.random.normal(jax.random.key(1), (n, n), jnp.float32) / n
+    r = (g + g.T).astype(x.dtype)
+    log(f"\npolar {'x'.join(map(str, x.shape))} Gram NS, per product: {counts}")
+    log(f"{'backend':<8} {'syrk ms':>8} {'sym ms':>8} {'matmul ms':>9} {'sum ms':>8}")
+    for backend in pallas_kernels.available_implementations():
+        t_syrk = timed(jax.jit(lambda v, b=backend: pallas_kernels.syrk(v, implementation=b)),
+                       x, reps=args.reps)
+        t_sym = timed(jax.jit(lambda u, b=backend: pallas_kernels.sym_matmul(
+            u, u, u, alpha=1.5, beta=-0.5, implementation=b)), r, reps=args.reps)
+        t_mm = timed(jax.jit(originals[2]), r, x, reps=args.reps)
+        total = (counts["syrk"] * t_syrk + counts["sym_matmul"] * t_sym
+                 + counts["matmul"] * t_mm)
+        log(f"{backend:<8} {t_syrk:8.3f} {t_sym:8.3f} {t_mm:9.3f} {total:8.3f}")
+    if "mosaic" in pallas_kernels.available_implementations():
+        # The kernel alone, without the XLA pass that symmetrises sym_matmul's diagonal tiles.
+        r3 = r[None]
+        raw = jax.jit(lambda u: _mosaic._launch(
+            u, u, u, out_dtype=u.dtype, config=_mosaic.MosaicConfig.get_default(), alpha=1.5,
+            beta=-0.5, b_transposed=False, interpret=False, symmetrize_diagonal=False))
+        log(f"mosaic sym_matmul kernel without the diagonal-tile pass: "
+            f"{timed(raw, r3, reps=args.reps):.3f} ms")
 
 
 def diagnose(args, log):

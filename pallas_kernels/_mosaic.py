@@ -35,7 +35,7 @@ from pallas_kernels import _schedule
 from pallas_kernels._common import check_dtypes, pad_to
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
-__all__ = ("MosaicConfig", "sym_matmul_mosaic", "syrk_mosaic", "sym_matmul_reference",
+__all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syrk_mosaic", "sym_matmul_reference",
            "syrk_reference")
 
 #: SMs simulated by GPU interpret mode when no abstract device says otherwise.
@@ -79,8 +79,20 @@ class MosaicConfig:
     epi_cols: int = 64
 
     @classmethod
-    def get_default(cls) -> "MosaicConfig":
-        return cls()
+    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
+        """The fastest configuration measured on an H200 (``docs/BENCHMARKS.md``, "Kernels").
+
+        Tile pairs with a stacked row-panel ring and one ``wgmma`` group in flight
+        (``pair_tiles=True, pair_select="index", wgmma_in_flight=1``); the pipeline is as deep
+        as shared memory allows for these dtypes (4 stages for 16-bit outputs, 3 for float32).
+        The field defaults of the class are the plain one-tile-per-CTA kernel.
+        """
+        config = cls(pair_tiles=True, pair_select="index", wgmma_in_flight=1)
+        while (smem_bytes(config, in_dtype, out_dtype) > SMEM_LIMIT
+               and config.max_concurrent_steps > config.wgmma_in_flight + 1):
+            config = dataclasses.replace(config,
+                                         max_concurrent_steps=config.max_concurrent_steps - 1)
+        return config
 
     def __post_init__(self):
         if self.tile % (64 * self.num_compute_wgs):
@@ -95,6 +107,20 @@ class MosaicConfig:
             raise ValueError(f"{self.epi_cols=} must be a multiple of 64 dividing {self.tile=}")
         if self.pair_select not in ("when", "index"):
             raise ValueError(f"{self.pair_select=} must be 'when' or 'index'")
+
+
+#: Shared memory a CTA may use on Hopper (227 KiB) less room for barriers and alignment.
+SMEM_LIMIT = 227 * 1024 - 1024
+
+
+def smem_bytes(config: MosaicConfig, in_dtype, out_dtype) -> int:
+    """Shared memory of the kernel's buffers: the operand ring and the epilogue staging."""
+    in_size, out_size = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    panel = config.tile * config.tile_k * in_size
+    if config.pair_tiles:
+        return (config.max_concurrent_steps * 3 * panel
+                + 2 * 2 * 64 * config.epi_cols * out_size)
+    return config.max_concurrent_steps * 2 * panel + 2 * config.tile * config.tile * out_size
 
 
 def _num_sms(config: MosaicConfig, interpret: bool) -> int:
@@ -368,9 +394,18 @@ def _interpret_params(interpret):
     return interpret  # Already an ``InterpretGPUParams`` (e.g. with ``detect_races=True``).
 
 
-def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret):
-    """Pads, launches the kernel on ``(batch, n, ·)`` operands and slices the result back."""
+def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret,
+            symmetrize_diagonal=True):
+    """Pads, launches the kernel on ``(batch, n, ·)`` operands and slices the result back.
+
+    ``symmetrize_diagonal=False`` leaves the diagonal tiles of ``sym_matmul`` as computed (only
+    for timing the kernel alone in ``benchmarks/bench_kernels.py``)."""
     batch, n = a.shape[0], a.shape[1]
+    if smem_bytes(config, a.dtype, out_dtype) > SMEM_LIMIT:
+        raise ValueError(
+            f"{config} needs {smem_bytes(config, a.dtype, out_dtype)} bytes of shared memory for "
+            f"{a.dtype.name} inputs and {jnp.dtype(out_dtype).name} outputs, more than "
+            f"{SMEM_LIMIT}: lower max_concurrent_steps (or epi_cols)")
     tile, tile_k = config.tile, config.tile_k
     a_p = pad_to(a, (tile, tile_k))
     b_p = pad_to(b, (tile, tile_k) if b_transposed else (tile_k, tile))
@@ -400,7 +435,7 @@ def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret)
         kernel_name="sym_matmul_mosaic" if not b_transposed else "syrk_mosaic",
     )
     out = kernel(*operands)
-    if not b_transposed:
+    if not b_transposed and symmetrize_diagonal:
         out = symmetrize_diagonal_tiles(out, tile)
     return out[:, :n, :n]
 
@@ -438,8 +473,8 @@ def syrk_mosaic(x: jax.Array, *, out_dtype=None, config: MosaicConfig | None = N
       ``(..., n, n)``, accumulated in float32 and rounded once.
     """
     check_dtypes(x)
-    config = config or MosaicConfig.get_default()
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    config = config or MosaicConfig.get_default(x.dtype, out_dtype)
     *lead, n, m = x.shape
     x3 = x.reshape(-1, n, m)
     out = _launch(x3, x3, None, out_dtype=out_dtype, config=config, b_transposed=True,
@@ -472,8 +507,8 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
       ``(..., n, n)``, accumulated in float32 and rounded once.
     """
     check_dtypes(a, b)
-    config = config or MosaicConfig.get_default()
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    config = config or MosaicConfig.get_default(a.dtype, out_dtype)
     *lead, n, k = a.shape
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)

@@ -9,9 +9,9 @@ output tile ``(i, j)``, ``i >= j``, of every matrix in the batch, in the walk or
   core);
 - ``sym_matmul``: ``out[i, j] = α · a[i, :] · b[:, j] + β · c[i, j]``.
 
-The epilogue stores the tile and its transpose at the mirror position; on a diagonal tile the two
-masked stores write the lower triangle and its mirror, so every element is written exactly once and
-the output is exactly symmetric. Operands are padded to tile
+The epilogue stores the tile, then reads it back through transposed pointers and stores that at the
+mirror position (a bit copy); on a diagonal tile the two masked stores write the lower triangle and
+its mirror, so every element is written exactly once and the output is exactly symmetric. Operands are padded to tile
 multiples by the wrapper so the kernel has no masks.
 
 ``triton`` and ``jax_triton`` are imported lazily: this module imports without them, and calling a
@@ -104,15 +104,21 @@ def _kernel():
             c_ptrs = c_ptr + bi.to(tl.int64) * (N * N) + offs_i[:, None] * N + offs_j[None, :]
             acc += BETA * tl.load(c_ptrs).to(tl.float32)
         out = acc.to(out_ptr.dtype.element_ty)
-        # Branch-free epilogue: an off-diagonal tile is stored whole, and its transpose whole at the
-        # mirror; on a diagonal tile the first store keeps the lower triangle (diagonal included)
-        # and the second fills the strict upper triangle with the mirrored lower values, so each
-        # element is written exactly once.
+        # The tile is stored once (on a diagonal tile: its lower triangle, diagonal included), then
+        # the mirror is read back from global memory through transposed pointers and stored at
+        # ``out[j, i]`` (on a diagonal tile: the strict upper triangle). Storing ``tl.trans(out)``
+        # directly is not exact: Triton may rematerialise the epilogue's arithmetic in the
+        # transposed layout with different FMA contraction, and on an H200 that broke symmetry
+        # for ``sym_matmul``. The read-back copies bits, so every element is written exactly once
+        # and the mirror equals the tile bit for bit.
         off_diag = ti != tj
         tl.store(out_base + offs_i[:, None] * N + offs_j[None, :], out,
                  mask=off_diag | (offs_i[:, None] >= offs_j[None, :]))
-        tl.store(out_base + offs_j[:, None] * N + offs_i[None, :], tl.trans(out),
-                 mask=off_diag | (offs_j[:, None] < offs_i[None, :]))
+        tl.debug_barrier()  # The whole tile is in global memory before any thread reads it back.
+        upper = offs_j[:, None] < offs_i[None, :]
+        mirror = tl.load(out_base + offs_i[None, :] * N + offs_j[:, None], mask=off_diag | upper,
+                         cache_modifier=".cg")  # From L2, where this block's stores landed.
+        tl.store(out_base + offs_j[:, None] * N + offs_i[None, :], mirror, mask=off_diag | upper)
 
     return symmetric_kernel
 

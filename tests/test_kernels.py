@@ -5,6 +5,8 @@ and the Mosaic GPU kernel through GPU interpret mode (CPU).
 shapes; ``test_kernels_gpu.py`` runs it for the compiled kernels on a GPU.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -308,3 +310,27 @@ class TestMosaicInterpret(KernelSuite):
             MosaicConfig(pair_tiles=True, epi_cols=96)
         with pytest.raises(ValueError, match="pair_select"):
             MosaicConfig(pair_tiles=True, pair_select="branch")
+
+    def test_default_config_fits_shared_memory(self):
+        """The default is the tuned pair kernel; a float32 output gets a shallower pipeline."""
+        from pallas_kernels._mosaic import SMEM_LIMIT, MosaicConfig, smem_bytes
+
+        for in_dtype in (jnp.float16, jnp.bfloat16):
+            for out_dtype, stages in ((in_dtype, 4), (jnp.float32, 3)):
+                config = MosaicConfig.get_default(in_dtype, out_dtype)
+                assert config.pair_tiles and config.wgmma_in_flight == 1
+                assert config.max_concurrent_steps == stages, (in_dtype, out_dtype, config)
+                assert smem_bytes(config, in_dtype, out_dtype) <= SMEM_LIMIT
+                deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
+                assert smem_bytes(deeper, in_dtype, out_dtype) > SMEM_LIMIT
+
+    def test_config_over_shared_memory_raises(self):
+        """An explicit configuration that cannot fit says so before anything is launched (the
+        H200 rejected the old default for float32 outputs: 262208 > 232448 bytes)."""
+        from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
+
+        x = jnp.ones((128, 64), jnp.float16)
+        with pytest.raises(ValueError, match="shared memory"):
+            syrk_mosaic(x, out_dtype=jnp.float32, config=MosaicConfig(), interpret=True)
+        out = syrk_mosaic(x, out_dtype=jnp.float32, interpret=True)  # The default fits.
+        np.testing.assert_allclose(np.asarray(out), 64.0)
