@@ -30,7 +30,7 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
 
 case "$PART" in
   kernels|all)
-    run kernel_tests 200 python3 -m pytest -q -rs tests/test_kernels_gpu.py tests/test_kernels.py
+    run kernel_tests 200 python3 -m pytest -q -rs tests/test_kernels_gpu.py
     run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --quick --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;&
