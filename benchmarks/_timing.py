@@ -19,3 +19,16 @@ def median_ms(fn, *args, reps: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def median_ms_rotated(fn, arg_sets, *, reps: int) -> float:
+    """Median device-bound time in ms of one ``fn(*args)``: every rep runs ``fn`` once on each of
+    the ``len(arg_sets)`` input sets inside one jitted call and divides by their number.
+
+    One dispatch and one synchronisation per rep are spread over several calls (a lone call of a
+    0.2 ms kernel also measures ~0.05–0.1 ms of dispatch and host sync), and each call reads
+    other buffers than the one before it, so no call finds its inputs in L2 (METHOD.md: rotate
+    among input sets).
+    """
+    many = jax.jit(lambda sets: tuple(fn(*args) for args in sets))
+    return median_ms(many, tuple(tuple(a) for a in arg_sets), reps=reps) / len(arg_sets)

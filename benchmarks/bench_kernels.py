@@ -29,7 +29,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import _mosaic, _triton
-from _timing import median_ms
+from _timing import median_ms, median_ms_rotated
 
 # (name, op, batch, n, m, dtype): syrk of (batch, n, m); sym_matmul of (batch, n, n)·(batch, n, n).
 CASES = [
@@ -77,6 +77,13 @@ TRITON_VARIANTS = {  # Besides "default" (TritonConfig(): 8 warps, 4 stages).
 
 
 timed = median_ms
+
+
+def rotated_sets(args_, count):
+    """``count`` input sets: ``args_`` and copies scaled by ``1 + s/64`` (other buffers, same
+    structure; a symmetric operand stays symmetric)."""
+    return [args_] + [tuple((a * (1.0 + s / 64)).astype(a.dtype) for a in args_)
+                      for s in range(1, count)]
 
 
 def make_inputs(op, batch, n, m, dtype, key):
@@ -154,7 +161,7 @@ def bench_kernels(args, log):
                 err = rel_error(out, ref)
                 sym = exactly_symmetric(out)
                 finite = bool(jnp.isfinite(out).all())
-                ms = timed(fn_j, *args_, reps=args.reps)
+                ms = median_ms_rotated(fn_j, rotated_sets(args_, args.rotate), reps=args.reps)
             except Exception as e:  # Report and go on: one failing variant must not hide others.
                 log(f"FAILED {name} {batch}x{n}x{m} {jnp.dtype(dtype).name} {label}: "
                     f"{type(e).__name__}: {str(e)[:400]}")
@@ -251,11 +258,11 @@ def polar_breakdown(args, log, x, polar):
     log(f"\npolar {'x'.join(map(str, x.shape))} Gram NS, per product: {counts}")
     log(f"{'backend':<8} {'syrk ms':>8} {'sym ms':>8} {'matmul ms':>9} {'sum ms':>8}")
     for backend in pallas_kernels.available_implementations():
-        t_syrk = timed(jax.jit(lambda v, b=backend: pallas_kernels.syrk(v, implementation=b)),
-                       x, reps=args.reps)
-        t_sym = timed(jax.jit(lambda u, b=backend: pallas_kernels.sym_matmul(
-            u, u, u, alpha=1.5, beta=-0.5, implementation=b)), r, reps=args.reps)
-        t_mm = timed(jax.jit(originals[2]), r, x, reps=args.reps)
+        rot = lambda f, *a: median_ms_rotated(f, rotated_sets(a, args.rotate), reps=args.reps)
+        t_syrk = rot(lambda v, b=backend: pallas_kernels.syrk(v, implementation=b), x)
+        t_sym = rot(lambda u, b=backend: pallas_kernels.sym_matmul(
+            u, u, u, alpha=1.5, beta=-0.5, implementation=b), r)
+        t_mm = rot(originals[2], r, x)
         total = (counts["syrk"] * t_syrk + counts["sym_matmul"] * t_sym
                  + counts["matmul"] * t_mm)
         log(f"{backend:<8} {t_syrk:8.3f} {t_sym:8.3f} {t_mm:9.3f} {total:8.3f}")
@@ -266,7 +273,7 @@ def polar_breakdown(args, log, x, polar):
             u, u, u, out_dtype=u.dtype, config=_mosaic.MosaicConfig.get_default(), alpha=1.5,
             beta=-0.5, b_transposed=False, interpret=False, symmetrize_diagonal=False))
         log(f"mosaic sym_matmul kernel without the diagonal-tile pass: "
-            f"{timed(raw, r3, reps=args.reps):.3f} ms")
+            f"{median_ms_rotated(raw, rotated_sets((r3,), args.rotate), reps=args.reps):.3f} ms")
 
 
 def diagnose(args, log):
@@ -309,6 +316,8 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="seconds of GPU warm-up")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per entry (median)")
+    parser.add_argument("--rotate", type=int, default=8,
+                        help="kernel calls per timed dispatch, each on its own input set")
     parser.add_argument("--json", default=None, help="append one JSON line per row to this file")
     args = parser.parse_args(argv)
 

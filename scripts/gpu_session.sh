@@ -35,8 +35,14 @@ case "$PART" in
       --json "$OUT/bench_kernels.jsonl"
     ;;&
   step|all)
-    run bench_step 400 python3 benchmarks/bench_step.py
-    run bench_polar 120 python3 benchmarks/bench_polar.py --reps 10
+    # The most important rows first (each part is time-boxed; a stopped part still prints the
+    # rows it finished): AdamW, optax Muon, Dion3 Gram NS at f = 1 and 1/4 on the kernels and XLA.
+    run bench_step_gram 250 python3 benchmarks/bench_step.py --methods gram \
+      --backends mosaic xla --fractions 1 0.25
+    run bench_step_standard 150 python3 benchmarks/bench_step.py --no-baselines \
+      --methods standard --backends xla mosaic --fractions 1 0.25
+    run bench_step_more 140 python3 benchmarks/bench_step.py --no-baselines --methods gram \
+      --backends mosaic triton --fractions 0.5 0.125
     ;;
   kernels) ;;
   *) echo "unknown part $PART (kernels | step | all)"; exit 2 ;;
