@@ -10,6 +10,7 @@ References:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -63,6 +64,54 @@ def scatter_rows(m: jax.Array, idx: jax.Array, rows: jax.Array, row_axis: int,
             m, idx, rows)
     return jax.vmap(lambda x, i, r: x.at[:, i].set(r, unique_indices=True, mode=mode))(
         m, idx, rows)
+
+
+def batched_top_rows(requests: list[tuple[jax.Array, int]]) -> list[jax.Array]:
+    """:func:`top_rows` for many ``(scores, k)`` pairs, one ``lax.top_k`` per distinct
+    ``(n, k, dtype)``: the scores of a group are concatenated along the batch axis.
+
+    A large ``k`` makes ``top_k`` a sort on GPU, which costs about the same for one row of scores
+    as for many, so a model's 56 matrices of three shapes take three sorts instead of 56.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, (scores, k) in enumerate(requests):
+        groups.setdefault((scores.shape[1], k, jnp.dtype(scores.dtype)), []).append(i)
+    out: list[jax.Array | None] = [None] * len(requests)
+    for (_, k, _), members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = top_rows(requests[members[0]][0], k)
+            continue
+        sizes = [requests[i][0].shape[0] for i in members]
+        idx = top_rows(jnp.concatenate([requests[i][0] for i in members]), k)
+        for i, part in zip(members, jnp.split(idx, list(itertools.accumulate(sizes))[:-1])):
+            out[i] = part
+    return out
+
+
+def row_positions(idx: jax.Array, n: int) -> jax.Array:
+    """``(batch, n)`` int32: the position of each row in ``idx`` (``(batch, k)``), ``k`` for rows
+    not selected; out-of-range (padding) indices are ignored."""
+    batch, k = idx.shape
+    pos = jnp.full((batch, n), k, jnp.int32)
+    arange = jnp.arange(k, dtype=jnp.int32)
+    return jax.vmap(lambda p, i: p.at[i].set(arange, unique_indices=True, mode="drop"))(pos, idx)
+
+
+def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
+                base: jax.Array | None = None) -> jax.Array:
+    """The inverse of :func:`gather_rows` without a scatter: an ``n``-row block whose row ``r`` is
+    ``rows[pos[r]]`` where ``pos[r] < k`` and ``base``'s row ``r`` (zero without ``base``) elsewhere.
+
+    A gather of whole rows plus a select, so the result is written once, densely; equal to
+    ``scatter_rows(base, idx, rows, row_axis, mode="drop")`` for ``pos = row_positions(idx, n)``.
+    """
+    k = rows.shape[row_axis]
+    pad = [(0, 0)] * 3
+    pad[row_axis] = (0, 1)
+    full = gather_rows(jnp.pad(rows, pad), pos, row_axis)
+    if base is None:
+        return full
+    return jnp.where(jnp.expand_dims(pos < k, 3 - row_axis), full.astype(base.dtype), base)
 
 
 def local_positions(starts, counts, width: int, shard_index) -> tuple[jax.Array, jax.Array]:

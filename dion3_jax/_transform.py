@@ -267,7 +267,21 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
         for uid, g in zip(uids, _batched_all_gather(items)):
             gathered[uid] = g                                 # (W, batch, width)
 
-    # 2. Picks: local row indices (out-of-range = padding) and the payload S = M[I].
+    # 2. Picks: local row indices (out-of-range = padding) and the payload S = M[I]. The first
+    #    top-k of every unit runs batched: one per (rows, k) shape.
+    requests: dict[int, tuple[jax.Array, int]] = {}
+    for u in units:
+        if u.full:
+            continue
+        if u.mode != "rows":
+            requests[u.uid] = (scores[u.uid], u.k)
+        elif cfg.scope == "global":
+            g = gathered[u.uid]                               # (W, B, width)
+            allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, g.shape[0] * u.seg.width))
+            requests[u.uid] = (allsc, u.k)
+        else:
+            requests[u.uid] = (scores[u.uid], u.pick)
+    tops = dict(zip(requests, _selection.batched_top_rows(list(requests.values()))))
     idx: dict[int, jax.Array] = {}
     payload: dict[int, jax.Array] = {}
     for u in units:
@@ -277,24 +291,22 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
             payload[u.uid] = m
             continue
         if u.mode != "rows":
-            i = _selection.top_rows(scores[u.uid], u.k)
+            i = tops[u.uid]
             idx[u.uid] = i
             payload[u.uid] = _selection.gather_rows(m, i, ra)
             continue
         seg, width = u.seg, u.seg.width
         start, cnt = pos[u.uid]
         if cfg.scope == "global":
-            g = gathered[u.uid]                               # (W, B, width)
-            w = g.shape[0]
-            allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, w * width))
-            gi = _selection.top_rows(allsc, u.k)
+            w = gathered[u.uid].shape[0]
+            gi = tops[u.uid]
             sel = jax.vmap(lambda i: jnp.zeros((w * width,), bool).at[i].set(True))(gi)
             mine = jax.lax.dynamic_slice_in_dim(sel, shard_index(u) * width, width, axis=1)
             order = jnp.where(mine, -jnp.arange(width), -width - jnp.arange(width))
             li = _selection.top_rows(order.astype(jnp.float32), u.pick)
             valid = jnp.take_along_axis(mine, li, axis=1)
         else:
-            li = _selection.top_rows(scores[u.uid], u.pick)
+            li = tops[u.uid]
             valid = jnp.take_along_axis(scores[u.uid], li, axis=1) > -jnp.inf
         n_local = m.shape[ra]
         rows = start + li
@@ -336,14 +348,17 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
             ortho[units[i].uid] = _orient(os_, swaps[i])
 
     # 4. Error feedback: only the selected rows decay (M[I] ← μ·S, S averaged over replicas).
+    #    Rows go back with a gather and a select (expand_rows), not a scatter: one dense pass.
+    row_pos = {u.uid: _selection.row_positions(idx[u.uid], mblk[u.leaf][u.block].shape[
+        u.layout.row_axis]) for u in units if not u.full}
     for u in units:
         m = mblk[u.leaf][u.block]
         dec = (mu * synced[u.uid]).astype(m.dtype)
         if u.full:
             mblk[u.leaf][u.block] = dec
         else:
-            mblk[u.leaf][u.block] = _selection.scatter_rows(m, idx[u.uid], dec, u.layout.row_axis,
-                                                            mode="drop")
+            mblk[u.leaf][u.block] = _selection.expand_rows(dec, row_pos[u.uid], u.layout.row_axis,
+                                                           base=m)
 
     # 5. NorMuon normalisation (per whole matrix; partial sums all-reduced over the shards).
     dirs: dict[int, jax.Array] = {}
@@ -392,11 +407,8 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
         if u.full:
             ublk[u.leaf][u.block] = d
             continue
-        cur = ublk[u.leaf][u.block]
-        if cur is None:
-            cur = jnp.zeros(mblk[u.leaf][u.block].shape, jnp.float32)
-        ublk[u.leaf][u.block] = _selection.scatter_rows(cur, idx[u.uid], d, u.layout.row_axis,
-                                                        mode="drop")
+        ublk[u.leaf][u.block] = _selection.expand_rows(d, row_pos[u.uid], u.layout.row_axis,
+                                                       base=ublk[u.leaf][u.block])
     new_u, new_m, new_v = [], [], []
     for p, g, m, v, ub, mb, vb in zip(plans, grads, moms, vars_, ublk, mblk, vblk):
         new_u.append(p.local.from_blocks(ub, g.shape).astype(g.dtype))

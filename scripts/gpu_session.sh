@@ -4,12 +4,12 @@
 # jax-triton: carry the jax-triton 0.3.1 wheel in .whl/ (see docs/KERNELS.md) to include "triton".
 #
 #   bash scripts/gpu_session.sh kernels   # GPU kernel tests + kernel table with variants + polar
-#   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes) + polar table
-#   bash scripts/gpu_session.sh all       # both (needs two 10-minute calls' worth: prefer parts)
+#   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes), all variants
+#   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
 #
-# Each part stays under ~540 s; logs and tables go to $OUT (or runs/gpu_session/).
+# Each part is time-boxed (see below); logs and tables go to $OUT (or runs/gpu_session/).
 set -uo pipefail
-PART="${1:-all}"
+[ $# -gt 0 ] || set -- kernels
 OUT="${OUT:-runs/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,13 +28,18 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
   echo "== $name rc=${PIPESTATUS[0]}"
 }
 
+for PART in "$@"; do
 case "$PART" in
-  kernels|all)
+  kernels)  # GPU kernel tests, kernel table with every variant, polar per backend.
     run kernel_tests 200 python3 -m pytest -q -rs tests/test_kernels_gpu.py
     run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --quick --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
-    ;;&
-  step|all)
+    ;;
+  kernels-table)  # The kernel table with the default configurations only, polar per backend.
+    run bench_kernels 150 python3 benchmarks/bench_kernels.py --quick --polar --reps 20 \
+      --json "$OUT/bench_kernels.jsonl"
+    ;;
+  step)
     # The most important rows first (each part is time-boxed; a stopped part still prints the
     # rows it finished): AdamW, optax Muon, Dion3 Gram NS at f = 1 and 1/4 on the kernels and XLA.
     run bench_step_gram 250 python3 benchmarks/bench_step.py --methods gram \
@@ -44,6 +49,13 @@ case "$PART" in
     run bench_step_more 140 python3 benchmarks/bench_step.py --no-baselines --methods gram \
       --backends mosaic triton --fractions 0.5 0.125
     ;;
-  kernels) ;;
-  *) echo "unknown part $PART (kernels | step | all)"; exit 2 ;;
+  step-gram)  # Baselines and Dion3 Gram NS on the Mosaic kernels at f = 1, 1/4, 1/2.
+    run bench_step_gram 200 python3 benchmarks/bench_step.py --methods gram --backends mosaic \
+      --fractions 1 0.25 0.5
+    ;;
+  profile)  # Where the f = 1/4 step spends its time (jax.profiler, per op kind).
+    run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25
+    ;;
+  *) echo "unknown part $PART (kernels | kernels-table | step | step-gram | profile)"; exit 2 ;;
 esac
+done

@@ -1,0 +1,110 @@
+"""Where the time of one optimizer step goes: a ``jax.profiler`` trace of the 7B-shapes step
+(``bench_step.py``'s model), summed per device op and per op kind, printed as tables.
+
+On a GPU the ops are those of the device plane's "XLA Ops" line (HLO instruction names such as
+``scatter.12``, ``fusion.3``, ``sort.1`` or a Pallas kernel's name); on CPU the host plane's XLA
+events stand in (a smoke check of the script, not a profile worth reading).
+
+Usage::
+
+    python benchmarks/profile_step.py --fraction 0.25            # 7B shapes, one device
+    python benchmarks/profile_step.py --small --fraction 0.25    # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.profiler import ProfileData
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import bench_step  # noqa: E402  (model shapes and parameter trees)
+import dion3_jax  # noqa: E402
+
+
+def op_times(trace_dir: str) -> dict[str, float]:
+    """Total nanoseconds per op name on the device plane (the host plane on CPU)."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    data = ProfileData.from_file(path)
+    totals: dict[str, float] = collections.defaultdict(float)
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    if planes:
+        for plane in planes:
+            lines = [ln for ln in plane.lines if ln.name == "XLA Ops"] or [
+                ln for ln in plane.lines if ln.name not in ("XLA Modules", "Steps")]
+            for line in lines:
+                for event in line.events:
+                    totals[event.name] += event.duration_ns
+    else:
+        for line in data.find_plane_with_name("/host:CPU").lines:
+            if line.name.startswith("tf_XLA"):
+                for event in line.events:
+                    if not event.name.startswith(("ThreadpoolListener", "end:")):
+                        totals[event.name] += event.duration_ns
+    return totals
+
+
+def kind(name: str) -> str:
+    """``scatter.12`` → ``scatter``; ``loop_fusion.3`` → ``loop_fusion``."""
+    return re.sub(r"[._]\d+$", "", name.split(":")[0]).strip() or name
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
+    p.add_argument("--fraction", type=float, default=0.25)
+    p.add_argument("--method", default="gram", choices=["gram", "standard"])
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--steps", type=int, default=3, help="traced steps")
+    p.add_argument("--top", type=int, default=25, help="ops listed")
+    a = p.parse_args(argv)
+    cfg = bench_step.SMALL if a.small else bench_step.FULL
+    shapes = bench_step.model_shapes(**cfg)
+    params = bench_step.make_tree(shapes, 0)
+    grads = bench_step.make_tree(shapes, 1, 1e-3)
+    tx = dion3_jax.dion3(0.01, a.fraction, method=a.method, backend=a.backend)
+    state = tx.init(params)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    for _ in range(2):
+        params, state = jax.block_until_ready(step(params, state, grads))
+    trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
+    with jax.profiler.trace(trace_dir):
+        for _ in range(a.steps):
+            params, state = jax.block_until_ready(step(params, state, grads))
+    totals = op_times(trace_dir)
+    per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
+    total = sum(per_step.values())
+    dev = jax.devices()[0]
+    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}, "
+          f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
+          f"{total:.2f} ms (summed over {len(per_step)} ops)")
+    by_kind: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.Counter()
+    for k, v in per_step.items():
+        by_kind[kind(k)] += v
+        counts[kind(k)] += 1
+    print("\n| op kind | ops | ms / step | share |\n|---|---:|---:|---:|")
+    for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])[:a.top]:
+        print(f"| {k} | {counts[k]} | {v:.2f} | {v / total:.1%} |")
+    print("\n| op | ms / step |\n|---|---:|")
+    for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
+        print(f"| {k[:80]} | {v:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
