@@ -7,8 +7,9 @@
   float16/bfloat16 operands; with ``interpret=True`` it runs anywhere through GPU interpret mode.
 - ``"triton"``: the Triton kernel called through jax-triton (:mod:`pallas_kernels._triton`); NVIDIA
   GPUs with ``jax_triton`` installed, float16/bfloat16 operands; no interpret mode.
-- ``"auto"``: the fastest kernel measured on this kind of device for 16-bit operands of at least
-  ``AUTO_MIN_SIZE²`` output elements per call, else ``"xla"``.
+- ``"auto"``: the fastest kernel measured on this kind of device for 16-bit operands when one
+  call's ``batch · n² · k`` (the full product's multiply-adds) is at least ``AUTO_MIN_WORK``,
+  else ``"xla"``.
 
 A named implementation that cannot run raises ``ValueError``; there is no silent fallback.
 """
@@ -28,11 +29,12 @@ from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 Implementation = Literal["auto", "xla", "mosaic", "triton"]
 _KNOWN = ("auto", "xla", "mosaic", "triton")
 
-#: "auto" uses a kernel only when the batch holds at least ``AUTO_MIN_SIZE²`` output elements
-#: (``batch · n² >= AUTO_MIN_SIZE²``): below that the lower-triangle walk has too few tiles to fill
-#: the GPU and XLA is as fast or faster (H200: 1024² outputs lose, 2048² and a batch of 32 1024²
-#: win; docs/KERNELS.md).
-AUTO_MIN_SIZE = 2048
+#: "auto" uses a kernel only for ``batch · n² · k >= AUTO_MIN_WORK`` (``k``: the contraction
+#: length): below that the lower-triangle walk has too few tiles, or too short a main loop, to
+#: beat XLA. H200, 2026-11-29 (docs/BENCHMARKS.md): 4096³ sym_matmul (1.63×) and a batch of 32
+#: 1024×4096 syrk (1.32×, 1.4e11) win; syrk 2048×8192 (3.4e10, 0.97×), a batch of 32 1024²
+#: sym_matmul (3.4e10, 0.95×) and everything smaller lose.
+AUTO_MIN_WORK = 4096 ** 3
 
 #: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.
 _AUTO_PREFERENCE = {
@@ -78,23 +80,23 @@ def available_implementations() -> tuple[str, ...]:
     return tuple(names)
 
 
-def _output_elements(shape) -> int:
-    """``batch · n²`` for operands whose last-but-one axis is ``n``."""
+def _work(shape) -> int:
+    """``batch · n² · k`` for a left operand of shape ``(..., n, k)``."""
     batch = 1
     for d in shape[:-2]:
         batch *= d
-    return batch * shape[-2] * shape[-2]
+    return batch * shape[-2] * shape[-2] * shape[-1]
 
 
 def _resolve(implementation: str, *, dtypes, size: int, interpret) -> str:
-    """Returns the concrete backend for one call (``size`` = output elements), or raises."""
+    """Returns the concrete backend for one call (``size``: :func:`_work`), or raises."""
     if implementation not in _KNOWN:
         raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
     kernel_dtypes = all(jnp.dtype(d) in KERNEL_DTYPES for d in dtypes)
     if implementation == "xla":
         return "xla"
     if implementation == "auto":
-        if not kernel_dtypes or size < AUTO_MIN_SIZE * AUTO_MIN_SIZE:
+        if not kernel_dtypes or size < AUTO_MIN_WORK:
             return "xla"
         available = available_implementations()
         generation = "hopper" if _is_hopper(_default_device()) else "other"
@@ -138,7 +140,7 @@ def syrk(x: jax.Array, *, out_dtype=None, implementation: Implementation = "auto
     Raises:
       ValueError: for an unknown implementation, or a named one that cannot run here.
     """
-    impl = _resolve(implementation, dtypes=(x.dtype,), size=_output_elements(x.shape),
+    impl = _resolve(implementation, dtypes=(x.dtype,), size=_work(x.shape),
                     interpret=interpret)
     if impl == "mosaic":
         from pallas_kernels._mosaic import syrk_mosaic
@@ -181,7 +183,7 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
         raise ValueError(f"need a (..., n, k) and b (..., k, n), got {a.shape=} {b.shape=}")
     if c is not None and c.shape[-2:] != (a.shape[-2], a.shape[-2]):
         raise ValueError(f"c must be (..., n, n) with n={a.shape[-2]}, got {c.shape=}")
-    impl = _resolve(implementation, dtypes=(a.dtype, b.dtype), size=_output_elements(a.shape),
+    impl = _resolve(implementation, dtypes=(a.dtype, b.dtype), size=_work(a.shape),
                     interpret=interpret)
     alpha, beta = float(alpha), float(beta)
     if impl == "mosaic":
