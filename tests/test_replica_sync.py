@@ -15,7 +15,7 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -37,10 +37,11 @@ SPECS = {"rows": ((16, 64), P(None, "fsdp")),     # output axis sharded
          "rep": ((16, 24), P())}                   # replicated
 
 
-def mesh():
+def mesh(axis_type=AxisType.Explicit):
+    types = (axis_type, axis_type)
     if not PLATFORM:
-        return jax.make_mesh((2, 4), ("dcn", "fsdp"))
-    return jax.make_mesh((2, FSDP), ("dcn", "fsdp"), devices=DEVICES[:2 * FSDP])
+        return jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=types)
+    return jax.make_mesh((2, FSDP), ("dcn", "fsdp"), devices=DEVICES[:2 * FSDP], axis_types=types)
 
 
 def trees(seed, replicas=None):
@@ -64,11 +65,16 @@ def compressed_update(tx, m):
                                  check_vma=False))
 
 
-@pytest.mark.parametrize("scope", ["local", "global"])
-def test_random_compressed_sync_equals_fully_synchronised(scope):
-    m = mesh()
+@pytest.mark.parametrize("scope,axis_type", [("local", AxisType.Explicit),
+                                              ("global", AxisType.Explicit),
+                                              ("local", AxisType.Auto)])
+def test_random_compressed_sync_equals_fully_synchronised(scope, axis_type):
+    """Under Auto axes the leaves' specs come from ``param_specs``."""
+    m = mesh(axis_type)
     kw = dict(replica_axis="dcn", replica_selection="random", selection_scope=scope, seed=3,
               **POLAR)
+    if axis_type == AxisType.Auto:
+        kw["param_specs"] = {k: spec for k, (_, spec) in SPECS.items()}
     params = trees(0)
     grads = [trees(s + 1, replicas=2) for s in range(3)]
     with jax.set_mesh(m):
