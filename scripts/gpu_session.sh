@@ -56,6 +56,10 @@ case "$PART" in
   profile)  # Where the f = 1/4 step spends its time (jax.profiler, per op kind).
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | step | step-gram | profile)"; exit 2 ;;
+  selection)  # Write-back and gather formulations of the selected rows on the 7B shapes.
+    run bench_selection 120 python3 benchmarks/bench_selection.py
+    ;;
+  *) echo "unknown part $PART (kernels | kernels-table | step | step-gram | profile | selection)"
+     exit 2 ;;
 esac
 done

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ["benchmarks/bench_step.py", "--small", "--reps", "1"],
     ["benchmarks/bench_step.py", "--small", "--reps", "1", "--fsdp", "--no-megabatch",
      "--cpu-devices", "8", "--fractions", "1", "0.25", "--methods", "gram", "--backends", "xla"],
+    ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
     ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "1"],
     ["benchmarks/bench_kernels.py", "--smoke", "--polar", "--warmup-s", "0.1", "--reps", "1",
      "--rotate", "2"],
