@@ -56,8 +56,12 @@ case "$PART" in
   profile)  # Where the f = 1/4 step spends its time (jax.profiler, per op kind).
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25
     ;;
-  selection)  # Write-back and gather formulations of the selected rows on the 7B shapes.
-    run bench_selection 120 python3 benchmarks/bench_selection.py
+  selection)  # Row write-back / gather formulations, then the f = 1/4 step with and without
+              # the rows-major selection switch, and its profile.
+    run bench_selection 100 python3 benchmarks/bench_selection.py
+    run bench_step_rows_major 200 python3 benchmarks/bench_step.py --no-baselines --no-polar \
+      --methods gram --backends mosaic --fractions 0.25 0.125 --rows-major
+    run profile_step_rows_major 100 python3 benchmarks/profile_step.py --fraction 0.25 --rows-major
     ;;
   *) echo "unknown part $PART (kernels | kernels-table | step | step-gram | profile | selection)"
      exit 2 ;;
