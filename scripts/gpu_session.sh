@@ -32,11 +32,11 @@ for PART in "$@"; do
 case "$PART" in
   kernels)  # GPU kernel tests, kernel table with every variant, polar per backend.
     run kernel_tests 200 python3 -m pytest -q -rs tests/test_kernels_gpu.py
-    run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --quick --polar --reps 20 \
+    run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;
   kernels-table)  # The kernel table with the default configurations only, polar per backend.
-    run bench_kernels 150 python3 benchmarks/bench_kernels.py --quick --polar --reps 20 \
+    run bench_kernels 150 python3 benchmarks/bench_kernels.py --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;
   step)
