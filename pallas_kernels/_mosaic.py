@@ -66,6 +66,10 @@ class MosaicConfig:
         around ``wgmma``; relies on the pipeline's slot being ``step % max_concurrent_steps``).
       epi_cols: with ``pair_tiles``, width of the epilogue sub-tiles (64 rows × ``epi_cols``)
         staged in shared memory; 64 leaves room for 4 stages of 128×64 panels.
+      epi_double_buffer: with ``pair_tiles``, two staging slots per warpgroup: a sub-tile's stores
+        are one bulk-copy group, and the next sub-tile waits only for the group before last (not
+        for all stores), while the next ``c`` sub-tile is loaded during the current one's stores
+        (the first during the main loop). Doubles the staging memory (3 stages fit).
     """
 
     tile: int = 128
@@ -77,6 +81,7 @@ class MosaicConfig:
     pair_tiles: bool = False
     pair_select: str = "when"
     epi_cols: int = 64
+    epi_double_buffer: bool = False
 
     @classmethod
     def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
@@ -105,6 +110,8 @@ class MosaicConfig:
             raise ValueError("pair_tiles needs num_compute_wgs == 2")
         if self.pair_tiles and (self.epi_cols % 64 or self.tile % self.epi_cols):
             raise ValueError(f"{self.epi_cols=} must be a multiple of 64 dividing {self.tile=}")
+        if self.epi_double_buffer and not self.pair_tiles:
+            raise ValueError("epi_double_buffer needs pair_tiles=True")
         if self.pair_select not in ("when", "index"):
             raise ValueError(f"{self.pair_select=} must be 'when' or 'index'")
 
@@ -118,8 +125,9 @@ def smem_bytes(config: MosaicConfig, in_dtype, out_dtype) -> int:
     in_size, out_size = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     panel = config.tile * config.tile_k * in_size
     if config.pair_tiles:
+        slots = 2 if config.epi_double_buffer else 1
         return (config.max_concurrent_steps * 3 * panel
-                + 2 * 2 * 64 * config.epi_cols * out_size)
+                + slots * 2 * 2 * 64 * config.epi_cols * out_size)
     return config.max_concurrent_steps * 2 * panel + 2 * config.tile * config.tile * out_size
 
 
@@ -162,6 +170,44 @@ def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, 
         out_t_smem.at[wg].transpose((1, 0))[...] = out_t
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
+
+
+def _store_double_buffered(sub_tile, subs, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
+                           wg, bi, off_diagonal, *, beta: float, out_dtype):
+    """Epilogue of ``config.epi_double_buffer``: sub-tile ``i`` (rows, cols ``subs[i]``) goes
+    through staging slot ``i % 2`` of this warpgroup (buffers ``2·wg + slot``). Its stores (the
+    tile and, off the diagonal, the mirror) form one bulk-copy group, so reusing a slot waits only
+    for the group before last (``wait_smem_to_gmem(1)``). With ``c``, sub-tile ``i + 1``'s ``c``
+    is loaded into the other slot while sub-tile ``i``'s stores run (sub-tile 0's was loaded during
+    the main loop), and each load has its own barrier."""
+    has_c = c_gmem is not None and beta != 0.0
+    for i, (rows, cols) in enumerate(subs):
+        buf = wg * 2 + i % 2
+        acc = sub_tile(i)
+        if has_c:
+            plgpu.barrier_wait(c_barrier.at[buf])
+            acc = acc + beta * out_smem[buf].astype(jnp.float32)
+        else:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # This slot's last stores are done.
+        out = acc.astype(out_dtype)
+        out_smem[buf] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[buf], out_gmem.at[bi, rows, cols], commit_group=False)
+
+        @pl.when(off_diagonal)
+        def _mirror():
+            out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+            out_t_smem.at[buf].transpose((1, 0))[...] = out_t
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_t_smem.at[buf], out_gmem.at[bi, cols, rows],
+                                    commit_group=False)
+
+        plgpu.commit_smem_to_gmem_group()
+        if has_c and i + 1 < len(subs):
+            nxt = wg * 2 + (i + 1) % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # The other slot's stores are done.
+            plgpu.copy_gmem_to_smem(c_gmem.at[bi, subs[i + 1][0], subs[i + 1][1]],
+                                    out_smem.at[nxt], c_barrier.at[nxt])
 
 
 def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
@@ -303,6 +349,7 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
     b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
     pipeline_allocs = get_pipeline(ignore, ignore).get_allocations(a_block, a_block, b_block)
     by_index = config.pair_select == "index"
+    slots = 2 if config.epi_double_buffer else 1
     a_both = None
     if by_index:  # One buffer for both row-panel rings; the pipeline gets its two halves.
         a1_alloc, _, b_alloc = pipeline_allocs["flat_in_smem_refs"]
@@ -313,9 +360,10 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
         pl.run_scoped,
         pipeline_allocs=pipeline_allocs,
         a_both=a_both,
-        out_smem=plgpu.SMEM((wgs, epi_rows, epi_cols), out_dtype, transforms=out_transforms),
-        out_t_smem=plgpu.SMEM((wgs, epi_cols, epi_rows), out_dtype),
-        c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=wgs),
+        out_smem=plgpu.SMEM((wgs * slots, epi_rows, epi_cols), out_dtype,
+                            transforms=out_transforms),
+        out_t_smem=plgpu.SMEM((wgs * slots, epi_cols, epi_rows), out_dtype),
+        c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=wgs * slots),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, a_both, out_smem, out_t_smem, c_barrier):
@@ -333,25 +381,41 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
             tr = lax.select(wg == 0, tr1, tr2)  # This warpgroup's row panel.
             keep = jnp.logical_or(wg == 0, tr1 != tr2)  # A single's second copy is dropped.
 
+            subs = [(pl.ds(tr * tile + ei * epi_rows, epi_rows),
+                     pl.ds(tc * tile + ej * epi_cols, epi_cols))
+                    for ei in range(tile // epi_rows) for ej in range(tile // epi_cols)]
+
             def compute_context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile, tile), jnp.float32))
                 def _acc_scope(acc_ref):
+                    if config.epi_double_buffer and c_gmem is not None and beta != 0.0:
+                        @pl.when(keep)
+                        def _prefetch_c():  # The first c sub-tile loads during the main loop.
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            plgpu.copy_gmem_to_smem(c_gmem.at[bi, subs[0][0], subs[0][1]],
+                                                    out_smem.at[wg * 2], c_barrier.at[wg * 2])
+
                     eval_pipeline(acc_ref)
                     acc = acc_ref[...]
                     if alpha != 1.0:
                         acc = acc * alpha
 
+                    def sub_tile(i):
+                        ei, ej = divmod(i, tile // epi_cols)
+                        return acc[ei * epi_rows:(ei + 1) * epi_rows,
+                                   ej * epi_cols:(ej + 1) * epi_cols]
+
                     @pl.when(keep)
                     def _store():
-                        for ei in range(tile // epi_rows):
-                            for ej in range(tile // epi_cols):
-                                sub = acc[ei * epi_rows:(ei + 1) * epi_rows,
-                                          ej * epi_cols:(ej + 1) * epi_cols]
-                                rows = pl.ds(tr * tile + ei * epi_rows, epi_rows)
-                                cols = pl.ds(tc * tile + ej * epi_cols, epi_cols)
-                                _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem,
-                                            c_barrier, wg, bi, rows, cols, tr != tc, beta=beta,
-                                            out_dtype=out_dtype)
+                        if config.epi_double_buffer:
+                            _store_double_buffered(sub_tile, subs, out_gmem, out_smem, out_t_smem,
+                                                   c_gmem, c_barrier, wg, bi, tr != tc,
+                                                   beta=beta, out_dtype=out_dtype)
+                            return
+                        for i, (rows, cols) in enumerate(subs):
+                            _store_tile(sub_tile(i), out_gmem, out_smem, out_t_smem, c_gmem,
+                                        c_barrier, wg, bi, rows, cols, tr != tc, beta=beta,
+                                        out_dtype=out_dtype)
 
             def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
                 b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem

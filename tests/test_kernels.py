@@ -250,6 +250,9 @@ class TestMosaicInterpret(KernelSuite):
         "pair_index": dict(pair_tiles=True, pair_select="index"),
         "pair_index_inflight1": dict(pair_tiles=True, pair_select="index", wgmma_in_flight=1),
         "pair_epi128_s3": dict(pair_tiles=True, epi_cols=128, max_concurrent_steps=3),
+        "pair_index_inflight1_dbuf_s3": dict(pair_tiles=True, pair_select="index",
+                                             wgmma_in_flight=1, epi_double_buffer=True,
+                                             max_concurrent_steps=3),
     }
 
     @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -311,6 +314,8 @@ class TestMosaicInterpret(KernelSuite):
             MosaicConfig(pair_tiles=True, epi_cols=96)
         with pytest.raises(ValueError, match="pair_select"):
             MosaicConfig(pair_tiles=True, pair_select="branch")
+        with pytest.raises(ValueError, match="epi_double_buffer"):
+            MosaicConfig(epi_double_buffer=True)
 
     def test_default_config_fits_shared_memory(self):
         """The default is the tuned pair kernel; a float32 output gets a shallower pipeline."""
@@ -335,3 +340,24 @@ class TestMosaicInterpret(KernelSuite):
             syrk_mosaic(x, out_dtype=jnp.float32, config=MosaicConfig(), interpret=True)
         out = syrk_mosaic(x, out_dtype=jnp.float32, interpret=True)  # The default fits.
         np.testing.assert_allclose(np.asarray(out), 64.0)
+
+    @pytest.mark.parametrize("variant", ["default", "default_f32_out", *sorted(VARIANTS)])
+    def test_lowers_for_sm90_at_headline_shapes(self, variant):
+        """The Mosaic GPU lowering (layout inference, shared-memory budget) succeeds for sm_90 on
+        CPU at the benchmark's headline shapes; ptxas is not run."""
+        import dataclasses as dc
+
+        from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic, syrk_mosaic
+
+        if variant.startswith("default"):
+            out = jnp.float32 if variant.endswith("f32_out") else jnp.float16
+            config = MosaicConfig.get_default(jnp.float16, out)
+        else:
+            out, config = jnp.float16, MosaicConfig(**self.VARIANTS[variant])
+        config = dc.replace(config, num_sms=132)
+        f16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float16)
+        jax.jit(lambda x: syrk_mosaic(x, out_dtype=out, config=config)).trace(
+            f16(4096, 16384)).lower(lowering_platforms=("cuda",))
+        jax.jit(lambda a, b, c: sym_matmul_mosaic(a, b, c, alpha=1.0, beta=0.5, out_dtype=out,
+                                                  config=config)).trace(
+            f16(4096, 4096), f16(4096, 4096), f16(4096, 4096)).lower(lowering_platforms=("cuda",))
