@@ -15,9 +15,12 @@ diagonal, stores its transpose (a register layout cast to ``WGMMA_TRANSPOSED`` a
 shared-memory view) to ``out[j, i]``. Diagonal tiles are written exactly once. Operands are padded
 to tile multiples by the wrapper and the result is sliced back, so any size works.
 
-Optional main-loop variants (``MosaicConfig``; off by default): ``wgmma_in_flight=1`` keeps one
-step's wgmmas in flight (``delay_release=1``); ``pair_tiles=True`` gives each CTA two tiles that
-share their column panel, one 128×128 accumulator per compute warpgroup (:func:`_paired_body`).
+``MosaicConfig`` fields select variants; the field defaults are the plain kernel above, and
+:meth:`MosaicConfig.get_default` (used when no config is given) is the fastest measured on an
+H200: ``pair_tiles=True`` (each CTA computes two tiles that share their column panel, one 128×128
+accumulator per compute warpgroup, :func:`_paired_body`), ``pair_select="index"`` and
+``wgmma_in_flight=1`` (one step's wgmmas stay in flight, ``delay_release=1``).
+``epi_double_buffer=True`` double-buffers the paired epilogue (not yet timed).
 """
 
 from __future__ import annotations
