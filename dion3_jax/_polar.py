@@ -85,6 +85,28 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
     return _matmul(q, x)
 
 
+def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
+             backend: str, multiples: tuple[int, int] | None) -> jax.Array:
+    """Newton-Schulz on the normalised wide batch ``y`` of shape ``(B, n, m)``.
+
+    With ``multiples`` (the kernels' tile multiples), ``y`` is zero-padded once to them and the
+    result sliced back, so that no product pads its operands or slices its result. Exact: zero
+    rows and columns of ``X`` keep ``X Xᵀ``, every polynomial of it and ``Q X`` block-diagonal,
+    with the real block unchanged and zero rows (and columns) in ``Q X``.
+    """
+    _, n, m = y.shape
+    if multiples is not None:
+        rows = n + -n % multiples[0]
+        cols = max(m + -m % multiples[1], rows)  # Stays wide: Gram NS pays on the short side.
+        if (rows, cols) != (n, m):
+            y = jnp.pad(y, ((0, 0), (0, rows - n), (0, cols - m)))
+    if method == "gram" and n != m:
+        y = gram_newton_schulz(y, coeffs, restarts, backend=backend)
+    else:
+        y = standard_newton_schulz(y, coeffs, backend=backend)
+    return y if y.shape[1:] == (n, m) else y[:, :n, :m]
+
+
 def _validate(method, restarts, backend, compute_dtype, eps, n_steps):
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method=!r}")
@@ -164,10 +186,8 @@ def polar(x: jax.Array, *, method: Method = "gram",
         y = jnp.swapaxes(y, -1, -2)
     norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
     y = (y / (norm + eps)).astype(compute_dtype)
-    if method == "gram" and n != m:
-        y = gram_newton_schulz(y, coeffs, restarts, backend=backend)
-    else:
-        y = standard_newton_schulz(y, coeffs, backend=backend)
+    y = _iterate(y, coeffs, method, restarts, backend,
+                 pallas_kernels.padding_multiples(y.shape, y.dtype, backend))
     if transposed:
         y = jnp.swapaxes(y, -1, -2)
     return y.reshape((*batch, n, m)).astype(orig_dtype)

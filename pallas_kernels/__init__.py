@@ -5,11 +5,14 @@
 Mosaic GPU, Hopper), ``"triton"`` (jax-triton) or ``"auto"``.
 """
 
-from pallas_kernels._api import available_implementations, sym_matmul, syrk
+from pallas_kernels._api import (TILE_MULTIPLES, available_implementations, padding_multiples,
+                                 sym_matmul, syrk)
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = (
+    "TILE_MULTIPLES",
     "available_implementations",
+    "padding_multiples",
     "sym_matmul",
     "sym_matmul_reference",
     "syrk",

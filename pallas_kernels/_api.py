@@ -121,6 +121,34 @@ def _resolve(implementation: str, *, dtypes, size: int, interpret) -> str:
     return implementation
 
 
+#: Row and contraction multiples the kernels pad their operands to (their default tile and panel
+#: depth, ``MosaicConfig`` / ``TritonConfig``): operands already aligned skip the padding copy.
+TILE_MULTIPLES = (128, 64)
+
+
+def padding_multiples(shape, dtype, implementation: Implementation = "auto"
+                      ) -> tuple[int, int] | None:
+    """The ``(rows, contraction)`` multiples a kernel would pad ``syrk`` of ``shape`` to.
+
+    A caller that runs many products on one operand (Gram Newton-Schulz) can zero-pad it once to
+    these multiples instead of every product padding its operands and slicing its result.
+
+    Args:
+      shape: ``(..., n, m)`` shape of the ``syrk`` operand.
+      dtype: its dtype.
+      implementation: as for :func:`syrk`.
+
+    Returns:
+      ``TILE_MULTIPLES`` when ``implementation`` resolves to a kernel for this operand, ``None``
+      when it resolves to ``"xla"`` (which needs no padding).
+
+    Raises:
+      ValueError: as :func:`syrk` would for this implementation.
+    """
+    impl = _resolve(implementation, dtypes=(dtype,), size=_work(shape), interpret=False)
+    return None if impl == "xla" else TILE_MULTIPLES
+
+
 def syrk(x: jax.Array, *, out_dtype=None, implementation: Implementation = "auto",
          interpret: bool = False) -> jax.Array:
     """Returns ``x · xᵀ`` over the last two axes, batched over leading axes.

@@ -127,3 +127,36 @@ def test_coefficient_presets():
     assert len(dion3_jax.get_coefficients("jordan")) == 5
     assert len(dion3_jax.get_coefficients("you", steps=7)) == 7
     assert dion3_jax.get_coefficients("you", steps=2) == dion3_jax.COEFFICIENT_PRESETS["you"][:2]
+
+
+@pytest.mark.parametrize("method,shape", [("gram", (2, 100, 300)), ("gram", (1, 120, 125)),
+                                          ("standard", (1, 130, 130)), ("gram", (3, 64, 64))])
+def test_padding_to_kernel_tiles_is_exact(method, shape):
+    """Zero-padding the batch once to the kernels' tile multiples (what polar does when a kernel
+    runs) gives the unpadded result, here on the XLA path in float32 (fresh random inputs)."""
+    from dion3_jax import _polar
+    from dion3_jax._coefficients import get_coefficients
+
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), shape, jnp.float32)
+    x = x / jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
+    coeffs = get_coefficients("polar_express")
+    plain = _polar._iterate(x, coeffs, method, (2,), "xla", None)
+    padded = _polar._iterate(x, coeffs, method, (2,), "xla", (128, 64))
+    assert padded.shape == x.shape
+    np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), rtol=0, atol=2e-6)
+
+
+def test_padding_multiples_follow_the_backend(monkeypatch):
+    import pallas_kernels
+    from pallas_kernels import _api
+    from pallas_kernels._mosaic import MosaicConfig
+    from pallas_kernels._triton import TritonConfig
+
+    assert pallas_kernels.padding_multiples((4096, 16384), jnp.float16, "xla") is None
+    monkeypatch.setattr(_api, "available_implementations", lambda: ("xla", "mosaic"))
+    monkeypatch.setattr(_api, "_is_hopper", lambda device: True)
+    assert pallas_kernels.padding_multiples((4096, 16384), jnp.float16) == (128, 64)
+    assert pallas_kernels.padding_multiples((100, 300), jnp.float16) is None  # small: XLA
+    assert pallas_kernels.padding_multiples((4096, 16384), jnp.float32) is None
+    for config in (MosaicConfig.get_default(), TritonConfig.get_default()):
+        assert (config.tile, config.tile_k) == pallas_kernels.TILE_MULTIPLES
