@@ -58,8 +58,8 @@ case "$PART" in
     ;;
   selection)  # Row write-back / gather formulations, then the f = 1/4 step with and without
               # the rows-major selection switch, and its profile.
-    run bench_selection 100 python3 benchmarks/bench_selection.py
-    run bench_step_rows_major 200 python3 benchmarks/bench_step.py --no-baselines --no-polar \
+    run bench_selection 90 python3 benchmarks/bench_selection.py
+    run bench_step_rows_major 250 python3 benchmarks/bench_step.py --no-baselines --no-polar \
       --methods gram --backends mosaic --fractions 0.25 0.125 --rows-major
     run profile_step_rows_major 100 python3 benchmarks/profile_step.py --fraction 0.25 --rows-major
     ;;
