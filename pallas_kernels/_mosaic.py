@@ -151,6 +151,43 @@ def _smem_transforms(cols: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
+def _first_panels(a_gmem, b_gmem, tile: int, b_transposed: bool):
+    """Refs shaped like one ``a`` row panel and one ``b`` panel (for sizing the pipeline)."""
+    a_block = a_gmem.at[0, pl.ds(0, tile), :]
+    b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
+    return a_block, b_block
+
+
+def _pipeline(in_specs, blocks, *, k_iters: int, wgs: int, config: "MosaicConfig"):
+    """``(get_pipeline, allocations)``: ``get_pipeline(body, compute_context)`` builds the
+    warp-specialized pipeline over ``k_iters`` contraction steps of ``in_specs``, and
+    ``allocations`` are its shared-memory buffers for operands shaped like ``blocks``, allocated
+    once and reused by every work item."""
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None
+    return get_pipeline, get_pipeline(ignore, ignore).get_allocations(*blocks)
+
+
+def _store_mirror(out, out_t_buf, dst, *, commit_group: bool = True):
+    """Stores the transpose of the rounded block ``out`` to ``dst`` through the plain staging
+    buffer ``out_t_buf`` (a ``WGMMA_TRANSPOSED`` register layout and a transposed view)."""
+    out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+    out_t_buf.transpose((1, 0))[...] = out_t
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_t_buf, dst, commit_group=commit_group)
+
+
 def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, rows, cols,
                 off_diagonal, *, beta: float, out_dtype):
     """Epilogue of one float32 block of a warpgroup: ``+ β·C`` (if any), one rounding, a TMA store
@@ -169,10 +206,7 @@ def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, 
 
     @pl.when(off_diagonal)
     def _mirror():
-        out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-        out_t_smem.at[wg].transpose((1, 0))[...] = out_t
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
+        _store_mirror(out, out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
 
 
 def _store_double_buffered(sub_tile, subs, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
@@ -199,11 +233,8 @@ def _store_double_buffered(sub_tile, subs, out_gmem, out_smem, out_t_smem, c_gme
 
         @pl.when(off_diagonal)
         def _mirror():
-            out_t = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
-            out_t_smem.at[buf].transpose((1, 0))[...] = out_t
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_t_smem.at[buf], out_gmem.at[bi, cols, rows],
-                                    commit_group=False)
+            _store_mirror(out, out_t_smem.at[buf], out_gmem.at[bi, cols, rows],
+                          commit_group=False)
 
         plgpu.commit_smem_to_gmem_group()
         if has_c and i + 1 < len(subs):
@@ -255,25 +286,13 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                             config=config, b_transposed=b_transposed, alpha=alpha, beta=beta,
                             batch=batch, tiles_per_side=tiles_per_side)
 
-    def get_pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[a_spec, b_spec],
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=compute_context,
-        )
-
-    ignore = lambda *_, **__: None
-    a_block = a_gmem.at[0, pl.ds(0, tile), :]
-    b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
+    a_block, b_block = _first_panels(a_gmem, b_gmem, tile, b_transposed)
+    get_pipeline, allocations = _pipeline(
+        [a_spec, b_spec], [a_block, b_block], k_iters=k_iters, wgs=wgs, config=config)
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_block, b_block),
+        pipeline_allocs=allocations,
         out_smem=plgpu.SMEM((wgs, wg_rows, tile), out_dtype, transforms=out_transforms),
         out_t_smem=plgpu.SMEM((wgs, tile, wg_rows), out_dtype),
         c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=wgs),
@@ -335,22 +354,10 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
     k_iters = a_gmem.shape[-1] // tile_k
     out_transforms = _smem_transforms(epi_cols, out_dtype)
 
-    def get_pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(k_iters,),
-            memory_registers=40,
-            in_specs=[a_spec, a_spec, b_spec],
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=compute_context,
-        )
-
-    ignore = lambda *_, **__: None
-    a_block = a_gmem.at[0, pl.ds(0, tile), :]
-    b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
-    pipeline_allocs = get_pipeline(ignore, ignore).get_allocations(a_block, a_block, b_block)
+    a_block, b_block = _first_panels(a_gmem, b_gmem, tile, b_transposed)
+    get_pipeline, pipeline_allocs = _pipeline(
+        [a_spec, a_spec, b_spec], [a_block, a_block, b_block], k_iters=k_iters, wgs=wgs,
+        config=config)
     by_index = config.pair_select == "index"
     slots = 2 if config.epi_double_buffer else 1
     a_both = None
