@@ -21,6 +21,13 @@ def median_ms(fn, *args, reps: int) -> float:
     return statistics.median(times)
 
 
+def rotated_sets(args, count: int) -> list[tuple]:
+    """``count`` input sets for :func:`median_ms_rotated`: ``args`` and copies scaled by
+    ``1 + s/64`` (other buffers, same structure and dtypes; a symmetric operand stays symmetric)."""
+    return [tuple(args)] + [tuple((a * (1.0 + s / 64)).astype(a.dtype) for a in args)
+                            for s in range(1, count)]
+
+
 def median_ms_rotated(fn, arg_sets, *, reps: int) -> float:
     """Median device-bound time in ms of one ``fn(*args)``: every rep runs ``fn`` once on each of
     the ``len(arg_sets)`` input sets inside one jitted call and divides by their number.

@@ -29,7 +29,7 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import _mosaic, _triton
-from _timing import median_ms, median_ms_rotated
+from _timing import median_ms, median_ms_rotated, rotated_sets
 
 # (name, op, batch, n, m, dtype): syrk of (batch, n, m); sym_matmul of (batch, n, n)·(batch, n, n).
 CASES = [
@@ -83,13 +83,6 @@ TRITON_VARIANTS = {  # Besides "default" (TritonConfig(): 8 warps, 4 stages).
 timed = median_ms
 
 
-def rotated_sets(args_, count):
-    """``count`` input sets: ``args_`` and copies scaled by ``1 + s/64`` (other buffers, same
-    structure; a symmetric operand stays symmetric)."""
-    return [args_] + [tuple((a * (1.0 + s / 64)).astype(a.dtype) for a in args_)
-                      for s in range(1, count)]
-
-
 def make_inputs(op, batch, n, m, dtype, key):
     """Operands and the float64 reference (computed on the device)."""
     with jax.enable_x64(True):
@@ -124,20 +117,15 @@ def implementations(variants: bool):
     impls = [("xla", lambda x: pallas_kernels.syrk(x, implementation="xla"),
               lambda a, b, c, **kw: pallas_kernels.sym_matmul(a, b, c, implementation="xla", **kw))]
     available = pallas_kernels.available_implementations()
-    if "mosaic" in available:
-        configs = {"default": None, **(MOSAIC_VARIANTS if variants else {})}
-        for name, cfg in configs.items():
-            impls.append((f"mosaic[{name}]",
-                          jax.jit(lambda x, cfg=cfg: _mosaic.syrk_mosaic(x, config=cfg)),
-                          lambda a, b, c, cfg=cfg, **kw: _mosaic.sym_matmul_mosaic(
-                              a, b, c, config=cfg, **kw)))
-    if "triton" in available:
-        configs = {"default": None, **(TRITON_VARIANTS if variants else {})}
-        for name, cfg in configs.items():
-            impls.append((f"triton[{name}]",
-                          jax.jit(lambda x, cfg=cfg: _triton.syrk_triton(x, config=cfg)),
-                          lambda a, b, c, cfg=cfg, **kw: _triton.sym_matmul_triton(
-                              a, b, c, config=cfg, **kw)))
+    families = [("mosaic", MOSAIC_VARIANTS, _mosaic.syrk_mosaic, _mosaic.sym_matmul_mosaic),
+                ("triton", TRITON_VARIANTS, _triton.syrk_triton, _triton.sym_matmul_triton)]
+    for family, table, syrk_fn, sym_fn in families:
+        if family not in available:
+            continue
+        for name, cfg in {"default": None, **(table if variants else {})}.items():
+            impls.append((f"{family}[{name}]",
+                          jax.jit(lambda x, cfg=cfg, f=syrk_fn: f(x, config=cfg)),
+                          lambda a, b, c, cfg=cfg, f=sym_fn, **kw: f(a, b, c, config=cfg, **kw)))
     return impls
 
 

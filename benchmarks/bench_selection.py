@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _timing import median_ms_rotated  # noqa: E402
+from _timing import median_ms_rotated, rotated_sets  # noqa: E402
 from dion3_jax import _selection  # noqa: E402
 
 
@@ -97,8 +97,7 @@ def main(argv=None):
             out = np.asarray(f(d))
             ref = out if ref is None else ref
             np.testing.assert_array_equal(out, ref, err_msg=name)
-            sets = [(d * (1 + s),) for s in range(a.rotate)]
-            ms = median_ms_rotated(f, sets, reps=a.reps)
+            ms = median_ms_rotated(f, rotated_sets((d,), a.rotate), reps=a.reps)
             gbs = 4 * (c * n + k * c) / ms / 1e6
             print(f"{'write U':<11} {f'{c}x{n}':<12} {name:<22} {ms:8.3f} {gbs:8.0f}", flush=True)
         ref = None
@@ -107,8 +106,7 @@ def main(argv=None):
             out = np.asarray(f(m))
             ref = out if ref is None else ref
             np.testing.assert_array_equal(out, ref, err_msg=name)
-            sets = [(m * (1 + s),) for s in range(a.rotate)]
-            ms = median_ms_rotated(f, sets, reps=a.reps)
+            ms = median_ms_rotated(f, rotated_sets((m,), a.rotate), reps=a.reps)
             gbs = 4 * 2 * k * c / ms / 1e6
             print(f"{'gather M[I]':<11} {f'{c}x{n}':<12} {name:<22} {ms:8.3f} {gbs:8.0f}",
                   flush=True)
