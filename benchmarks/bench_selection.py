@@ -68,7 +68,36 @@ def payload_variants():
     def t_take_rows(m, idx):
         return _selection.gather_rows(jnp.swapaxes(m, 1, 2), idx, 1)
 
-    return {"take_minor_T": take_minor_t, "T_take_rows": t_take_rows}
+    def sorted_minor_t(m, idx):
+        return jnp.swapaxes(_selection.gather_rows(m, jnp.sort(idx, axis=1), 2), 1, 2)
+
+    def barrier_t_rows(m, idx):
+        mt = jax.lax.optimization_barrier(jnp.swapaxes(m, 1, 2))
+        return _selection.gather_rows(mt, jnp.sort(idx, axis=1), 1)
+
+    return {"take_minor_T": take_minor_t, "T_take_rows": t_take_rows,
+            "sorted_minor_T": sorted_minor_t, "barrier_T_sorted_rows": barrier_t_rows}
+
+
+def fused_payload_variants():
+    """``S = (M + G)[I]`` with the momentum sum fused in, as in the step (sorted = ascending
+    ``I``: the polar is row-permutation equivariant, so the step may sort)."""
+    def fused(m, g, idx):
+        return jnp.swapaxes(_selection.gather_rows(m + g, idx, 2), 1, 2)
+
+    def fused_sorted(m, g, idx):
+        return jnp.swapaxes(_selection.gather_rows(m + g, jnp.sort(idx, axis=1), 2), 1, 2)
+
+    def barrier_sorted(m, g, idx):
+        mg = jax.lax.optimization_barrier(m + g)
+        return jnp.swapaxes(_selection.gather_rows(mg, jnp.sort(idx, axis=1), 2), 1, 2)
+
+    def barrier_t_sorted_rows(m, g, idx):
+        mt = jax.lax.optimization_barrier(jnp.swapaxes(m + g, 1, 2))
+        return _selection.gather_rows(mt, jnp.sort(idx, axis=1), 1)
+
+    return {"fused": fused, "fused_sorted": fused_sorted, "barrier_sorted": barrier_sorted,
+            "barrier_T_sorted_rows": barrier_t_sorted_rows}
 
 
 def main(argv=None):
@@ -104,11 +133,26 @@ def main(argv=None):
         for name, fn in payload_variants().items():
             f = jax.jit(lambda m, fn=fn: fn(m, idx))
             out = np.asarray(f(m))
+            if "sorted" in name:   # rows in ascending order: compare as sets of rows
+                out = out[:, np.argsort(np.argsort(np.asarray(idx)[0]))]
             ref = out if ref is None else ref
             np.testing.assert_array_equal(out, ref, err_msg=name)
             ms = median_ms_rotated(f, rotated_sets((m,), a.rotate), reps=a.reps)
             gbs = 4 * 2 * k * c / ms / 1e6
             print(f"{'gather M[I]':<11} {f'{c}x{n}':<12} {name:<22} {ms:8.3f} {gbs:8.0f}",
+                  flush=True)
+        g = jnp.asarray(rng.standard_normal((1, c, n)), jnp.float32)
+        ref = None
+        for name, fn in fused_payload_variants().items():
+            f = jax.jit(lambda m, g, fn=fn: fn(m, g, idx))
+            out = np.asarray(f(m, g))
+            if "sorted" in name:   # rows in ascending order: compare as sets of rows
+                out = out[:, np.argsort(np.argsort(np.asarray(idx)[0]))]
+            ref = out if ref is None else ref
+            np.testing.assert_array_equal(out, ref, err_msg=name)
+            ms = median_ms_rotated(f, rotated_sets((m, g), a.rotate), reps=a.reps)
+            gbs = 4 * (2 * c * n + k * c) / ms / 1e6
+            print(f"{'(M+G)[I]':<11} {f'{c}x{n}':<12} {name:<22} {ms:8.3f} {gbs:8.0f}",
                   flush=True)
 
 

@@ -61,6 +61,23 @@ def kind(name: str) -> str:
     return re.sub(r"[._]\d+$", "", name.split(":")[0]).strip() or name
 
 
+def fusion_text(hlo: str, op: str) -> str:
+    """The instruction named like the profiler's ``op`` in ``hlo`` and, for a fusion, the
+    computation it calls."""
+    stem = re.escape(re.sub(r"[._](\d+)$", "", op))
+    num = re.search(r"[._](\d+)$", op)
+    pat = stem + (r"[._]" + num.group(1) if num else "")
+    line = next((ln for ln in hlo.splitlines()
+                 if re.match(rf"\s*(ROOT )?%?{pat} = ", ln)), None)
+    if line is None:
+        return f"(instruction {op} not found)"
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    if not called:
+        return line.strip()
+    body = re.search(rf"(?ms)^%?{re.escape(called.group(1))} .*?^}}", hlo)
+    return line.strip() + "\n" + (body.group(0) if body else "")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
@@ -71,6 +88,9 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--rows-major", action="store_true",
                    help="trace the step with dion3_jax._selection._rows_major_selection")
+    p.add_argument("--show-hlo", nargs="+", default=[], metavar="KIND",
+                   help="print the optimized HLO of the slowest op of each of these op kinds "
+                        "(e.g. loop_gather_fusion)")
     a = p.parse_args(argv)
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     shapes = bench_step.model_shapes(**cfg)
@@ -110,6 +130,17 @@ def main(argv=None):
     print("\n| op | ms / step |\n|---|---:|")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")
+    if a.show_hlo:
+        with _selection._rows_major_selection() if a.rows_major else contextlib.nullcontext():
+            hlo = step.lower(params, state, grads).compile().as_text()
+        for want in a.show_hlo:
+            ops = [k for k in per_step if kind(k) == want]
+            if not ops:
+                print(f"\n# no op of kind {want}")
+                continue
+            op = max(ops, key=per_step.get)
+            print(f"\n# HLO of {op} ({per_step[op]:.3f} ms / step)")
+            print(fusion_text(hlo, op))
 
 
 if __name__ == "__main__":

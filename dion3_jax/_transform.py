@@ -302,8 +302,8 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
             payload[u.uid] = m
             continue
         if u.mode != "rows":
-            i = tops[u.uid]
-            idx[u.uid] = i
+            i = jnp.sort(tops[u.uid], axis=1)   # ascending rows: local gathers (polar is
+            idx[u.uid] = i                        # row-permutation equivariant)
             payload[u.uid] = _selection.gather_rows(m, i, ra)
             continue
         seg, width = u.seg, u.seg.width
@@ -322,6 +322,8 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
         n_local = m.shape[ra]
         rows = start + li
         rows = jnp.where(valid, rows, n_local + jnp.arange(u.pick))   # distinct, dropped
+        rows = jnp.sort(rows, axis=1)               # ascending; the padding rows come last
+        valid = rows < n_local
         idx[u.uid] = rows
         s = _selection.gather_rows(m, jnp.minimum(rows, n_local - 1), ra)
         payload[u.uid] = s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype)
