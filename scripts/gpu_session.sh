@@ -31,7 +31,7 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
 for PART in "$@"; do
 case "$PART" in
   kernels)  # GPU kernel tests, kernel table with every variant, polar per backend.
-    run kernel_tests 200 python3 -m pytest -q -rs tests/test_kernels_gpu.py
+    run kernel_tests 300 python3 -m pytest -q -rs tests/test_kernels_gpu.py
     run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;
@@ -39,15 +39,17 @@ case "$PART" in
     run bench_kernels 150 python3 benchmarks/bench_kernels.py --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;
+  polar-test)  # Gram NS through the kernels against XLA's (the last GPU test, on its own).
+    run polar_tests 90 python3 -m pytest -q -rs tests/test_kernels_gpu.py -k gram_ns
+    ;;
   step)
     # The most important rows first (each part is time-boxed; a stopped part still prints the
-    # rows it finished): AdamW, optax Muon, Dion3 Gram NS at f = 1 and 1/4 on the kernels and XLA.
-    run bench_step_gram 250 python3 benchmarks/bench_step.py --methods gram \
-      --backends mosaic xla --fractions 1 0.25
-    run bench_step_standard 150 python3 benchmarks/bench_step.py --no-baselines \
-      --methods standard --backends xla mosaic --fractions 1 0.25
-    run bench_step_more 140 python3 benchmarks/bench_step.py --no-baselines --methods gram \
-      --backends mosaic triton --fractions 0.5 0.125
+    # rows it finished): AdamW, optax Muon, Dion3 Gram NS on the Mosaic kernels at every f; then
+    # XLA and Triton, Gram and standard NS, at f = 1/4. Step times only (--no-polar).
+    run bench_step_gram 300 python3 benchmarks/bench_step.py --no-polar --methods gram \
+      --backends mosaic --fractions 0.25 0.125 1 0.5
+    run bench_step_more 170 python3 benchmarks/bench_step.py --no-polar --no-baselines \
+      --methods gram standard --backends xla triton --fractions 0.25
     ;;
   step-gram)  # Baselines and Dion3 Gram NS on the Mosaic kernels at f = 1, 1/4, 1/2.
     run bench_step_gram 200 python3 benchmarks/bench_step.py --methods gram --backends mosaic \
@@ -63,7 +65,7 @@ case "$PART" in
       --methods gram --backends mosaic --fractions 0.25 0.125 --rows-major
     run profile_step_rows_major 100 python3 benchmarks/profile_step.py --fraction 0.25 --rows-major
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | step | step-gram | profile | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-gram | profile | selection)"
      exit 2 ;;
 esac
 done
