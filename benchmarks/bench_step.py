@@ -31,7 +31,6 @@ Usage::
     python benchmarks/bench_step.py --fractions 1 0.25 --methods gram --backends xla
     python benchmarks/bench_step.py --fsdp --no-megabatch --fractions 1 0.25 --methods gram
     python benchmarks/bench_step.py --small --fsdp --no-megabatch --cpu-devices 8  # CPU smoke
-    python benchmarks/bench_step.py --methods gram --fractions 0.25 --rows-major
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax import _megabatch, _selection
+from dion3_jax import _megabatch
 import pallas_kernels
 from _timing import median_ms
 
@@ -123,13 +122,11 @@ def collective_stats(hlo: str) -> dict:
     return stats
 
 
-def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False,
-              rows_major: bool = False):
+def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False):
     """Median ms of jit(update + apply_updates) and the compiled step's collective stats."""
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     grouping = _megabatch._one_group_per_leaf() if per_leaf else contextlib.nullcontext()
-    layout = _selection._rows_major_selection() if rows_major else contextlib.nullcontext()
-    with ctx, grouping, layout:
+    with ctx, grouping:
         state = tx.init(params)
 
         def step(params, state, grads):
@@ -181,9 +178,6 @@ def main(argv=None) -> list[dict]:
                    help="shard every matrix along its output axis over all devices (1-D mesh)")
     p.add_argument("--no-megabatch", action="store_true",
                    help="also time each Dion3 variant with one group (all-to-all) per parameter")
-    p.add_argument("--rows-major", action="store_true",
-                   help="also time each Dion3 variant at f < 1 with the rows-major selection "
-                        "(dion3_jax._selection._rows_major_selection)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
     a = p.parse_args(argv)
@@ -245,24 +239,18 @@ def main(argv=None) -> list[dict]:
                 record("optax.contrib.muon (auto mesh)",
                        *time_step(optax.contrib.muon(1e-3), ap, ag, reps, auto_mesh))
         # Megabatched variants first, then (--no-megabatch) the one-group-per-parameter ones.
-        layouts = [False, True] if a.rows_major else [False]
-        for per_leaf, rows_major in [(pl, rm) for pl in ([False, True] if a.no_megabatch
-                                                         else [False]) for rm in layouts]:
+        for per_leaf in [False, True] if a.no_megabatch else [False]:
             for method in a.methods:
                 for backend in backends:
                     for f in a.fractions:
-                        if rows_major and f == 1:
-                            continue  # Nothing is selected at f = 1: the switch changes nothing.
                         tx = dion3_jax.dion3(0.01, f, method=method, backend=backend)
-                        ms, stats = time_step(tx, params, grads, reps, mesh, per_leaf,
-                                              rows_major)
+                        ms, stats = time_step(tx, params, grads, reps, mesh, per_leaf)
                         polar_ms = None
-                        if not (a.no_polar or a.fsdp or per_leaf or rows_major):
+                        if not (a.no_polar or a.fsdp or per_leaf):
                             ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
                             polar_ms = time_polar(shapes, f, ortho, reps)
                         name = (f"dion3 f={f:g} {method} {backend}"
-                                + (" no-megabatch" if per_leaf else "")
-                                + (" rows-major" if rows_major else ""))
+                                + (" no-megabatch" if per_leaf else ""))
                         record(name, ms, stats, polar_ms)
 
     # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far

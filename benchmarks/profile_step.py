@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import glob
 import os
 import re
@@ -23,7 +22,6 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.profiler import ProfileData
 
@@ -31,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_step  # noqa: E402  (model shapes and parameter trees)
 import dion3_jax  # noqa: E402
-from dion3_jax import _selection  # noqa: E402
 
 
 def op_times(trace_dir: str) -> dict[str, float]:
@@ -86,8 +83,6 @@ def main(argv=None):
     p.add_argument("--backend", default="auto")
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--top", type=int, default=25, help="ops listed")
-    p.add_argument("--rows-major", action="store_true",
-                   help="trace the step with dion3_jax._selection._rows_major_selection")
     p.add_argument("--show-hlo", nargs="+", default=[], metavar="KIND",
                    help="print the optimized HLO of the slowest op of each of these op kinds "
                         "(e.g. loop_gather_fusion)")
@@ -104,9 +99,8 @@ def main(argv=None):
         return optax.apply_updates(params, updates), state
 
     step = jax.jit(step, donate_argnums=(0, 1))
-    with _selection._rows_major_selection() if a.rows_major else contextlib.nullcontext():
-        for _ in range(2):  # Traced (and compiled) on the first call, inside the context.
-            params, state = jax.block_until_ready(step(params, state, grads))
+    for _ in range(2):  # Traced and compiled on the first call.
+        params, state = jax.block_until_ready(step(params, state, grads))
     trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
     with jax.profiler.trace(trace_dir):
         for _ in range(a.steps):
@@ -115,8 +109,7 @@ def main(argv=None):
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}"
-          f"{' rows-major' if a.rows_major else ''}, "
+    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}, "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
           f"{total:.2f} ms (summed over {len(per_step)} ops)")
     by_kind: dict[str, float] = collections.defaultdict(float)
@@ -131,8 +124,7 @@ def main(argv=None):
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")
     if a.show_hlo:
-        with _selection._rows_major_selection() if a.rows_major else contextlib.nullcontext():
-            hlo = step.lower(params, state, grads).compile().as_text()
+        hlo = step.lower(params, state, grads).compile().as_text()
         for want in a.show_hlo:
             ops = [k for k in per_step if kind(k) == want]
             if not ops:

@@ -10,36 +10,11 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
-
-
-_ROWS_MAJOR = contextvars.ContextVar("dion3_rows_major_selection", default=False)
-
-
-@contextlib.contextmanager
-def _rows_major_selection() -> Iterator[None]:
-    """Private, for benchmarks: steps *traced* inside this context transpose every block whose rows
-    are its minor axis (Flax ``(in, out)`` matrices) to rows-major before selecting, so that row
-    gathers read contiguous rows, and transpose the new momentum, variance and update back. Only
-    blocks with a selected (not full) matrix are transposed. The results are the same up to the
-    order of floating-point sums; the memory traffic differs. Read at trace time."""
-    token = _ROWS_MAJOR.set(True)
-    try:
-        yield
-    finally:
-        _ROWS_MAJOR.reset(token)
-
-
-def rows_major() -> bool:
-    """Whether :func:`_rows_major_selection` is active."""
-    return _ROWS_MAJOR.get()
 
 
 def num_selected(fraction: float, n: int) -> int:

@@ -26,7 +26,6 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-import dataclasses
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -208,17 +207,6 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
 
     mblk = [p.local.to_blocks(m + g.astype(m.dtype)) for p, g, m in zip(plans, grads, moms)]
     vblk = [p.local.to_blocks(v) if normuon else None for p, v in zip(plans, vars_)]
-    # Optional (benchmarks): selected blocks with minor-axis rows go rows-major for the step.
-    flip = set()
-    if _selection.rows_major():
-        flip = {(u.leaf, u.block) for u in units if u.layout.row_axis == 2 and not u.full}
-        units = [u._replace(layout=dataclasses.replace(u.layout, row_axis=1))
-                 if (u.leaf, u.block) in flip else u for u in units]
-        for li, bi in flip:
-            mblk[li][bi] = jnp.swapaxes(mblk[li][bi], 1, 2)
-            if normuon:
-                vblk[li][bi] = jnp.swapaxes(vblk[li][bi], 1, 2)
-
     def shard_index(u):
         return jax.lax.axis_index(u.comm) if u.comm else 0
 
@@ -334,7 +322,10 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
     for u in units:
         s = payload[u.uid]
         rows_asm = u.pick * (ctx.size(u.comm) if u.mode == "rows" else 1)
-        want = 1 if rows_asm <= u.layout.c else 2
+        # Wide orientation for the polar; a square matrix keeps its layout (polar(Xᵀ) = polar(X)ᵀ,
+        # so a transpose there would only move memory).
+        want = (u.layout.row_axis if rows_asm == u.layout.c
+                else 1 if rows_asm < u.layout.c else 2)
         swap = u.layout.row_axis != want
         shape = _orient(s, swap).shape[1:]
         if u.mode == "local":
@@ -422,11 +413,6 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
             continue
         ublk[u.leaf][u.block] = _selection.expand_rows(d, row_pos[u.uid], u.layout.row_axis,
                                                        base=ublk[u.leaf][u.block])
-    for li, bi in flip:
-        ublk[li][bi] = jnp.swapaxes(ublk[li][bi], 1, 2)
-        mblk[li][bi] = jnp.swapaxes(mblk[li][bi], 1, 2)
-        if normuon:
-            vblk[li][bi] = jnp.swapaxes(vblk[li][bi], 1, 2)
     new_u, new_m, new_v = [], [], []
     for p, g, m, v, ub, mb, vb in zip(plans, grads, moms, vars_, ublk, mblk, vblk):
         new_u.append(p.local.from_blocks(ub, g.shape).astype(g.dtype))

@@ -58,12 +58,10 @@ case "$PART" in
   profile)  # Where the f = 1/4 step spends its time (jax.profiler, per op kind).
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25
     ;;
-  selection)  # Row write-back / gather formulations, then the f = 1/4 step with and without
-              # the rows-major selection switch, and its profile.
+  selection)  # Row write-back / gather formulations alone, then where the f = 1/4 step's time goes.
     run bench_selection 90 python3 benchmarks/bench_selection.py
-    run bench_step_rows_major 250 python3 benchmarks/bench_step.py --no-baselines --no-polar \
-      --methods gram --backends mosaic --fractions 0.25 0.125 --rows-major
-    run profile_step_rows_major 100 python3 benchmarks/profile_step.py --fraction 0.25 --rows-major
+    run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
+      --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
   *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-gram | profile | selection)"
      exit 2 ;;

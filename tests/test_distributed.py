@@ -72,6 +72,8 @@ def model(mesh):
         "heads8": ((16, 24), P(None, s), {"num_heads": 8}),        # whole heads per device
         "torch_rows": ((40, 16), P(s, None), {"dn": TORCH}),       # (out, in), rows sharded
         "one_axis": ((16, 20), P(last, None), {}),                 # sharded over one mesh axis
+        "square": ((16, 16), P(None, s), {}),                      # square: kept unswapped
+        "square_cols": ((16, 16), P(s, None), {}),                 # square, column shards
     }
     for i in range(3):                                             # 3 matrices ∤ 8 devices
         leaves[f"layer{i}"] = ((24, 16), P(None, s), {})
@@ -341,38 +343,3 @@ def test_validation():
         w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P(None, "a")))
         with pytest.raises(ValueError, match="replica"):
             dion3_jax.scale_by_dion3(replica_axis="a").init({"w": w})
-
-
-@pytest.mark.parametrize("mesh_shape", [None, MESHES[0]], ids=["single", "mesh"])
-@pytest.mark.parametrize("scope", ["local", "global"])
-def test_rows_major_selection_gives_the_same_step(mesh_shape, scope):
-    """The benchmark-only rows-major switch (minor-axis rows transposed for the selection) changes
-    memory traffic, not results: updates and states agree with the default step."""
-    from dion3_jax import _selection
-
-    mesh = make_mesh(mesh_shape) if mesh_shape else make_mesh(MESHES[0])
-    leaves = model(mesh)
-    params = random_tree(leaves, 0)
-    grads = [random_tree(leaves, s + 1) for s in range(2)]
-    kw = dict(selection_scope=scope, **opts(leaves), **POLAR)
-
-    def run(rows_major):
-        tx = dion3_jax.scale_by_dion3(0.25, **kw)  # A fresh update function: traced anew.
-        ctx = _selection._rows_major_selection() if rows_major else contextlib.nullcontext()
-        if mesh_shape is None:
-            with ctx:
-                return run_single(tx, params, grads)
-        with jax.set_mesh(mesh), ctx:
-            state = tx.init(put(params, leaves, mesh))
-            update = jax.jit(tx.update)
-            outs = []
-            for g in grads:
-                u, state = update(put(g, leaves, mesh), state)
-                outs.append(u)
-            return outs, state
-
-    (ref_u, ref_s), (u, s) = run(False), run(True)
-    for a, b in zip(u, ref_u):
-        assert_close(a, b, 2e-5, "update ")
-    assert_close(s.momentum, ref_s.momentum, 2e-5, "momentum ")
-    assert_close(s.variance, ref_s.variance, 2e-5, "variance ")
