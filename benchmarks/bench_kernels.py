@@ -66,7 +66,7 @@ MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default: pair tiles, 
     "pairW_e128s3": _mosaic.MosaicConfig(pair_tiles=True, epi_cols=128, max_concurrent_steps=3),
     "pairI_infl1s3": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index",
                                           wgmma_in_flight=1, max_concurrent_steps=3),
-    # dbuf: two epilogue staging slots, stores grouped per sub-tile, c prefetched (untimed yet).
+    # dbuf: two epilogue staging slots, stores grouped per sub-tile, c prefetched (slower: run 7).
     "pairI_infl1_dbuf_s3": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index",
                                                 wgmma_in_flight=1, epi_double_buffer=True,
                                                 max_concurrent_steps=3),

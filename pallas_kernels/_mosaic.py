@@ -20,7 +20,8 @@ to tile multiples by the wrapper and the result is sliced back, so any size work
 H200: ``pair_tiles=True`` (each CTA computes two tiles that share their column panel, one 128×128
 accumulator per compute warpgroup, :func:`_paired_body`), ``pair_select="index"`` and
 ``wgmma_in_flight=1`` (one step's wgmmas stay in flight, ``delay_release=1``).
-``epi_double_buffer=True`` double-buffers the paired epilogue (not yet timed).
+``epi_double_buffer=True`` double-buffers the paired epilogue (slower on the H200: it leaves room for
+only 3 pipeline stages; docs/KERNELS.md).
 """
 
 from __future__ import annotations
