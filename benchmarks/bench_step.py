@@ -31,11 +31,13 @@ Usage::
     python benchmarks/bench_step.py --fractions 1 0.25 --methods gram --backends xla
     python benchmarks/bench_step.py --fsdp --no-megabatch --fractions 1 0.25 --methods gram
     python benchmarks/bench_step.py --small --fsdp --no-megabatch --cpu-devices 8  # CPU smoke
+    python benchmarks/bench_step.py --compile-workers 8 --no-polar   # every variant, one run
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -122,19 +124,40 @@ def collective_stats(hlo: str) -> dict:
     return stats
 
 
-def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False):
-    """Median ms of jit(update + apply_updates) and the compiled step's collective stats."""
+def compile_step(tx, params, grads, mesh=None, per_leaf: bool = False, state=None):
+    """``jit(update + apply_updates)`` (params and state donated), lowered and compiled.
+
+    ``state`` defaults to the abstract shapes of ``tx.init(params)`` (``jax.eval_shape``: no
+    device memory), which is enough on one device; pass the real state under a mesh so that its
+    shardings are the ones compiled for. Safe to call from several threads at once (the
+    per-leaf grouping switch is a context variable, set here in the calling thread).
+    """
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     grouping = _megabatch._one_group_per_leaf() if per_leaf else contextlib.nullcontext()
     with ctx, grouping:
-        state = tx.init(params)
+        if state is None:
+            state = jax.eval_shape(tx.init, params)
 
         def step(params, state, grads):
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
+        return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+
+
+def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False, compiled=None):
+    """Median ms of jit(update + apply_updates) and the compiled step's collective stats.
+
+    ``compiled``: the step from :func:`compile_step` (or a future of it), compiled here if None.
+    """
+    ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    with ctx:
+        state = tx.init(params)
         params = jax.tree.map(jnp.copy, params)
-        step = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+        if compiled is None:
+            step = compile_step(tx, params, grads, mesh, per_leaf, state)
+        else:
+            step = compiled.result() if hasattr(compiled, "result") else compiled
         stats = collective_stats(step.as_text())
         for _ in range(2):  # warm-up
             params, state = jax.block_until_ready(step(params, state, grads))
@@ -178,6 +201,10 @@ def main(argv=None) -> list[dict]:
                    help="shard every matrix along its output axis over all devices (1-D mesh)")
     p.add_argument("--no-megabatch", action="store_true",
                    help="also time each Dion3 variant with one group (all-to-all) per parameter")
+    p.add_argument("--compile-workers", type=int, default=0, metavar="N",
+                   help="compile every variant up front on N threads (one device only; XLA "
+                        "compiles in parallel, so all variants fit one time-limited run), then "
+                        "time them in order; 0: compile each just before timing it")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
     a = p.parse_args(argv)
@@ -220,12 +247,38 @@ def main(argv=None) -> list[dict]:
         coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
         print(f"  {name}: {ms:.2f} ms{extra}  [{coll or 'no collectives'}]", flush=True)
 
+    # Every variant: (name, optax transformation, per_leaf, (method, backend, f) or None).
+    plan = []
+    if not a.no_baselines:
+        plan += [("optax.adamw", optax.adamw(1e-3), False, None),
+                 ("optax.contrib.muon", optax.contrib.muon(1e-3), False, None)]
+    # Megabatched variants first, then (--no-megabatch) the one-group-per-parameter ones.
+    for per_leaf in [False, True] if a.no_megabatch else [False]:
+        for method in a.methods:
+            for backend in backends:
+                for f in a.fractions:
+                    name = (f"dion3 f={f:g} {method} {backend}"
+                            + (" no-megabatch" if per_leaf else ""))
+                    plan.append((name, dion3_jax.dion3(0.01, f, method=method, backend=backend),
+                                 per_leaf, (method, backend, f)))
+    compiled = {}
+    if a.compile_workers > 0 and mesh is None:
+        pool = concurrent.futures.ThreadPoolExecutor(a.compile_workers)
+        compiled = {name: pool.submit(compile_step, tx, params, grads, None, per_leaf)
+                    for name, tx, per_leaf, _ in plan}
+        t0 = time.perf_counter()
+        pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.
+        print(f"# compiled {len(plan)} variants on {a.compile_workers} threads in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+
     def variants():
         if not a.no_baselines:
-            record("optax.adamw", *time_step(optax.adamw(1e-3), params, grads, reps, mesh))
+            record("optax.adamw", *time_step(plan[0][1], params, grads, reps, mesh,
+                                             compiled=compiled.get("optax.adamw")))
             try:
                 record("optax.contrib.muon",
-                       *time_step(optax.contrib.muon(1e-3), params, grads, reps, mesh))
+                       *time_step(plan[1][1], params, grads, reps, mesh,
+                                  compiled=compiled.get("optax.contrib.muon")))
             except Exception as e:  # noqa: BLE001 - sharded matrices under an Explicit mesh
                 if mesh is None:
                     raise
@@ -238,20 +291,17 @@ def main(argv=None) -> list[dict]:
                       for k, v in grads.items()}
                 record("optax.contrib.muon (auto mesh)",
                        *time_step(optax.contrib.muon(1e-3), ap, ag, reps, auto_mesh))
-        # Megabatched variants first, then (--no-megabatch) the one-group-per-parameter ones.
-        for per_leaf in [False, True] if a.no_megabatch else [False]:
-            for method in a.methods:
-                for backend in backends:
-                    for f in a.fractions:
-                        tx = dion3_jax.dion3(0.01, f, method=method, backend=backend)
-                        ms, stats = time_step(tx, params, grads, reps, mesh, per_leaf)
-                        polar_ms = None
-                        if not (a.no_polar or a.fsdp or per_leaf):
-                            ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
-                            polar_ms = time_polar(shapes, f, ortho, reps)
-                        name = (f"dion3 f={f:g} {method} {backend}"
-                                + (" no-megabatch" if per_leaf else ""))
-                        record(name, ms, stats, polar_ms)
+        for name, tx, per_leaf, dion in plan:
+            if dion is None:
+                continue
+            ms, stats = time_step(tx, params, grads, reps, mesh, per_leaf,
+                                  compiled=compiled.get(name))
+            polar_ms = None
+            if not (a.no_polar or a.fsdp or per_leaf):
+                method, backend, f = dion
+                ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
+                polar_ms = time_polar(shapes, f, ortho, reps)
+            record(name, ms, stats, polar_ms)
 
     # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far
     # is still printed.

@@ -51,6 +51,10 @@ case "$PART" in
     run bench_step_more 170 python3 benchmarks/bench_step.py --no-polar --no-baselines \
       --methods gram standard --backends xla triton --fractions 0.25
     ;;
+  step-all)  # Every row of the step table in ONE process (DESIGN §6: all variants in one run):
+             # the variants compile on 8 threads first, then run one after another.
+    run bench_step_all 540 python3 benchmarks/bench_step.py --compile-workers 8 --no-polar
+    ;;
   step-gram)  # Baselines and Dion3 Gram NS on the Mosaic kernels at f = 1, 1/4, 1/2.
     run bench_step_gram 200 python3 benchmarks/bench_step.py --methods gram --backends mosaic \
       --fractions 1 0.25 0.5
@@ -63,7 +67,7 @@ case "$PART" in
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-gram | profile | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | step-gram | profile | selection)"
      exit 2 ;;
 esac
 done
