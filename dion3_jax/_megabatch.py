@@ -87,10 +87,13 @@ def _pad_count(x: jax.Array, multiple: int) -> jax.Array:
     return x
 
 
-def _checked(orthogonalizer, x):
-    y = orthogonalizer(x)
-    if y.shape != x.shape:
-        raise ValueError(f"the orthogonalizer changed the shape {x.shape} into {y.shape}")
+def checked(orthogonalize, x):
+    """``orthogonalize(x)``, whose result must have the stacked shape of ``x`` (an array, or a
+    list of arrays stacked along axis 0)."""
+    y = orthogonalize(x)
+    shape = x.shape if hasattr(x, "shape") else (sum(p.shape[0] for p in x), *x[0].shape[1:])
+    if y.shape != shape:
+        raise ValueError(f"the orthogonalizer changed the shape {shape} into {y.shape}")
     return y
 
 
@@ -109,13 +112,13 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
     """
     n = x.shape[0]
     if key.kind == "local" or axis_size == 1:
-        return _checked(orthogonalizer, x)
+        return checked(orthogonalizer, x)
     xp = _pad_count(x, axis_size)
     if key.kind == "split":
         per = xp.shape[0] // axis_size
         start = jax.lax.axis_index(key.axes) * per
         mine = jax.lax.dynamic_slice_in_dim(xp, start, per, axis=0)
-        out = jax.lax.all_gather(_checked(orthogonalizer, mine), key.axes, axis=0, tiled=True)
+        out = jax.lax.all_gather(checked(orthogonalizer, mine), key.axes, axis=0, tiled=True)
         return out[:n]
     # a2a: (N_pad, a, b) pieces → (N_pad/W, whole) → polar → back. The exchange itself always
     # moves contiguous leading chunks (split and concat on axis 0; XLA:CPU rejects some layouts
@@ -130,7 +133,7 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
         whole = jnp.moveaxis(recv, 0, 1).reshape((per, w * a, b))
     else:
         whole = jnp.moveaxis(recv, 0, 2).reshape((per, a, w * b))
-    o = _checked(orthogonalizer, whole)
+    o = checked(orthogonalizer, whole)
     if key.concat_axis == 1:
         pieces = jnp.moveaxis(o.reshape((per, w, a, b)), 1, 0)
     else:

@@ -13,7 +13,8 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -166,45 +167,100 @@ def polar(x: jax.Array, *, method: Method = "gram",
       >>> o.shape, o.dtype
       ((4, 64, 256), dtype('float32'))
     """
+    return _polar_parts([x], method=method, coefficients=coefficients, restarts=restarts,
+                        steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps)
+
+
+def _normalized(x: jax.Array, eps: float, compute_dtype) -> jax.Array:
+    """``(B, n, m)`` → wide ``X / (‖X‖_F + eps)`` per matrix, normalised in float32 (at least),
+    transposed when ``n > m``, cast to ``compute_dtype``."""
+    y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if x.shape[-2] > x.shape[-1]:
+        y = jnp.swapaxes(y, -1, -2)
+    norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    return (y / (norm + eps)).astype(compute_dtype)
+
+
+def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
+                 compute_dtype, backend, eps) -> jax.Array:
+    """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are
+    a batch), with each part normalised and cast on its own before the concatenation: the batch
+    is assembled once, in the compute dtype (half the bytes of a float32 stack for float16)."""
     coeffs = get_coefficients(coefficients, steps)
     _validate(method, restarts, backend, compute_dtype, eps, len(coeffs))
-    x = jnp.asarray(x)
+    parts = [jnp.asarray(x) for x in parts]
+    x = parts[0]
     if x.ndim < 2:
         raise ValueError(f"polar needs an input with at least 2 dimensions, got {x.shape=}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"polar needs a floating input, got {x.dtype=}")
+    n, m = x.shape[-2:]
+    for p in parts[1:]:
+        if p.shape[-2:] != (n, m) or p.dtype != x.dtype:
+            raise ValueError(f"parts must share their matrix shape and dtype, got "
+                             f"{x.shape[-2:]}/{x.dtype} and {p.shape[-2:]}/{p.dtype}")
     if compute_dtype is None:
         compute_dtype = _DEFAULT_COMPUTE_DTYPE[method]
-    *batch, n, m = x.shape
-    if x.size == 0:
-        return x
-    orig_dtype = x.dtype
-    norm_dtype = jnp.promote_types(x.dtype, jnp.float32)
-    y = x.reshape((-1, n, m)).astype(norm_dtype)
-    transposed = n > m
-    if transposed:
-        y = jnp.swapaxes(y, -1, -2)
-    norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
-    y = (y / (norm + eps)).astype(compute_dtype)
+    batch = [p.shape[:-2] for p in parts]
+    if sum(p.size for p in parts) == 0:
+        return jnp.concatenate([p.reshape((-1, n, m)) for p in parts]) if len(parts) > 1 else x
+    ys = [_normalized(p.reshape((-1, n, m)), eps, compute_dtype) for p in parts]
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
     y = _iterate(y, coeffs, method, restarts, backend,
                  pallas_kernels.padding_multiples(y.shape, y.dtype, backend))
-    if transposed:
+    if n > m:
         y = jnp.swapaxes(y, -1, -2)
-    return y.reshape((*batch, n, m)).astype(orig_dtype)
+    y = y.astype(x.dtype)
+    return y.reshape((*batch[0], n, m)) if len(parts) == 1 else y
 
 
-def make_orthogonalizer(**polar_kwargs) -> Callable[[jax.Array], jax.Array]:
+_POLAR_DEFAULTS = {name: p.default for name, p in inspect.signature(polar).parameters.items()
+                   if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+class Orthogonalizer:
+    """``f(batch) = polar(batch, **polar_kwargs)``; see :func:`make_orthogonalizer`."""
+
+    def __init__(self, **polar_kwargs):
+        self.polar_kwargs = dict(polar_kwargs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return polar(x, **self.polar_kwargs)
+
+    def stacked(self, parts: Sequence[jax.Array]) -> jax.Array:
+        """``self(jnp.concatenate(parts))`` for ``(b_i, rows, cols)`` parts of one shape and dtype,
+        with each part normalised and cast to the compute dtype before the concatenation (so
+        the batch is written once, in that dtype; the per-matrix norms are the same)."""
+        return _polar_parts(list(parts), **{**_POLAR_DEFAULTS, **self.polar_kwargs})
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.polar_kwargs.items())
+        return f"Orthogonalizer({args})"
+
+
+def make_orthogonalizer(**polar_kwargs) -> Orthogonalizer:
     """Returns ``f(batch) = polar(batch, **polar_kwargs)``, validated now rather than at trace.
+
+    The result also has ``f.stacked(parts)``: the polar factors of ``jnp.concatenate(parts)``
+    with each part normalised before the concatenation (what Dion3's megabatching calls on one
+    device: the group's batch is then assembled once, in the compute dtype).
 
     Args:
       **polar_kwargs: keyword arguments of :func:`polar`.
 
     Returns:
       A callable mapping a ``(batch, rows, cols)`` array to its polar factors.
+
+    Raises:
+      ValueError: for a bad keyword argument.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from dion3_jax import make_orthogonalizer
+      >>> f = make_orthogonalizer(method="gram", backend="xla")
+      >>> a, b = jnp.ones((2, 8, 32)), jnp.ones((3, 8, 32))
+      >>> f(a).shape, f.stacked([a, b]).shape
+      ((2, 8, 32), (5, 8, 32))
     """
     jax.eval_shape(lambda: polar(jnp.zeros((1, 2, 3), jnp.float32), **polar_kwargs))  # validates
-
-    def orthogonalize(x: jax.Array) -> jax.Array:
-        return polar(x, **polar_kwargs)
-
-    return orthogonalize
+    return Orthogonalizer(**polar_kwargs)

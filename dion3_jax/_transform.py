@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from dion3_jax import _distributed, _layout, _megabatch, _replica_sync, _selection
-from dion3_jax._polar import make_orthogonalizer
+from dion3_jax._polar import Orthogonalizer, make_orthogonalizer
 
 Flavour = Literal["normuon", "muon"]
 AdjustLR = Literal["spectral_norm", "rms_norm"] | None
@@ -341,13 +341,21 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
     synced: dict[int, jax.Array] = {}
     ortho: dict[int, jax.Array] = {}
     for gk, members in _megabatch.group_plan(gkeys).items():
-        x = _megabatch.stack([_orient(payload[units[i].uid], swaps[i]) for i in members])
-        if ctx.compressed:
-            x = jax.lax.pmean(x, replica)
-        o = _megabatch.orthogonalize_group(x, gk, ctx.size(gk.axes), cfg.orthogonalizer)
+        parts = [_orient(payload[units[i].uid], swaps[i]) for i in members]
         sizes = [units[i].layout.batch for i in members]
-        for i, xs, os_ in zip(members, _megabatch.unstack(x, sizes),
-                              _megabatch.unstack(o, sizes)):
+        if (gk.kind == "local" and not ctx.compressed
+                and isinstance(cfg.orthogonalizer, Orthogonalizer)):
+            # One device's whole matrices: normalise each before stacking, so the group's batch
+            # is written once, in the polar's compute dtype (no float32 stack).
+            o = _megabatch.checked(cfg.orthogonalizer.stacked, parts)
+            xs_list = parts
+        else:
+            x = _megabatch.stack(parts)
+            if ctx.compressed:
+                x = jax.lax.pmean(x, replica)
+            o = _megabatch.orthogonalize_group(x, gk, ctx.size(gk.axes), cfg.orthogonalizer)
+            xs_list = _megabatch.unstack(x, sizes)
+        for i, xs, os_ in zip(members, xs_list, _megabatch.unstack(o, sizes)):
             synced[units[i].uid] = _orient(xs, swaps[i])
             ortho[units[i].uid] = _orient(os_, swaps[i])
 

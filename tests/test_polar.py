@@ -162,3 +162,32 @@ def test_padding_multiples_follow_the_backend(monkeypatch):
     assert pallas_kernels.padding_multiples((4096, 16384), jnp.float32) is None
     for config in (MosaicConfig.get_default(), TritonConfig.get_default()):
         assert (config.tile, config.tile_k) == pallas_kernels.TILE_MULTIPLES
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+@pytest.mark.parametrize("shape", [(24, 64), (64, 24)])
+def test_stacked_parts_equal_polar_of_the_concatenation(method, shape):
+    """``make_orthogonalizer(...).stacked(parts)`` normalises each part before stacking; the result
+    is ``polar(concatenate(parts))``: float64 to 1e-12, the float16 default to fp16 tolerance."""
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 3)
+    parts = [jax.random.normal(k, (b, *shape), jnp.float32) * s
+             for k, b, s in zip(keys, (1, 3, 2), (1e-3, 1.0, 40.0))]
+    with jax.enable_x64(True):
+        p64 = [p.astype(jnp.float64) for p in parts]
+        f = dion3_jax.make_orthogonalizer(method=method, compute_dtype=jnp.float64, backend="xla")
+        got, want = f.stacked(p64), polar(jnp.concatenate(p64), method=method,
+                                           compute_dtype=jnp.float64, backend="xla")
+        assert got.shape == (6, *shape) and got.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-12)
+    f = jax.jit(dion3_jax.make_orthogonalizer(method=method, backend="xla").stacked)
+    got, want = np.asarray(f(parts)), np.asarray(polar(jnp.concatenate(parts), method=method,
+                                                       backend="xla"))
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+def test_stacked_parts_must_match():
+    f = dion3_jax.make_orthogonalizer(backend="xla")
+    with pytest.raises(ValueError, match="share their matrix shape"):
+        f.stacked([jnp.ones((1, 4, 8)), jnp.ones((1, 4, 9))])
+    with pytest.raises(ValueError, match="share their matrix shape"):
+        f.stacked([jnp.ones((1, 4, 8)), jnp.ones((1, 4, 8), jnp.bfloat16)])
