@@ -18,6 +18,7 @@ Usage (GPU machine; repository root on PYTHONPATH):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -70,6 +71,9 @@ MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default: pair tiles, 
     "pairI_infl1_dbuf_s3": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index",
                                                 wgmma_in_flight=1, epi_double_buffer=True,
                                                 max_concurrent_steps=3),
+    # diag: the default with sym_matmul's diagonal tiles symmetrised in the epilogue (no XLA pass).
+    "pairI_infl1_diag": dataclasses.replace(_mosaic.MosaicConfig.get_default(),
+                                            diag_in_epilogue=True),
 }
 #: Variants also run on every shape (the others only on the two headline shapes).
 ALL_SHAPE_VARIANTS = ("mosaic[default]", "mosaic[k64s4]", "triton[default]")
@@ -266,6 +270,13 @@ def polar_breakdown(args, log, x, polar):
             beta=-0.5, b_transposed=False, interpret=False, symmetrize_diagonal=False))
         log(f"mosaic sym_matmul kernel without the diagonal-tile pass: "
             f"{median_ms_rotated(raw, rotated_sets((r3,), args.rotate), reps=args.reps):.3f} ms")
+        in_epilogue = dataclasses.replace(_mosaic.MosaicConfig.get_default(),
+                                          diag_in_epilogue=True)
+        diag = jax.jit(lambda u: _mosaic._launch(
+            u, u, u, out_dtype=u.dtype, config=in_epilogue, alpha=1.5, beta=-0.5,
+            b_transposed=False, interpret=False))
+        log(f"mosaic sym_matmul with the diagonal tiles symmetrised in the epilogue: "
+            f"{median_ms_rotated(diag, rotated_sets((r3,), args.rotate), reps=args.reps):.3f} ms")
 
 
 def diagnose(args, log):

@@ -74,6 +74,11 @@ class MosaicConfig:
         are one bulk-copy group, and the next sub-tile waits only for the group before last (not
         for all stores), while the next ``c`` sub-tile is loaded during the current one's stores
         (the first during the main loop). Doubles the staging memory (3 stages fit).
+      diag_in_epilogue: with ``pair_tiles`` and 64-wide sub-tiles, ``sym_matmul``'s diagonal
+        tiles are made exactly symmetric in the epilogue instead of by an XLA pass after the
+        kernel: a diagonal tile stores its lower sub-tiles with their mirrors and skips its upper
+        one; a sub-tile on the diagonal keeps its lower triangle and takes its upper one from
+        its own transpose (read back through the staging buffer).
     """
 
     tile: int = 128
@@ -86,6 +91,7 @@ class MosaicConfig:
     pair_select: str = "when"
     epi_cols: int = 64
     epi_double_buffer: bool = False
+    diag_in_epilogue: bool = False
 
     @classmethod
     def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
@@ -116,6 +122,10 @@ class MosaicConfig:
             raise ValueError(f"{self.epi_cols=} must be a multiple of 64 dividing {self.tile=}")
         if self.epi_double_buffer and not self.pair_tiles:
             raise ValueError("epi_double_buffer needs pair_tiles=True")
+        if self.diag_in_epilogue and not (self.pair_tiles and self.epi_cols == 64
+                                          and not self.epi_double_buffer):
+            raise ValueError("diag_in_epilogue needs pair_tiles=True, epi_cols=64 and "
+                             "epi_double_buffer=False")
         if self.pair_select not in ("when", "index"):
             raise ValueError(f"{self.pair_select=} must be 'when' or 'index'")
 
@@ -189,18 +199,24 @@ def _store_mirror(out, out_t_buf, dst, *, commit_group: bool = True):
     plgpu.copy_smem_to_gmem(out_t_buf, dst, commit_group=commit_group)
 
 
-def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, rows, cols,
-                off_diagonal, *, beta: float, out_dtype):
-    """Epilogue of one float32 block of a warpgroup: ``+ β·C`` (if any), one rounding, a TMA store
-    to ``out[bi, rows, cols]`` and, when ``off_diagonal``, its transpose to ``out[bi, cols, rows]``
-    (diagonal tiles are written exactly once)."""
-    # Earlier stores must have finished reading the staging buffers.
+def _rounded(acc, out_smem, c_gmem, c_barrier, wg, bi, rows, cols, *, beta: float, out_dtype):
+    """``acc + β·c[bi, rows, cols]`` (``c`` loaded through this warpgroup's staging buffer)
+    rounded once to ``out_dtype``, after earlier stores have finished reading the buffers."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if c_gmem is not None and beta != 0.0:
         plgpu.copy_gmem_to_smem(c_gmem.at[bi, rows, cols], out_smem.at[wg], c_barrier.at[wg])
         plgpu.barrier_wait(c_barrier.at[wg])
         acc = acc + beta * out_smem[wg].astype(jnp.float32)
-    out = acc.astype(out_dtype)
+    return acc.astype(out_dtype)
+
+
+def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, rows, cols,
+                off_diagonal, *, beta: float, out_dtype):
+    """Epilogue of one float32 block of a warpgroup: ``+ β·C`` (if any), one rounding, a TMA store
+    to ``out[bi, rows, cols]`` and, when ``off_diagonal``, its transpose to ``out[bi, cols, rows]``
+    (diagonal tiles are written exactly once)."""
+    out = _rounded(acc, out_smem, c_gmem, c_barrier, wg, bi, rows, cols, beta=beta,
+                   out_dtype=out_dtype)
     out_smem[wg] = out
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[bi, rows, cols])
@@ -208,6 +224,26 @@ def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, 
     @pl.when(off_diagonal)
     def _mirror():
         _store_mirror(out, out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
+
+
+def _store_symmetrized(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, rows,
+                       cols, *, beta: float, out_dtype):
+    """Epilogue of a square sub-tile on the output's diagonal (``config.diag_in_epilogue``): the
+    rounded block's lower triangle, diagonal included, and its transpose above, so the stored
+    block is exactly symmetric. The transpose comes back to registers through the plain staging
+    buffer (written through a transposed view, as for a mirror)."""
+    out = _rounded(acc, out_smem, c_gmem, c_barrier, wg, bi, rows, cols, beta=beta,
+                   out_dtype=out_dtype)
+    t_buf = out_t_smem.at[wg]
+    t_buf.transpose((1, 0))[...] = plgpu.layout_cast(out, plgpu.Layout.WGMMA_TRANSPOSED)
+    plgpu.commit_smem()  # Includes a warpgroup barrier: every thread's part of the transpose.
+    out_t = plgpu.load(t_buf, layout=plgpu.Layout.WGMMA)
+    n = out.shape[0]
+    row = plgpu.broadcasted_iota(jnp.int32, (n, n), 0, layout=plgpu.Layout.WGMMA)
+    col = plgpu.broadcasted_iota(jnp.int32, (n, n), 1, layout=plgpu.Layout.WGMMA)
+    out_smem[wg] = jnp.where(row >= col, out, out_t)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[bi, rows, cols])
 
 
 def _store_double_buffered(sub_tile, subs, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
@@ -423,9 +459,31 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
                                                    c_gmem, c_barrier, wg, bi, tr != tc,
                                                    beta=beta, out_dtype=out_dtype)
                             return
+                        store = functools.partial(
+                            _store_tile, out_gmem=out_gmem, out_smem=out_smem,
+                            out_t_smem=out_t_smem, c_gmem=c_gmem, c_barrier=c_barrier, wg=wg,
+                            bi=bi, beta=beta, out_dtype=out_dtype)
+                        in_kernel = config.diag_in_epilogue and not b_transposed
                         for i, (rows, cols) in enumerate(subs):
-                            _store_tile(sub_tile(i), out_gmem, out_smem, out_t_smem, c_gmem,
-                                        c_barrier, wg, bi, rows, cols, tr != tc, beta=beta,
+                            ei, ej = divmod(i, tile // epi_cols)
+                            if not in_kernel or ei > ej:
+                                # Below the diagonal of a diagonal tile, the mirror fills the
+                                # sub-tile above it.
+                                store(sub_tile(i), rows=rows, cols=cols,
+                                      off_diagonal=(tr != tc) if not in_kernel or ei == ej
+                                      else True)
+                                continue
+
+                            @pl.when(tr != tc)
+                            def _off(i=i, rows=rows, cols=cols):
+                                store(sub_tile(i), rows=rows, cols=cols, off_diagonal=True)
+
+                            if ei == ej:
+                                @pl.when(tr == tc)
+                                def _on(i=i, rows=rows, cols=cols):
+                                    _store_symmetrized(
+                                        sub_tile(i), out_gmem, out_smem, out_t_smem, c_gmem,
+                                        c_barrier, wg, bi, rows, cols, beta=beta,
                                         out_dtype=out_dtype)
 
             def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
@@ -510,7 +568,7 @@ def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret,
         kernel_name="sym_matmul_mosaic" if not b_transposed else "syrk_mosaic",
     )
     out = kernel(*operands)
-    if not b_transposed and symmetrize_diagonal:
+    if not b_transposed and symmetrize_diagonal and not config.diag_in_epilogue:
         out = symmetrize_diagonal_tiles(out, tile)
     return out[:, :n, :n]
 

@@ -253,6 +253,8 @@ class TestMosaicInterpret(KernelSuite):
         "pair_index_inflight1_dbuf_s3": dict(pair_tiles=True, pair_select="index",
                                              wgmma_in_flight=1, epi_double_buffer=True,
                                              max_concurrent_steps=3),
+        "pair_index_inflight1_diag": dict(pair_tiles=True, pair_select="index",
+                                          wgmma_in_flight=1, diag_in_epilogue=True),
     }
 
     @pytest.mark.parametrize("variant", sorted(VARIANTS))
