@@ -31,8 +31,8 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
 for PART in "$@"; do
 case "$PART" in
   kernels)  # GPU kernel tests, kernel table with every variant, polar per backend.
-    run kernel_tests 300 python3 -m pytest -q -rs tests/test_kernels_gpu.py
-    run bench_kernels 330 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
+    run kernel_tests 290 python3 -m pytest -q -rs tests/test_kernels_gpu.py
+    run bench_kernels 280 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
       --json "$OUT/bench_kernels.jsonl"
     ;;
   kernels-table)  # The kernel table with the default configurations only, polar per backend.
