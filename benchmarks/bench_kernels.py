@@ -74,6 +74,10 @@ MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default: pair tiles, 
     # diag: the default with sym_matmul's diagonal tiles symmetrised in the epilogue (no XLA pass).
     "pairI_infl1_diag": dataclasses.replace(_mosaic.MosaicConfig.get_default(),
                                             diag_in_epilogue=True),
+    # brows: sym_matmul reads its symmetric b by row panels (transposed in shared memory, as syrk).
+    "pairI_infl1_brows": dataclasses.replace(_mosaic.MosaicConfig.get_default(), b_rows=True),
+    "pairI_infl1_brows_diag": dataclasses.replace(_mosaic.MosaicConfig.get_default(),
+                                                  b_rows=True, diag_in_epilogue=True),
 }
 #: Variants also run on every shape (the others only on the two headline shapes).
 ALL_SHAPE_VARIANTS = ("mosaic[default]", "mosaic[k64s4]", "triton[default]")

@@ -79,6 +79,9 @@ class MosaicConfig:
         kernel: a diagonal tile stores its lower sub-tiles with their mirrors and skips its upper
         one; a sub-tile on the diagonal keeps its lower triangle and takes its upper one from
         its own transpose (read back through the staging buffer).
+      b_rows: ``sym_matmul`` reads ``b`` by row panels and transposes them in shared memory, as
+        ``syrk`` reads its second operand (exact: ``b`` is symmetric, so ``b[:, j] = b[j, :]ᵀ``),
+        instead of by column panels.
     """
 
     tile: int = 128
@@ -92,6 +95,7 @@ class MosaicConfig:
     epi_cols: int = 64
     epi_double_buffer: bool = False
     diag_in_epilogue: bool = False
+    b_rows: bool = False
 
     @classmethod
     def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
@@ -282,8 +286,8 @@ def _store_double_buffered(sub_tile, subs, out_gmem, out_smem, out_t_smem, c_gme
 
 
 def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
-                      b_transposed: bool, alpha: float, beta: float, batch: int,
-                      tiles_per_side: int):
+                      b_transposed: bool, diagonal_exact: bool, alpha: float, beta: float,
+                      batch: int, tiles_per_side: int):
     """Kernel body: the persistent walk over lower tiles, pipelined wgmma, mirrored epilogue.
 
     Args:
@@ -294,6 +298,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
       out_gmem: ``(batch, n, n)`` output.
       config: tile sizes.
       b_transposed: whether ``b`` is read row-panel-wise and transposed in shared memory.
+      diagonal_exact: whether diagonal tiles come out exactly symmetric by themselves (``syrk``:
+        ``x[i] · x[i]ᵀ``), so that ``config.diag_in_epilogue`` leaves them alone.
       alpha: scale of the product (static).
       beta: scale of ``c`` (static).
       batch: number of matrices.
@@ -320,7 +326,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                              memory_space=plgpu.SMEM, **extra)
     if config.pair_tiles:
         return _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, a_spec=a_spec, b_spec=b_spec,
-                            config=config, b_transposed=b_transposed, alpha=alpha, beta=beta,
+                            config=config, b_transposed=b_transposed,
+                            diagonal_exact=diagonal_exact, alpha=alpha, beta=beta,
                             batch=batch, tiles_per_side=tiles_per_side)
 
     a_block, b_block = _first_panels(a_gmem, b_gmem, tile, b_transposed)
@@ -373,7 +380,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
 
 
 def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: MosaicConfig,
-                 b_transposed: bool, alpha: float, beta: float, batch: int, tiles_per_side: int):
+                 b_transposed: bool, diagonal_exact: bool, alpha: float, beta: float, batch: int,
+                 tiles_per_side: int):
     """Kernel body for ``config.pair_tiles``: a CTA owns two tiles sharing their column panel.
 
     Work item ``(c, r1, r2)`` (:func:`pallas_kernels._schedule.pair_tile_coords`): warpgroup 0
@@ -463,7 +471,7 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
                             _store_tile, out_gmem=out_gmem, out_smem=out_smem,
                             out_t_smem=out_t_smem, c_gmem=c_gmem, c_barrier=c_barrier, wg=wg,
                             bi=bi, beta=beta, out_dtype=out_dtype)
-                        in_kernel = config.diag_in_epilogue and not b_transposed
+                        in_kernel = config.diag_in_epilogue and not diagonal_exact
                         for i, (rows, cols) in enumerate(subs):
                             ei, ej = divmod(i, tile // epi_cols)
                             if not in_kernel or ei > ej:
@@ -528,7 +536,7 @@ def _interpret_params(interpret):
 
 
 def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret,
-            symmetrize_diagonal=True):
+            diagonal_exact=False, symmetrize_diagonal=True):
     """Pads, launches the kernel on ``(batch, n, ·)`` operands and slices the result back.
 
     ``symmetrize_diagonal=False`` leaves the diagonal tiles of ``sym_matmul`` as computed (only
@@ -549,7 +557,8 @@ def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret,
     else:
         c = None
     body = functools.partial(
-        _symmetric_kernel, config=config, b_transposed=b_transposed, alpha=alpha, beta=beta,
+        _symmetric_kernel, config=config, b_transposed=b_transposed,
+        diagonal_exact=diagonal_exact, alpha=alpha, beta=beta,
         batch=batch, tiles_per_side=n_p // tile)
     if c is None:
         body_fn = lambda a_ref, b_ref, o_ref: body(a_ref, b_ref, None, o_ref)
@@ -565,10 +574,10 @@ def _launch(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret,
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
-        kernel_name="sym_matmul_mosaic" if not b_transposed else "syrk_mosaic",
+        kernel_name="syrk_mosaic" if diagonal_exact else "sym_matmul_mosaic",
     )
     out = kernel(*operands)
-    if not b_transposed and symmetrize_diagonal and not config.diag_in_epilogue:
+    if not diagonal_exact and symmetrize_diagonal and not config.diag_in_epilogue:
         out = symmetrize_diagonal_tiles(out, tile)
     return out[:, :n, :n]
 
@@ -611,7 +620,7 @@ def syrk_mosaic(x: jax.Array, *, out_dtype=None, config: MosaicConfig | None = N
     *lead, n, m = x.shape
     x3 = x.reshape(-1, n, m)
     out = _launch(x3, x3, None, out_dtype=out_dtype, config=config, b_transposed=True,
-                  alpha=1.0, beta=0.0, interpret=interpret)
+                  alpha=1.0, beta=0.0, interpret=interpret, diagonal_exact=True)
     return out.reshape(*lead, n, n)
 
 
@@ -646,6 +655,9 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    out = _launch(a3, b3, c3, out_dtype=out_dtype, config=config, b_transposed=False,
+    if config.b_rows and k != n:
+        raise ValueError(f"MosaicConfig(b_rows=True) reads b as a symmetric matrix; b has shape "
+                         f"{b.shape[-2:]}")
+    out = _launch(a3, b3, c3, out_dtype=out_dtype, config=config, b_transposed=config.b_rows,
                   alpha=float(alpha), beta=float(beta), interpret=interpret)
     return out.reshape(*lead, n, n)

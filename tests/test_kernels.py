@@ -255,6 +255,11 @@ class TestMosaicInterpret(KernelSuite):
                                              max_concurrent_steps=3),
         "pair_index_inflight1_diag": dict(pair_tiles=True, pair_select="index",
                                           wgmma_in_flight=1, diag_in_epilogue=True),
+        "pair_index_inflight1_brows": dict(pair_tiles=True, pair_select="index",
+                                           wgmma_in_flight=1, b_rows=True),
+        "pair_index_inflight1_brows_diag": dict(pair_tiles=True, pair_select="index",
+                                                wgmma_in_flight=1, b_rows=True,
+                                                diag_in_epilogue=True),
     }
 
     @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -331,6 +336,19 @@ class TestMosaicInterpret(KernelSuite):
                 assert smem_bytes(config, in_dtype, out_dtype) <= SMEM_LIMIT
                 deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
                 assert smem_bytes(deeper, in_dtype, out_dtype) > SMEM_LIMIT
+
+    def test_config_checks(self):
+        """Variant flags that need other flags, and ``b_rows`` on a non-square ``b``, say so."""
+        from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic
+
+        with pytest.raises(ValueError, match="diag_in_epilogue needs"):
+            MosaicConfig(diag_in_epilogue=True)
+        with pytest.raises(ValueError, match="diag_in_epilogue needs"):
+            MosaicConfig(pair_tiles=True, epi_cols=128, diag_in_epilogue=True)
+        config = MosaicConfig(pair_tiles=True, b_rows=True)
+        a, b = jnp.ones((128, 64), jnp.float16), jnp.ones((64, 128), jnp.float16)
+        with pytest.raises(ValueError, match="b_rows"):
+            sym_matmul_mosaic(a, b, config=config, interpret=True)
 
     def test_config_over_shared_memory_raises(self):
         """An explicit configuration that cannot fit says so before anything is launched (the
