@@ -11,6 +11,7 @@ all variants in one run.
 Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py                # default shapes, every available backend
   python benchmarks/bench_kernels.py --variants     # also tile/pipeline variants of the kernels
+  python benchmarks/bench_kernels.py --variants pairI_infl1_diag k64s4   # only these variants
   python benchmarks/bench_kernels.py --polar        # also dion3_jax.polar per backend
   python benchmarks/bench_kernels.py --json out.jsonl
 """
@@ -120,8 +121,15 @@ def exactly_symmetric(out) -> bool:
     return bool(jnp.array_equal(out, jnp.swapaxes(out, -1, -2)))
 
 
-def implementations(variants: bool):
-    """(label, syrk_fn, sym_fn) for every backend (and variant) that can run here."""
+def implementations(variants):
+    """(label, syrk_fn, sym_fn) for every backend (and variant) that can run here.
+
+    ``variants``: None (defaults only), an empty list (every variant) or the variant names to
+    add (e.g. ``["pairI_infl1_diag"]``; unknown names raise ``ValueError``)."""
+    known = {*MOSAIC_VARIANTS, *TRITON_VARIANTS}
+    unknown = set(variants or ()) - known
+    if unknown:
+        raise ValueError(f"unknown variants {sorted(unknown)}; known: {sorted(known)}")
     impls = [("xla", lambda x: pallas_kernels.syrk(x, implementation="xla"),
               lambda a, b, c, **kw: pallas_kernels.sym_matmul(a, b, c, implementation="xla", **kw))]
     available = pallas_kernels.available_implementations()
@@ -130,7 +138,9 @@ def implementations(variants: bool):
     for family, table, syrk_fn, sym_fn in families:
         if family not in available:
             continue
-        for name, cfg in {"default": None, **(table if variants else {})}.items():
+        chosen = {} if variants is None else {
+            k: v for k, v in table.items() if not variants or k in variants}
+        for name, cfg in {"default": None, **chosen}.items():
             impls.append((f"{family}[{name}]",
                           jax.jit(lambda x, cfg=cfg, f=syrk_fn: f(x, config=cfg)),
                           lambda a, b, c, cfg=cfg, f=sym_fn, **kw: f(a, b, c, config=cfg, **kw)))
@@ -314,7 +324,8 @@ def diagnose(args, log):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", action="store_true", help="also kernel tuning variants")
+    parser.add_argument("--variants", nargs="*", default=None, metavar="NAME",
+                        help="also kernel tuning variants: all, or the ones named")
     parser.add_argument("--polar", action="store_true", help="also dion3_jax.polar per backend")
     parser.add_argument("--diagnose", action="store_true",
                         help="locate non-symmetric / unwritten tiles of the kernels' outputs")

@@ -30,9 +30,11 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
 
 for PART in "$@"; do
 case "$PART" in
-  kernels)  # GPU kernel tests, kernel table with every variant, polar per backend.
+  kernels)  # GPU kernel tests, kernel table with the variants still in question, polar per
+            # backend (`--variants` alone runs every variant: longer than one call allows).
     run kernel_tests 290 python3 -m pytest -q -rs tests/test_kernels_gpu.py
-    run bench_kernels 280 python3 benchmarks/bench_kernels.py --variants --polar --reps 20 \
+    run bench_kernels 280 python3 benchmarks/bench_kernels.py --polar --reps 20 --variants \
+      k64s4 pairI_infl1_diag pairI_infl1_brows pairI_infl1_brows_diag \
       --json "$OUT/bench_kernels.jsonl"
     ;;
   kernels-table)  # The kernel table with the default configurations only, polar per backend.
