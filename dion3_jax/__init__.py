@@ -21,7 +21,8 @@ from dion3_jax._coefficients import PRESETS as COEFFICIENT_PRESETS
 from dion3_jax._coefficients import get_coefficients
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._restarts import autotune_restarts, restart_growth
-from dion3_jax._polar import gram_newton_schulz, make_orthogonalizer, polar, standard_newton_schulz
+from dion3_jax._polar import (Orthogonalizer, gram_newton_schulz, make_orthogonalizer, polar,
+                              standard_newton_schulz)
 from dion3_jax._replica_sync import synchronize_momentum
 from dion3_jax._selection import num_selected
 from dion3_jax._transform import ScaleByDion3State, lr_scale, scale_by_dion3
@@ -32,6 +33,7 @@ __all__ = (
     "COEFFICIENT_PRESETS",
     "DEFAULT_SCALAR_PATTERN",
     "DimensionNumbers",
+    "Orthogonalizer",
     "ScaleByDion3State",
     "autotune_restarts",
     "default_param_labels",
