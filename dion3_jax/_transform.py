@@ -207,6 +207,7 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
 
     mblk = [p.local.to_blocks(m + g.astype(m.dtype)) for p, g, m in zip(plans, grads, moms)]
     vblk = [p.local.to_blocks(v) if normuon else None for p, v in zip(plans, vars_)]
+
     def shard_index(u):
         return jax.lax.axis_index(u.comm) if u.comm else 0
 
