@@ -474,12 +474,11 @@ def _paired_body(a_gmem, b_gmem, c_gmem, out_gmem, *, a_spec, b_spec, config: Mo
                         in_kernel = config.diag_in_epilogue and not diagonal_exact
                         for i, (rows, cols) in enumerate(subs):
                             ei, ej = divmod(i, tile // epi_cols)
-                            if not in_kernel or ei > ej:
-                                # Below the diagonal of a diagonal tile, the mirror fills the
-                                # sub-tile above it.
-                                store(sub_tile(i), rows=rows, cols=cols,
-                                      off_diagonal=(tr != tc) if not in_kernel or ei == ej
-                                      else True)
+                            if not in_kernel:
+                                store(sub_tile(i), rows=rows, cols=cols, off_diagonal=tr != tc)
+                                continue
+                            if ei > ej:  # On a diagonal tile, the mirror fills the sub-tile above.
+                                store(sub_tile(i), rows=rows, cols=cols, off_diagonal=True)
                                 continue
 
                             @pl.when(tr != tc)
