@@ -44,6 +44,7 @@ CASES = [
     ("syrk", "syrk", (), 512, 2048, jnp.float16),
     ("sym_matmul", "sym", (), 4096, 4096, jnp.float16),
     ("sym_matmul", "sym", (), 8192, 8192, jnp.float16),
+    ("sym_matmul", "sym", (8,), 4096, 4096, jnp.float16),  # batched, as in the optimizer step
     ("sym_matmul", "sym", (32,), 1024, 1024, jnp.float16),
     ("sym_matmul", "sym", (), 1024, 1024, jnp.float16),
 ]
