@@ -22,7 +22,6 @@ import sys
 import tempfile
 
 import jax
-import optax
 from jax.profiler import ProfileData
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -93,13 +92,8 @@ def main(argv=None):
     grads = bench_step.make_tree(shapes, 1, 1e-3)
     tx = dion3_jax.dion3(0.01, a.fraction, method=a.method, backend=a.backend)
     state = tx.init(params)
-
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    step = jax.jit(step, donate_argnums=(0, 1))
-    for _ in range(2):  # Traced and compiled on the first call.
+    step = bench_step.compile_step(tx, params, grads, state=state)
+    for _ in range(2):  # Warm-up.
         params, state = jax.block_until_ready(step(params, state, grads))
     trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
     with jax.profiler.trace(trace_dir):
@@ -124,7 +118,7 @@ def main(argv=None):
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")
     if a.show_hlo:
-        hlo = step.lower(params, state, grads).compile().as_text()
+        hlo = step.as_text()  # The executable that was profiled.
         for want in a.show_hlo:
             ops = [k for k in per_step if kind(k) == want]
             if not ops:

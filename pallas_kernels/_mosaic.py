@@ -39,8 +39,8 @@ from pallas_kernels import _schedule
 from pallas_kernels._common import check_dtypes, pad_to
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
-__all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syrk_mosaic", "sym_matmul_reference",
-           "syrk_reference")
+__all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syrk_mosaic",
+           "sym_matmul_reference", "syrk_reference")
 
 #: SMs simulated by GPU interpret mode when no abstract device says otherwise.
 _INTERPRET_NUM_SMS = 4

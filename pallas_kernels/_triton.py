@@ -11,8 +11,8 @@ output tile ``(i, j)``, ``i >= j``, of every matrix in the batch, in the walk or
 
 The epilogue stores the tile, then reads it back through transposed pointers and stores that at the
 mirror position (a bit copy); on a diagonal tile the two masked stores write the lower triangle and
-its mirror, so every element is written exactly once and the output is exactly symmetric. Operands are padded to tile
-multiples by the wrapper so the kernel has no masks.
+its mirror, so every element is written exactly once and the output is exactly symmetric. Operands
+are padded to tile multiples by the wrapper so the kernel has no masks.
 
 ``triton`` and ``jax_triton`` are imported lazily: this module imports without them, and calling a
 function without them raises ``ValueError``.

@@ -323,6 +323,10 @@ class TestMosaicInterpret(KernelSuite):
             MosaicConfig(pair_tiles=True, pair_select="branch")
         with pytest.raises(ValueError, match="epi_double_buffer"):
             MosaicConfig(epi_double_buffer=True)
+        with pytest.raises(ValueError, match="diag_in_epilogue needs"):
+            MosaicConfig(diag_in_epilogue=True)
+        with pytest.raises(ValueError, match="diag_in_epilogue needs"):
+            MosaicConfig(pair_tiles=True, epi_cols=128, diag_in_epilogue=True)
 
     def test_default_config_fits_shared_memory(self):
         """The default is the tuned pair kernel; a float32 output gets a shallower pipeline."""
@@ -337,14 +341,9 @@ class TestMosaicInterpret(KernelSuite):
                 deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
                 assert smem_bytes(deeper, in_dtype, out_dtype) > SMEM_LIMIT
 
-    def test_config_checks(self):
-        """Variant flags that need other flags, and ``b_rows`` on a non-square ``b``, say so."""
+    def test_b_rows_needs_a_square_b(self):
         from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic
 
-        with pytest.raises(ValueError, match="diag_in_epilogue needs"):
-            MosaicConfig(diag_in_epilogue=True)
-        with pytest.raises(ValueError, match="diag_in_epilogue needs"):
-            MosaicConfig(pair_tiles=True, epi_cols=128, diag_in_epilogue=True)
         config = MosaicConfig(pair_tiles=True, b_rows=True)
         a, b = jnp.ones((128, 64), jnp.float16), jnp.ones((64, 128), jnp.float16)
         with pytest.raises(ValueError, match="b_rows"):
@@ -365,8 +364,6 @@ class TestMosaicInterpret(KernelSuite):
     def test_lowers_for_sm90_at_headline_shapes(self, variant):
         """The Mosaic GPU lowering (layout inference, shared-memory budget) succeeds for sm_90 on
         CPU at the benchmark's headline shapes; ptxas is not run."""
-        import dataclasses as dc
-
         from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic, syrk_mosaic
 
         if variant.startswith("default"):
@@ -374,7 +371,7 @@ class TestMosaicInterpret(KernelSuite):
             config = MosaicConfig.get_default(jnp.float16, out)
         else:
             out, config = jnp.float16, MosaicConfig(**self.VARIANTS[variant])
-        config = dc.replace(config, num_sms=132)
+        config = dataclasses.replace(config, num_sms=132)
         f16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float16)
         jax.jit(lambda x: syrk_mosaic(x, out_dtype=out, config=config)).trace(
             f16(4096, 16384)).lower(lowering_platforms=("cuda",))
