@@ -145,6 +145,18 @@ def compile_step(tx, params, grads, mesh=None, per_leaf: bool = False, state=Non
         return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
 
 
+def _abstract_state(tx, params, mesh=None):
+    """``tx.init(params)`` as ShapeDtypeStructs; under a mesh with each leaf's real sharding (the
+    state is built once on the devices and dropped), so a step compiled for it accepts the state
+    :func:`time_step` builds."""
+    if mesh is None:
+        return None  # compile_step's jax.eval_shape: no device memory
+    with jax.set_mesh(mesh):
+        state = tx.init(params)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state)
+
+
 def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False, compiled=None):
     """Median ms of jit(update + apply_updates) and the compiled step's collective stats.
 
@@ -202,9 +214,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no-megabatch", action="store_true",
                    help="also time each Dion3 variant with one group (all-to-all) per parameter")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
-                   help="compile every variant up front on N threads (one device only; XLA "
-                        "compiles in parallel, so all variants fit one time-limited run), then "
-                        "time them in order; 0: compile each just before timing it")
+                   help="compile every variant up front on N threads (XLA compiles in "
+                        "parallel, so all variants fit one time-limited run), then time them in "
+                        "order; 0: compile each just before timing it")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
     a = p.parse_args(argv)
@@ -262,9 +274,10 @@ def main(argv=None) -> list[dict]:
                     plan.append((name, dion3_jax.dion3(0.01, f, method=method, backend=backend),
                                  per_leaf, (method, backend, f)))
     compiled = {}
-    if a.compile_workers > 0 and mesh is None:
+    if a.compile_workers > 0:
         pool = concurrent.futures.ThreadPoolExecutor(a.compile_workers)
-        compiled = {name: pool.submit(compile_step, tx, params, grads, None, per_leaf)
+        compiled = {name: pool.submit(compile_step, tx, params, grads, mesh, per_leaf,
+                                      _abstract_state(tx, params, mesh))
                     for name, tx, per_leaf, _ in plan}
         t0 = time.perf_counter()
         pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.

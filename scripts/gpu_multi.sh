@@ -37,9 +37,9 @@ if [[ $SMOKE == 1 ]]; then
 else
   PY=${PYTHON:-python3}
   export DION3_TEST_PLATFORM=gpu
-  T_INFO=60 T_TEST=240 T_BENCH=220
+  T_INFO=60 T_TEST=230 T_BENCH=250
   PYTEST_SEL=()
-  BENCH=(--reps 5)
+  BENCH=(--reps 5 --compile-workers 8)
 fi
 
 DEST=${OUT:-runs/gpu_multi_$(date -u +%Y%m%dT%H%M%SZ)}

@@ -7,15 +7,38 @@
 #   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes), all variants
 #   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
 #
+#   bash scripts/gpu_session.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
+#       first list of parts on GPU 0 and the second on GPU 1 at the same time (each process sees
+#       one GPU); their logs in $OUT/gpu0.log, $OUT/gpu1.log, every file in $OUT/logs.tgz
+#
 # Each part is time-boxed (see below); logs and tables go to $OUT (or runs/gpu_session/).
 set -uo pipefail
 [ $# -gt 0 ] || set -- kernels
 OUT="${OUT:-runs/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/jax_triton ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    .whl/*.whl
+fi
+[ -d /tmp/site/jax_triton ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+
+if [ "$1" = --split ]; then
+  [ $# -eq 3 ] || { echo 'usage: gpu_session.sh --split "PARTS for GPU 0" "PARTS for GPU 1"'; exit 2; }
+  root=$(mktemp -d)  # (the device tool brings back at most 8 files: the logs travel packed)
+  # shellcheck disable=SC2086  # each list is split into its parts on purpose
+  CUDA_VISIBLE_DEVICES=0 OUT="$root/gpu0" bash "$0" $2 > "$root/gpu0.log" 2>&1 &
+  p0=$!
+  # shellcheck disable=SC2086
+  CUDA_VISIBLE_DEVICES=1 OUT="$root/gpu1" bash "$0" $3 > "$root/gpu1.log" 2>&1 &
+  p1=$!
+  wait $p0; rc0=$?
+  wait $p1; rc1=$?
+  tar czf "$OUT/logs.tgz" -C "$root" gpu0 gpu1 gpu0.log gpu1.log
+  cp "$root/gpu0.log" "$root/gpu1.log" "$OUT/"
+  grep -h -E '^== |^\| |passed|failed' "$root/gpu0.log" "$root/gpu1.log" | tail -c 11000
+  echo "GPU 0 ($2) rc=$rc0; GPU 1 ($3) rc=$rc1"
+  exit $((rc0 || rc1))
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax, pallas_kernels; print(jax.__version__, jax.devices(), pallas_kernels.available_implementations())" | tee -a "$OUT/gpu.txt"

@@ -1,5 +1,9 @@
 """Where the distributed tests run: ``DION3_TEST_PLATFORM`` (any ``jax.devices`` platform name,
-e.g. ``gpu``; see scripts/gpu_multi.sh) or, unset, the default backend's devices."""
+e.g. ``gpu``; see scripts/gpu_multi.sh) or, unset, the default backend's devices.
+
+``DION3_TEST_NUM_DEVICES=n`` (with a platform) keeps only that platform's first n devices, so a
+machine of 2 GPUs can be rehearsed on the simulated CPU devices:
+``DION3_TEST_PLATFORM=cpu DION3_TEST_NUM_DEVICES=2 pytest tests/test_distributed.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +14,11 @@ import jax
 
 PLATFORM = os.environ.get("DION3_TEST_PLATFORM") or None
 DEVICES = jax.devices(PLATFORM) if PLATFORM else jax.devices()
+if PLATFORM and os.environ.get("DION3_TEST_NUM_DEVICES"):
+    _n = int(os.environ["DION3_TEST_NUM_DEVICES"])
+    if not 1 <= _n <= len(DEVICES):
+        raise ValueError(f"DION3_TEST_NUM_DEVICES={_n}: {PLATFORM} has {len(DEVICES)} devices")
+    DEVICES = DEVICES[:_n]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ and never all-gather a whole matrix of an FSDP-sharded parameter.
 
 On real accelerators set ``DION3_TEST_PLATFORM=gpu`` (any ``jax.devices`` platform name): the
 meshes are then built from that platform's N ≥ 2 devices: 1-D over all N, 2-D (2, N/2) when
-N ≥ 4 (and (4, 2) when N = 8), skipping the shapes that do not fit N; float32 matmuls run at
+N is even ((2, 1) on two GPUs; and (4, 2) when N = 8), skipping the shapes that do not fit N; float32 matmuls run at
 "highest" precision so the tolerances stay those of the CPU run. Unset, the tests use the
 default backend's devices with exactly the CPU meshes (8,), (2, 4), (4, 2) (scripts/gpu_multi.sh).
 """
@@ -33,7 +33,7 @@ else:
     pytestmark = [pytest.mark.skipif(N < 8, reason="needs 8 (simulated) devices")]
     N = 8
 pytestmark.append(pytest.mark.usefixtures("on_test_platform"))
-MESH_2D = (2, N // 2) if N >= 4 and N % 2 == 0 else None   # (2, 4) on the CPU
+MESH_2D = (2, N // 2) if N % 2 == 0 else None   # (2, 4) on the CPU, (2, 1) on 2 GPUs
 
 POLAR = dict(method="standard", compute_dtype=jnp.float32)  # tight tolerances
 TORCH = DimensionNumbers(reduction_axis=1, output_axis=0)
@@ -41,7 +41,7 @@ TORCH = DimensionNumbers(reduction_axis=1, output_axis=0)
 
 def need_2d():
     if MESH_2D is None:
-        pytest.skip(f"a 2-D mesh needs 4 or more devices (have {N})")
+        pytest.skip(f"a 2-D mesh needs an even number of devices (have {N})")
     return MESH_2D
 
 
