@@ -169,11 +169,14 @@ def test_bfloat16_sharded_equals_single_device():
             u, state = jax.jit(tx.update)(put(g, leaves, mesh), state)
             assert u["rows"].dtype == jnp.bfloat16
             # bf16 outputs; one-ulp differences in the fp32-accumulated bf16 products (different
-            # matrix sizes after zero padding) grow through the Newton-Schulz steps.
+            # matrix sizes after zero padding) grow through the Newton-Schulz steps. On GPUs the
+            # two sides' products also run different GEMM kernels (sizes differ), so the mean
+            # difference may reach ~1.5 bf16 ulps at unit scale (2^-8 ≈ 3.9e-3; H200: 3.7e-3).
             assert_close(u, ref, 4e-2, "bf16 update ")
+            mean_tol = 6e-3 if PLATFORM else 3e-3
             for k in u:
                 x, y = np.asarray(u[k], np.float32), np.asarray(ref[k], np.float32)
-                assert np.mean(np.abs(x - y)) < 3e-3 * max(1.0, np.max(np.abs(y))), k
+                assert np.mean(np.abs(x - y)) < mean_tol * max(1.0, np.max(np.abs(y))), k
 
 
 def test_auto_axes_equal_single_device_and_keep_shardings():
@@ -229,14 +232,15 @@ def count_op(hlo: str, op: str) -> int:
 
 
 def op_result_sizes(hlo: str, op: str) -> list[int]:
-    """Number of elements of each ``op`` instruction's result(s)."""
+    """Number of elements of each array an ``op`` instruction returns: one entry per element of
+    a tuple result (XLA's GPU collective combiners merge several gathers into one tuple-shaped
+    instruction)."""
     sizes = []
     for line in hlo.splitlines():
         m = re.search(rf"= (.*) {op}(?:-start)?\(", line)
         if m:
             dims = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", m.group(1))
-            sizes.append(sum(int(np.prod([int(d) for d in ds.split(",") if d] or [1]))
-                             for ds in dims))
+            sizes += [int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims]
     return sizes
 
 
