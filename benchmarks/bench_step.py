@@ -16,8 +16,10 @@ its megabatched step (one all-to-all each way per shape group). ``optax.contrib.
 run on matrices sharded under an Explicit mesh; it is then retried under an Auto mesh with the
 same shardings (labelled "auto mesh"; XLA inserts whatever gathers it needs). ``--no-megabatch``
 adds, per Dion3 variant, the same step with one group per parameter (one all-to-all each way per
-parameter; ``dion3_jax._megabatch._one_group_per_leaf``, same results). Polar-only timings are
-single-device and are skipped with ``--fsdp``.
+parameter; ``dion3_jax._megabatch._one_group_per_leaf``, same results). ``--payload-norms``
+adds, per Dion3 variant, the step with the polar's per-matrix norms taken from the gathered rows
+(``dion3_jax._selection._norms_from_payload``) instead of summed from row statistics. Polar-only
+timings are single-device and are skipped with ``--fsdp`` and for the switched variants.
 
 Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
 of all-to-all, all-gather and all-reduce instructions (async ``-start`` forms counted once; other
@@ -32,6 +34,8 @@ Usage::
     python benchmarks/bench_step.py --fsdp --no-megabatch --fractions 1 0.25 --methods gram
     python benchmarks/bench_step.py --small --fsdp --no-megabatch --cpu-devices 8  # CPU smoke
     python benchmarks/bench_step.py --compile-workers 8 --no-polar   # every variant, one run
+    python benchmarks/bench_step.py --no-polar --methods gram --backends mosaic \
+        --fractions 0.25 1 --payload-norms --compile-workers 4     # norms: rows vs payload
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax import _megabatch
+from dion3_jax import _megabatch, _selection
 import pallas_kernels
 from _timing import median_ms
 
@@ -124,16 +128,22 @@ def collective_stats(hlo: str) -> dict:
     return stats
 
 
-def compile_step(tx, params, grads, mesh=None, per_leaf: bool = False, state=None):
+# Private switches a variant can be traced under (benchmark comparisons only; same results).
+SWITCHES = {"": contextlib.nullcontext,
+            "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
+            "payload-norms": _selection._norms_from_payload}      # norms from the gathered rows
+
+
+def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):
     """``jit(update + apply_updates)`` (params and state donated), lowered and compiled.
 
     ``state`` defaults to the abstract shapes of ``tx.init(params)`` (``jax.eval_shape``: no
     device memory), which is enough on one device; pass the real state under a mesh so that its
     shardings are the ones compiled for. Safe to call from several threads at once (the
-    per-leaf grouping switch is a context variable, set here in the calling thread).
+    ``switch`` is a key of :data:`SWITCHES`: a context variable, set here in the calling thread).
     """
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-    grouping = _megabatch._one_group_per_leaf() if per_leaf else contextlib.nullcontext()
+    grouping = SWITCHES[switch]()
     with ctx, grouping:
         if state is None:
             state = jax.eval_shape(tx.init, params)
@@ -157,7 +167,7 @@ def _abstract_state(tx, params, mesh=None):
                         state)
 
 
-def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False, compiled=None):
+def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compiled=None):
     """Median ms of jit(update + apply_updates) and the compiled step's collective stats.
 
     ``compiled``: the step from :func:`compile_step` (or a future of it), compiled here if None.
@@ -167,7 +177,7 @@ def time_step(tx, params, grads, reps: int, mesh=None, per_leaf: bool = False, c
         state = tx.init(params)
         params = jax.tree.map(jnp.copy, params)
         if compiled is None:
-            step = compile_step(tx, params, grads, mesh, per_leaf, state)
+            step = compile_step(tx, params, grads, mesh, switch, state)
         else:
             step = compiled.result() if hasattr(compiled, "result") else compiled
         stats = collective_stats(step.as_text())
@@ -213,6 +223,10 @@ def main(argv=None) -> list[dict]:
                    help="shard every matrix along its output axis over all devices (1-D mesh)")
     p.add_argument("--no-megabatch", action="store_true",
                    help="also time each Dion3 variant with one group (all-to-all) per parameter")
+    p.add_argument("--payload-norms", action="store_true",
+                   help="also time each Dion3 variant with the polar's norms taken from the "
+                        "gathered rows (dion3_jax._selection._norms_from_payload; the default "
+                        "sums them from row statistics)")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="compile every variant up front on N threads (XLA compiles in "
                         "parallel, so all variants fit one time-limited run), then time them in "
@@ -259,26 +273,27 @@ def main(argv=None) -> list[dict]:
         coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
         print(f"  {name}: {ms:.2f} ms{extra}  [{coll or 'no collectives'}]", flush=True)
 
-    # Every variant: (name, optax transformation, per_leaf, (method, backend, f) or None).
+    # Every variant: (name, optax transformation, switch, (method, backend, f) or None).
     plan = []
     if not a.no_baselines:
-        plan += [("optax.adamw", optax.adamw(1e-3), False, None),
-                 ("optax.contrib.muon", optax.contrib.muon(1e-3), False, None)]
-    # Megabatched variants first, then (--no-megabatch) the one-group-per-parameter ones.
-    for per_leaf in [False, True] if a.no_megabatch else [False]:
+        plan += [("optax.adamw", optax.adamw(1e-3), "", None),
+                 ("optax.contrib.muon", optax.contrib.muon(1e-3), "", None)]
+    # The default variants first, then those under the requested switches.
+    switches = ([""] + (["no-megabatch"] if a.no_megabatch else [])
+                + (["payload-norms"] if a.payload_norms else []))
+    for switch in switches:
         for method in a.methods:
             for backend in backends:
                 for f in a.fractions:
-                    name = (f"dion3 f={f:g} {method} {backend}"
-                            + (" no-megabatch" if per_leaf else ""))
+                    name = f"dion3 f={f:g} {method} {backend}" + (f" {switch}" if switch else "")
                     plan.append((name, dion3_jax.dion3(0.01, f, method=method, backend=backend),
-                                 per_leaf, (method, backend, f)))
+                                 switch, (method, backend, f)))
     compiled = {}
     if a.compile_workers > 0:
         pool = concurrent.futures.ThreadPoolExecutor(a.compile_workers)
-        compiled = {name: pool.submit(compile_step, tx, params, grads, mesh, per_leaf,
+        compiled = {name: pool.submit(compile_step, tx, params, grads, mesh, switch,
                                       _abstract_state(tx, params, mesh))
-                    for name, tx, per_leaf, _ in plan}
+                    for name, tx, switch, _ in plan}
         t0 = time.perf_counter()
         pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.
         print(f"# compiled {len(plan)} variants on {a.compile_workers} threads in "
@@ -304,13 +319,13 @@ def main(argv=None) -> list[dict]:
                       for k, v in grads.items()}
                 record("optax.contrib.muon (auto mesh)",
                        *time_step(optax.contrib.muon(1e-3), ap, ag, reps, auto_mesh))
-        for name, tx, per_leaf, dion in plan:
+        for name, tx, switch, dion in plan:
             if dion is None:
                 continue
-            ms, stats = time_step(tx, params, grads, reps, mesh, per_leaf,
+            ms, stats = time_step(tx, params, grads, reps, mesh, switch,
                                   compiled=compiled.get(name))
             polar_ms = None
-            if not (a.no_polar or a.fsdp or per_leaf):
+            if not (a.no_polar or a.fsdp or switch):
                 method, backend, f = dion
                 ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
                 polar_ms = time_polar(shapes, f, ortho, reps)

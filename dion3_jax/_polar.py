@@ -171,21 +171,27 @@ def polar(x: jax.Array, *, method: Method = "gram",
                         steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps)
 
 
-def _normalized(x: jax.Array, eps: float, compute_dtype) -> jax.Array:
+def _normalized(x: jax.Array, eps: float, compute_dtype, sq_norm=None) -> jax.Array:
     """``(B, n, m)`` → wide ``X / (‖X‖_F + eps)`` per matrix, normalised in float32 (at least),
-    transposed when ``n > m``, cast to ``compute_dtype``."""
+    transposed when ``n > m``, cast to ``compute_dtype``. ``sq_norm``: ``‖X‖_F²`` per matrix,
+    ``(B,)``, when the caller has it already (else computed from ``x``)."""
     y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     if x.shape[-2] > x.shape[-1]:
         y = jnp.swapaxes(y, -1, -2)
-    norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    if sq_norm is None:
+        norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    else:
+        norm = jnp.sqrt(sq_norm.astype(y.dtype))[:, None, None]
     return (y / (norm + eps)).astype(compute_dtype)
 
 
 def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
-                 compute_dtype, backend, eps) -> jax.Array:
+                 compute_dtype, backend, eps, sq_norms=None) -> jax.Array:
     """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are
     a batch), with each part normalised and cast on its own before the concatenation: the batch
-    is assembled once, in the compute dtype (half the bytes of a float32 stack for float16)."""
+    is assembled once, in the compute dtype (half the bytes of a float32 stack for float16).
+    ``sq_norms``: None, or per part None or the squared Frobenius norm of each of its matrices
+    (shape: the part's batch shape)."""
     coeffs = get_coefficients(coefficients, steps)
     _validate(method, restarts, backend, compute_dtype, eps, len(coeffs))
     parts = [jnp.asarray(x) for x in parts]
@@ -204,7 +210,18 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
     batch = [p.shape[:-2] for p in parts]
     if sum(p.size for p in parts) == 0:
         return jnp.concatenate([p.reshape((-1, n, m)) for p in parts]) if len(parts) > 1 else x
-    ys = [_normalized(p.reshape((-1, n, m)), eps, compute_dtype) for p in parts]
+    if sq_norms is None:
+        sq_norms = [None] * len(parts)
+    if len(sq_norms) != len(parts):
+        raise ValueError(f"sq_norms needs one entry per part: {len(sq_norms)} for "
+                         f"{len(parts)} parts")
+    for p, q in zip(parts, sq_norms):
+        if q is not None and jnp.shape(q) != p.shape[:-2]:
+            raise ValueError(f"sq_norms: a part of shape {p.shape} needs squared norms of shape "
+                             f"{p.shape[:-2]}, got {jnp.shape(q)}")
+    ys = [_normalized(p.reshape((-1, n, m)), eps, compute_dtype,
+                      None if q is None else jnp.reshape(q, (-1,)))
+          for p, q in zip(parts, sq_norms)]
     y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
     y = _iterate(y, coeffs, method, restarts, backend,
                  pallas_kernels.padding_multiples(y.shape, y.dtype, backend))
@@ -227,11 +244,25 @@ class Orthogonalizer:
     def __call__(self, x: jax.Array) -> jax.Array:
         return polar(x, **self.polar_kwargs)
 
-    def stacked(self, parts: Sequence[jax.Array]) -> jax.Array:
+    def stacked(self, parts: Sequence[jax.Array],
+                sq_norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
         """``self(jnp.concatenate(parts))`` for ``(b_i, rows, cols)`` parts of one shape and dtype,
         with each part normalised and cast to the compute dtype before the concatenation (so
-        the batch is written once, in that dtype; the per-matrix norms are the same)."""
-        return _polar_parts(list(parts), **{**_POLAR_DEFAULTS, **self.polar_kwargs})
+        the batch is written once, in that dtype; the per-matrix norms are the same).
+
+        Args:
+          parts: arrays of one matrix shape and dtype; leading axes are a batch.
+          sq_norms: optional, one entry per part: None (the norms are computed from the part), or
+            ``‖X‖_F²`` of each of the part's matrices, shape ``part.shape[:-2]``, when the caller
+            has them already (Dion3 sums them from row statistics of the whole matrix, so the
+            gathered rows are read once, for the stack).
+
+        Raises:
+          ValueError: parts of different shapes or dtypes, or ``sq_norms`` of the wrong length
+            or shape.
+        """
+        return _polar_parts(list(parts), **{**_POLAR_DEFAULTS, **self.polar_kwargs},
+                            sq_norms=None if sq_norms is None else list(sq_norms))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.polar_kwargs.items())

@@ -10,8 +10,11 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,40 @@ def row_l1_norms(m: jax.Array, row_axis: int) -> jax.Array:
     """ℓ1 norm of each row, ``(batch, n)``, accumulated in float32."""
     col_axis = 3 - row_axis
     return jnp.sum(jnp.abs(m.astype(jnp.float32)), axis=col_axis)
+
+
+def row_sq_norms(m: jax.Array, row_axis: int) -> jax.Array:
+    """Squared ℓ2 norm of each row, ``(batch, n)``, accumulated in float32 (computed beside
+    :func:`row_l1_norms`, over the same read of ``m``)."""
+    return jnp.sum(jnp.square(m.astype(jnp.float32)), axis=3 - row_axis)
+
+
+def selected_sq_norm(row_sq: jax.Array, rows: jax.Array) -> jax.Array:
+    """``‖M[I]‖_F²`` per batch element, ``(batch,)``: the selected rows' squared norms summed
+    (``rows``: ``(batch, k)`` indices into ``row_sq``'s ``(batch, n)``)."""
+    return jnp.sum(jnp.take_along_axis(row_sq, rows, axis=1), axis=1)
+
+
+_NORMS_FROM_ROWS = contextvars.ContextVar("dion3_norms_from_rows", default=True)
+
+
+@contextlib.contextmanager
+def _norms_from_payload() -> Iterator[None]:
+    """Private, for benchmarks: steps *traced* inside this context take the polar's Frobenius
+    norm of a one-device payload from the gathered rows themselves, as before, instead of
+    :func:`selected_sq_norm` of row statistics (the same value up to float32 summation order).
+    Read at trace time."""
+    token = _NORMS_FROM_ROWS.set(False)
+    try:
+        yield
+    finally:
+        _NORMS_FROM_ROWS.reset(token)
+
+
+def norms_from_rows() -> bool:
+    """Whether one-device payload norms come from row statistics (see
+    :func:`_norms_from_payload`)."""
+    return _NORMS_FROM_ROWS.get()
 
 
 def top_rows(scores: jax.Array, k: int) -> jax.Array:

@@ -211,6 +211,18 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
     def shard_index(u):
         return jax.lax.axis_index(u.comm) if u.comm else 0
 
+    # A one-device group of whole matrices is normalised per matrix before it is stacked
+    # (Orthogonalizer.stacked); a selected payload's norm then comes from row statistics taken
+    # beside the scores (‖M[I]‖_F² = Σ_{i∈I} ‖M_i‖²), so the gathered rows are read once.
+    stack_local = not ctx.compressed and isinstance(cfg.orthogonalizer, Orthogonalizer)
+    rows_sq: dict[tuple[int, int], jax.Array] = {}
+    if stack_local and _selection.norms_from_rows():
+        for u in units:
+            key = (u.leaf, u.block)
+            if u.mode == "local" and not u.split and not u.full and key not in rows_sq:
+                rows_sq[key] = _selection.row_sq_norms(mblk[u.leaf][u.block],
+                                                       u.layout.row_axis)
+
     # 1. Scores (row ℓ1 norms, summed over column shards / replicas; or shared random numbers).
     raw: dict[tuple[int, int], jax.Array] = {}
     if not random_sel:
@@ -284,6 +296,7 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
     tops = dict(zip(requests, _selection.batched_top_rows(list(requests.values()))))
     idx: dict[int, jax.Array] = {}
     payload: dict[int, jax.Array] = {}
+    sq_norm: dict[int, jax.Array] = {}
     for u in units:
         m = mblk[u.leaf][u.block]
         ra = u.layout.row_axis
@@ -294,6 +307,8 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
             i = jnp.sort(tops[u.uid], axis=1)   # ascending rows: local gathers (polar is
             idx[u.uid] = i                        # row-permutation equivariant)
             payload[u.uid] = _selection.gather_rows(m, i, ra)
+            if (u.leaf, u.block) in rows_sq:
+                sq_norm[u.uid] = _selection.selected_sq_norm(rows_sq[(u.leaf, u.block)], i)
             continue
         seg, width = u.seg, u.seg.width
         start, cnt = pos[u.uid]
@@ -344,11 +359,12 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
     for gk, members in _megabatch.group_plan(gkeys).items():
         parts = [_orient(payload[units[i].uid], swaps[i]) for i in members]
         sizes = [units[i].layout.batch for i in members]
-        if (gk.kind == "local" and not ctx.compressed
-                and isinstance(cfg.orthogonalizer, Orthogonalizer)):
+        if gk.kind == "local" and stack_local:
             # One device's whole matrices: normalise each before stacking, so the group's batch
             # is written once, in the polar's compute dtype (no float32 stack).
-            o = _megabatch.checked(cfg.orthogonalizer.stacked, parts)
+            norms = [sq_norm.get(units[i].uid) for i in members]
+            o = _megabatch.checked(
+                lambda ps: cfg.orthogonalizer.stacked(ps, norms), parts)
             xs_list = parts
         else:
             x = _megabatch.stack(parts)

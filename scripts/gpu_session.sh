@@ -80,6 +80,12 @@ case "$PART" in
              # the variants compile on 8 threads first, then run one after another.
     run bench_step_all 540 python3 benchmarks/bench_step.py --compile-workers 8 --no-polar
     ;;
+  norms)  # The polar's per-matrix norms from row statistics (default) against from the gathered
+          # rows (--payload-norms), same process; then where the f = 1/4 step's time goes.
+    run bench_step_norms 300 python3 benchmarks/bench_step.py --no-polar --methods gram \
+      --backends mosaic --fractions 0.25 0.125 1 --payload-norms --compile-workers 6
+    run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 20
+    ;;
   step-gram)  # Baselines and Dion3 Gram NS on the Mosaic kernels at f = 1, 1/4, 1/2.
     run bench_step_gram 200 python3 benchmarks/bench_step.py --methods gram --backends mosaic \
       --fractions 1 0.25 0.5
@@ -92,7 +98,7 @@ case "$PART" in
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | step-gram | profile | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | norms | step-gram | profile | selection)"
      exit 2 ;;
 esac
 done

@@ -191,3 +191,30 @@ def test_stacked_parts_must_match():
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((1, 4, 9))])
     with pytest.raises(ValueError, match="share their matrix shape"):
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((1, 4, 8), jnp.bfloat16)])
+    with pytest.raises(ValueError, match="one entry per part"):
+        f.stacked([jnp.ones((1, 4, 8)), jnp.ones((2, 4, 8))], [None])
+    with pytest.raises(ValueError, match=r"squared norms of shape \(2,\)"):
+        f.stacked([jnp.ones((1, 4, 8)), jnp.ones((2, 4, 8))], [None, jnp.ones((3,))])
+
+
+def test_stacked_with_given_squared_norms():
+    """``stacked(parts, sq_norms)`` uses the given ‖X‖_F² instead of computing it: with the true
+    values it equals ``stacked(parts)`` (float64, 1e-12); a part given 9‖X‖² starts from
+    X / (3‖X‖), exactly what ``X / 3`` with its own ‖X‖² gives, and not what ``stacked`` gives."""
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 2)
+    with jax.enable_x64(True):
+        parts = [jax.random.normal(k, (b, 24, 64), jnp.float64) * s
+                 for k, b, s in zip(keys, (3, 2), (1e-3, 40.0))]
+        sq = [jnp.sum(p ** 2, axis=(1, 2)) for p in parts]
+        f = dion3_jax.make_orthogonalizer(method="gram", compute_dtype=jnp.float64, backend="xla")
+        want = np.asarray(f.stacked(parts))
+        got = np.asarray(jax.jit(f.stacked)(parts, [sq[0], sq[1]]))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(f.stacked(parts, [None, sq[1]])), want, rtol=0,
+                                   atol=1e-12)
+        off = np.asarray(f.stacked(parts, [sq[0], 9.0 * sq[1]]))
+        np.testing.assert_allclose(off[:3], want[:3], rtol=0, atol=1e-12)
+        third = np.asarray(f.stacked([parts[1] / 3.0], [sq[1]]))
+        # (equal up to where eps enters: X/(3‖X‖ + eps) against (X/3)/(‖X‖ + eps))
+        np.testing.assert_allclose(off[3:], third, rtol=0, atol=1e-9)
+        assert np.max(np.abs(off[3:] - want[3:])) > 1e-3

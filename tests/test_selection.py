@@ -70,3 +70,46 @@ def test_batched_top_rows_traces_one_top_k_per_shape():
     jaxpr = jax.make_jaxpr(lambda r: _selection.batched_top_rows(
         [(s, k) for s, (_, k) in zip(r, requests)]))([s for s, _ in requests])
     assert str(jaxpr).count("top_k") == 2
+
+
+def test_selected_sq_norm_is_the_payload_frobenius_norm():
+    """Σ_{i∈I} ‖M_i‖² (row statistics) = ‖M[I]‖_F² (the gathered rows), either row axis."""
+    rng = np.random.default_rng()
+    for row_axis in (1, 2):
+        m = rng.standard_normal((3, 7, 11)).astype(np.float32)
+        rows = np.sort(rng.permutation(m.shape[row_axis])[:4])[None].repeat(3, 0)
+        got = _selection.selected_sq_norm(_selection.row_sq_norms(jnp.asarray(m), row_axis),
+                                          jnp.asarray(rows))
+        sel = np.take_along_axis(m.astype(np.float64), np.expand_dims(rows, 3 - row_axis),
+                                 axis=row_axis)
+        np.testing.assert_allclose(np.asarray(got), np.sum(sel ** 2, axis=(1, 2)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
+    """One device, f = 1/4: the step takes each selected payload's Frobenius norm from row
+    statistics (one call of selected_sq_norm per selected matrix block); under the benchmarks'
+    _norms_from_payload switch it does not, and the update is the same to float32 rounding."""
+    import dion3_jax
+    calls = []
+    real = _selection.selected_sq_norm
+    monkeypatch.setattr(_selection, "selected_sq_norm",
+                        lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng()
+    shapes = {"a": (16, 40), "b": (16, 40), "c": (40, 16), "heads": (16, 24), "d": (8, 4)}
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+    grads = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+    tx = dion3_jax.scale_by_dion3(0.25, method=method, compute_dtype=jnp.float32, backend="xla",
+                                  num_heads={"heads": 3, "a": None, "b": None, "c": None,
+                                             "d": None})
+    state = tx.init(params)
+    with jax.default_matmul_precision("highest"):
+        new, _ = jax.jit(tx.update)(grads, state)
+        assert len(calls) == len(shapes), calls     # one block each
+        calls.clear()
+        with _selection._norms_from_payload():
+            old, _ = jax.jit(tx.update)(grads, state)
+        assert not calls
+    for k in shapes:
+        np.testing.assert_allclose(np.asarray(new[k]), np.asarray(old[k]), rtol=0, atol=2e-5,
+                                   err_msg=k)
