@@ -10,7 +10,8 @@
 # pytest.log + junit.xml (tests/test_distributed.py, tests/test_replica_sync.py on the GPUs:
 # DION3_TEST_PLATFORM=gpu), bench.log (benchmarks/bench_step.py --fsdp: AdamW, optax muon,
 # Dion3 f ∈ {1, 1/4}, megabatching on and off; per step: ms, collectives, bytes moved).
-# Environment: PYTHON (default python3; .venv/bin/python with --cpu-smoke if present).
+# Environment: PYTHON (default python3; .venv/bin/python with --cpu-smoke if present);
+# TESTS_K (a pytest -k expression: only those tests); NO_BENCH=1 (tests only).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -38,7 +39,7 @@ else
   PY=${PYTHON:-python3}
   export DION3_TEST_PLATFORM=gpu
   T_INFO=60 T_TEST=230 T_BENCH=250
-  PYTEST_SEL=()
+  PYTEST_SEL=(${TESTS_K:+-k "$TESTS_K"})
   BENCH=(--reps 5 --compile-workers 8)
 fi
 
@@ -71,9 +72,12 @@ test_rc=${PIPESTATUS[0]}
 
 # 3. The step benchmark, FSDP over all devices. Megabatched variants run first; on a timeout
 #    (SIGTERM) the script prints the table of the rows done so far.
-timeout -k 10 "$T_BENCH" "$PY" benchmarks/bench_step.py --fsdp --no-megabatch \
-  --fractions 1 0.25 --methods gram --backends auto "${BENCH[@]}" 2>&1 | tee "$DEST/bench.log"
-bench_rc=${PIPESTATUS[0]}
+bench_rc=0
+if [[ ${NO_BENCH:-0} != 1 ]]; then
+  timeout -k 10 "$T_BENCH" "$PY" benchmarks/bench_step.py --fsdp --no-megabatch \
+    --fractions 1 0.25 --methods gram --backends auto "${BENCH[@]}" 2>&1 | tee "$DEST/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+fi
 
 echo "# gpu_multi.sh done in $((SECONDS - START)) s: info rc=$info_rc, pytest rc=$test_rc," \
   "bench rc=$bench_rc (124 = timed out); logs in $DEST" | tee -a "$DEST/info.txt"
