@@ -101,6 +101,17 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
+def collective_lines(hlo: str, per_kind: int = 4) -> list[str]:
+    """The first ``per_kind`` instructions of each collective kind in compiled HLO text (each cut
+    to 300 characters): what :func:`collective_stats` counted, to check its byte totals."""
+    out = []
+    for op in COLLECTIVES:
+        hits = [ln.strip() for ln in hlo.splitlines()
+                if re.search(rf"= .*? {op}(?:-start)?\(", ln)]
+        out += [h[:300] for h in hits[:per_kind]]
+    return out
+
+
 def collective_stats(hlo: str) -> dict:
     """Per collective kind: instruction count and bytes (sum of operand sizes) in compiled HLO.
 
@@ -167,7 +178,8 @@ def _abstract_state(tx, params, mesh=None):
                         state)
 
 
-def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compiled=None):
+def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compiled=None,
+              show_collectives: bool = False):
     """Median ms of jit(update + apply_updates) and the compiled step's collective stats.
 
     ``compiled``: the step from :func:`compile_step` (or a future of it), compiled here if None.
@@ -181,6 +193,9 @@ def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compile
         else:
             step = compiled.result() if hasattr(compiled, "result") else compiled
         stats = collective_stats(step.as_text())
+        if show_collectives:
+            for line in collective_lines(step.as_text()):
+                print(f"    | {line}", flush=True)
         for _ in range(2):  # warm-up
             params, state = jax.block_until_ready(step(params, state, grads))
         times = []
@@ -227,6 +242,8 @@ def main(argv=None) -> list[dict]:
                    help="also time each Dion3 variant with the polar's norms taken from the "
                         "gathered rows (dion3_jax._selection._norms_from_payload; the default "
                         "sums them from row statistics)")
+    p.add_argument("--show-collectives", action="store_true",
+                   help="print each variant's first collective instructions (compiled HLO)")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
                    help="compile every variant up front on N threads (XLA compiles in "
                         "parallel, so all variants fit one time-limited run), then time them in "
@@ -323,7 +340,8 @@ def main(argv=None) -> list[dict]:
             if dion is None:
                 continue
             ms, stats = time_step(tx, params, grads, reps, mesh, switch,
-                                  compiled=compiled.get(name))
+                                  compiled=compiled.get(name),
+                                  show_collectives=a.show_collectives)
             polar_ms = None
             if not (a.no_polar or a.fsdp or switch):
                 method, backend, f = dion

@@ -40,7 +40,7 @@ else
   export DION3_TEST_PLATFORM=gpu
   T_INFO=60 T_TEST=230 T_BENCH=250
   PYTEST_SEL=(${TESTS_K:+-k "$TESTS_K"})
-  BENCH=(--reps 5 --compile-workers 8)
+  BENCH=(--reps 5 --compile-workers 8 --show-collectives)
 fi
 
 DEST=${OUT:-runs/gpu_multi_$(date -u +%Y%m%dT%H%M%SZ)}
