@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from dion3_jax import _distributed, _layout, _megabatch, _replica_sync, _selection
-from dion3_jax._polar import Orthogonalizer, make_orthogonalizer
+from dion3_jax._polar import Orthogonalizer, make_orthogonalizer, resolved_compute_dtype
 
 Flavour = Literal["normuon", "muon"]
 AdjustLR = Literal["spectral_norm", "rms_norm"] | None
@@ -579,9 +579,12 @@ def scale_by_dion3(
         raise ValueError("dimension_numbers must be a DimensionNumbers, a tree of them or a "
                          f"callable, got {dimension_numbers=!r}")
     if orthogonalizer is None:
+        # The step casts the polar factors to float32 itself: taking them in the compute dtype
+        # writes no float32 copy, and the all-to-alls send them back at half the bytes.
         orthogonalizer = make_orthogonalizer(
             method=method, coefficients=coefficients, restarts=tuple(restarts),
-            compute_dtype=compute_dtype, backend=backend)
+            compute_dtype=compute_dtype, backend=backend,
+            out_dtype=resolved_compute_dtype(method, compute_dtype))
     elif not callable(orthogonalizer):
         raise ValueError(f"orthogonalizer must be callable, got {orthogonalizer=!r}")
     if not callable(num_heads) and _layout.is_single_value(num_heads):

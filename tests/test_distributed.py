@@ -270,6 +270,25 @@ def fsdp_model(layers: int, mesh):
     return leaves
 
 
+def test_polar_factors_travel_back_in_the_compute_dtype():
+    """The payload goes out in float32 and the polar factors come back in the polar's compute
+    dtype (float16 for Gram NS): per shape group one float32 and one float16 all-to-all of the
+    same shape, so the step moves 3/4 of the bytes of an all-float32 exchange."""
+    mesh = make_mesh((N,))
+    leaves = fsdp_model(2, mesh)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(1.0, method="gram")
+        params = put(random_tree(leaves, 0), leaves, mesh)
+        hlo = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
+    shapes = {"f32": [], "f16": []}
+    for line in hlo.splitlines():
+        m = re.search(r"= \(*(f32|f16)(\[[0-9,]*\])", line)   # (GPU: async tuples)
+        if m and re.search(r" all-to-all(?:-start)?\(", line):
+            shapes[m.group(1)].append(m.group(2))
+    assert len(shapes["f32"]) + len(shapes["f16"]) == count_op(hlo, "all-to-all") >= 4, shapes
+    assert sorted(shapes["f32"]) == sorted(shapes["f16"]), shapes   # one of each per group
+
+
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     mesh = make_mesh(need_2d())

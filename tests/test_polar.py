@@ -107,6 +107,7 @@ def test_zero_matrix_stays_finite():
     ({"steps": 0}, "steps"),
     ({"eps": 0.0}, "eps"),
     ({"compute_dtype": jnp.int8}, "compute_dtype"),
+    ({"out_dtype": jnp.int32}, "out_dtype"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -218,3 +219,18 @@ def test_stacked_with_given_squared_norms():
         # (equal up to where eps enters: X/(3‖X‖ + eps) against (X/3)/(‖X‖ + eps))
         np.testing.assert_allclose(off[3:], third, rtol=0, atol=1e-9)
         assert np.max(np.abs(off[3:] - want[3:])) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_out_dtype_is_the_cast_result(method):
+    """``out_dtype`` = compute dtype returns the iteration's own values: exactly the default
+    (float32) result cast back, since compute → float32 → compute is exact."""
+    x = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 30))),
+                          (3, 24, 64), jnp.float32)
+    compute = jnp.float16 if method == "gram" else jnp.bfloat16
+    got = jax.jit(lambda x: polar(x, method=method, backend="xla", out_dtype=compute))(x)
+    want = jax.jit(lambda x: polar(x, method=method, backend="xla"))(x)
+    assert got.dtype == compute and want.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
+    empty = polar(jnp.zeros((0, 4, 8)), method=method, out_dtype=compute)
+    assert empty.shape == (0, 4, 8) and empty.dtype == compute

@@ -342,3 +342,20 @@ def test_custom_orthogonalizer_gets_batches():
     tx.update(g, tx.init(params))
     # a and b (same shape) share one call: selected 8 rows of 16 inputs → (2, 8, 16) wide
     assert sorted(seen) == sorted([(2, 8, 16), (1, 8, 8)])
+
+
+def test_default_orthogonalizer_returns_the_compute_dtype_same_update():
+    """scale_by_dion3 takes the polar factors in the compute dtype (no float32 copy); for float32
+    parameters the update is bitwise the one with factors cast to float32 by the polar."""
+    rng = np.random.default_rng()
+    params = {"a": jnp.asarray(rng.standard_normal((16, 40)), jnp.float32),
+              "b": jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
+    ours = dion3_jax.scale_by_dion3(0.5, backend="xla")
+    f32_out = dion3_jax.scale_by_dion3(
+        0.5, orthogonalizer=dion3_jax.make_orthogonalizer(method="gram", backend="xla"))
+    u1, _ = jax.jit(ours.update)(grads, ours.init(params))
+    u2, _ = jax.jit(f32_out.update)(grads, f32_out.init(params))
+    for k in params:
+        assert u1[k].dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(u1[k]), np.asarray(u2[k]), err_msg=k)
