@@ -192,9 +192,10 @@ def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compile
             step = compile_step(tx, params, grads, mesh, switch, state)
         else:
             step = compiled.result() if hasattr(compiled, "result") else compiled
-        stats = collective_stats(step.as_text())
+        hlo = step.as_text()
+        stats = collective_stats(hlo)
         if show_collectives:
-            for line in collective_lines(step.as_text()):
+            for line in collective_lines(hlo):
                 print(f"    | {line}", flush=True)
         for _ in range(2):  # warm-up
             params, state = jax.block_until_ready(step(params, state, grads))

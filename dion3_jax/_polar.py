@@ -218,12 +218,12 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
         if p.shape[-2:] != (n, m) or p.dtype != x.dtype:
             raise ValueError(f"parts must share their matrix shape and dtype, got "
                              f"{x.shape[-2:]}/{x.dtype} and {p.shape[-2:]}/{p.dtype}")
-    if compute_dtype is None:
-        compute_dtype = _DEFAULT_COMPUTE_DTYPE[method]
+    compute_dtype = resolved_compute_dtype(method, compute_dtype)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     batch = [p.shape[:-2] for p in parts]
     if sum(p.size for p in parts) == 0:
         y = jnp.concatenate([p.reshape((-1, n, m)) for p in parts]) if len(parts) > 1 else x
-        return y.astype(x.dtype if out_dtype is None else out_dtype)
+        return y.astype(out_dtype)
     if sq_norms is None:
         sq_norms = [None] * len(parts)
     if len(sq_norms) != len(parts):
@@ -241,7 +241,7 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
                  pallas_kernels.padding_multiples(y.shape, y.dtype, backend))
     if n > m:
         y = jnp.swapaxes(y, -1, -2)
-    y = y.astype(x.dtype if out_dtype is None else out_dtype)
+    y = y.astype(out_dtype)
     return y.reshape((*batch[0], n, m)) if len(parts) == 1 else y
 
 
