@@ -18,7 +18,9 @@ same shardings (labelled "auto mesh"; XLA inserts whatever gathers it needs). ``
 adds, per Dion3 variant, the same step with one group per parameter (one all-to-all each way per
 parameter; ``dion3_jax._megabatch._one_group_per_leaf``, same results). ``--payload-norms``
 adds, per Dion3 variant, the step with the polar's per-matrix norms taken from the gathered rows
-(``dion3_jax._selection._norms_from_payload``) instead of summed from row statistics. Polar-only
+(``dion3_jax._selection._norms_from_payload``) instead of summed from row statistics;
+``--diag-epilogue`` the step with the Mosaic ``sym_matmul`` making its diagonal tiles symmetric in
+its epilogue (``MosaicConfig.diag_in_epilogue``) instead of by an XLA pass. Polar-only
 timings are single-device and are skipped with ``--fsdp`` and for the switched variants.
 
 Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -63,6 +66,7 @@ except ImportError:  # running from a source checkout
     import dion3_jax
 from dion3_jax import _megabatch, _selection
 import pallas_kernels
+from pallas_kernels import _mosaic
 from _timing import median_ms
 
 FULL = dict(layers=8, d=4096, ff=11008)
@@ -142,7 +146,9 @@ def collective_stats(hlo: str) -> dict:
 # Private switches a variant can be traced under (benchmark comparisons only; same results).
 SWITCHES = {"": contextlib.nullcontext,
             "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
-            "payload-norms": _selection._norms_from_payload}      # norms from the gathered rows
+            "payload-norms": _selection._norms_from_payload,      # norms from the gathered rows
+            "diag-epilogue": functools.partial(                    # Mosaic sym_matmul's diagonal
+                _mosaic._default_overrides, diag_in_epilogue=True)}  # tiles symmetrised in-kernel
 
 
 def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):
@@ -243,6 +249,9 @@ def main(argv=None) -> list[dict]:
                    help="also time each Dion3 variant with the polar's norms taken from the "
                         "gathered rows (dion3_jax._selection._norms_from_payload; the default "
                         "sums them from row statistics)")
+    p.add_argument("--diag-epilogue", action="store_true",
+                   help="also time each Dion3 variant with the Mosaic kernels' default set to "
+                        "diag_in_epilogue=True (pallas_kernels._mosaic._default_overrides)")
     p.add_argument("--show-collectives", action="store_true",
                    help="print each variant's first collective instructions (compiled HLO)")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
@@ -298,7 +307,8 @@ def main(argv=None) -> list[dict]:
                  ("optax.contrib.muon", optax.contrib.muon(1e-3), "", None)]
     # The default variants first, then those under the requested switches.
     switches = ([""] + (["no-megabatch"] if a.no_megabatch else [])
-                + (["payload-norms"] if a.payload_norms else []))
+                + (["payload-norms"] if a.payload_norms else [])
+                + (["diag-epilogue"] if a.diag_epilogue else []))
     for switch in switches:
         for method in a.methods:
             for backend in backends:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import os
 import re
 import sys
@@ -85,6 +86,11 @@ def main(argv=None):
     p.add_argument("--show-hlo", nargs="+", default=[], metavar="KIND",
                    help="print the optimized HLO of the slowest op of each of these op kinds "
                         "(e.g. loop_gather_fusion)")
+    p.add_argument("--dump-hlo", metavar="PATH",
+                   help="write the profiled executable's whole optimized HLO text here "
+                        "(gzip-compressed when PATH ends in .gz)")
+    p.add_argument("--switch", default="", choices=sorted(bench_step.SWITCHES),
+                   help="trace the step under one of bench_step's private switches")
     a = p.parse_args(argv)
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     shapes = bench_step.model_shapes(**cfg)
@@ -92,7 +98,11 @@ def main(argv=None):
     grads = bench_step.make_tree(shapes, 1, 1e-3)
     tx = dion3_jax.dion3(0.01, a.fraction, method=a.method, backend=a.backend)
     state = tx.init(params)
-    step = bench_step.compile_step(tx, params, grads, state=state)
+    step = bench_step.compile_step(tx, params, grads, state=state, switch=a.switch)
+    if a.dump_hlo:
+        opener = gzip.open if a.dump_hlo.endswith(".gz") else open
+        with opener(a.dump_hlo, "wt") as f:
+            f.write(step.as_text())
     for _ in range(2):  # Warm-up.
         params, state = jax.block_until_ready(step(params, state, grads))
     trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
@@ -103,7 +113,8 @@ def main(argv=None):
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}, "
+    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}"
+          f"{' ' + a.switch if a.switch else ''}, "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
           f"{total:.2f} ms (summed over {len(per_step)} ops)")
     by_kind: dict[str, float] = collections.defaultdict(float)

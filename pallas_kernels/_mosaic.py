@@ -26,6 +26,8 @@ only 3 pipeline stages; docs/KERNELS.md).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -106,7 +108,8 @@ class MosaicConfig:
         as shared memory allows for these dtypes (4 stages for 16-bit outputs, 3 for float32).
         The field defaults of the class are the plain one-tile-per-CTA kernel.
         """
-        config = cls(pair_tiles=True, pair_select="index", wgmma_in_flight=1)
+        config = cls(pair_tiles=True, pair_select="index", wgmma_in_flight=1,
+                     **_DEFAULT_OVERRIDES.get())
         while (smem_bytes(config, in_dtype, out_dtype) > SMEM_LIMIT
                and config.max_concurrent_steps > config.wgmma_in_flight + 1):
             config = dataclasses.replace(config,
@@ -132,6 +135,20 @@ class MosaicConfig:
                              "epi_double_buffer=False")
         if self.pair_select not in ("when", "index"):
             raise ValueError(f"{self.pair_select=} must be 'when' or 'index'")
+
+
+_DEFAULT_OVERRIDES = contextvars.ContextVar("mosaic_default_overrides", default={})
+
+
+@contextlib.contextmanager
+def _default_overrides(**fields):
+    """Private, for benchmarks: :meth:`MosaicConfig.get_default` called (at trace time) inside
+    this context sets these fields too, so a whole step can be compared with another default."""
+    token = _DEFAULT_OVERRIDES.set(dict(fields))
+    try:
+        yield
+    finally:
+        _DEFAULT_OVERRIDES.reset(token)
 
 
 #: Shared memory a CTA may use on Hopper (227 KiB) less room for barriers and alignment.
