@@ -64,7 +64,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax import _megabatch, _selection
+from dion3_jax import _megabatch, _polar, _selection, _transform
 import pallas_kernels
 from pallas_kernels import _mosaic
 from _timing import median_ms
@@ -148,7 +148,17 @@ SWITCHES = {"": contextlib.nullcontext,
             "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
             "payload-norms": _selection._norms_from_payload,      # norms from the gathered rows
             "diag-epilogue": functools.partial(                    # Mosaic sym_matmul's diagonal
-                _mosaic._default_overrides, diag_in_epilogue=True)}  # tiles symmetrised in-kernel
+                _mosaic._default_overrides, diag_in_epilogue=True),  # tiles symmetrised in-kernel
+            "gemm-f16": _polar._gemm_writes_compute_dtype,    # Gram NS's Q·X GEMMs write float16
+            "late-momentum": _transform._late_momentum,       # new momentum after the polar
+            "gemm-f16+late": lambda: _both(_polar._gemm_writes_compute_dtype,
+                                           _transform._late_momentum)}
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a(), b():
+        yield
 
 
 def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):
@@ -252,6 +262,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--diag-epilogue", action="store_true",
                    help="also time each Dion3 variant with the Mosaic kernels' default set to "
                         "diag_in_epilogue=True (pallas_kernels._mosaic._default_overrides)")
+    p.add_argument("--switches", nargs="+", default=[], choices=sorted(SWITCHES)[1:],
+                   metavar="SWITCH",
+                   help="also time each Dion3 variant under these switches (any of "
+                        f"{', '.join(sorted(SWITCHES)[1:])})")
     p.add_argument("--show-collectives", action="store_true",
                    help="print each variant's first collective instructions (compiled HLO)")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
@@ -308,7 +322,9 @@ def main(argv=None) -> list[dict]:
     # The default variants first, then those under the requested switches.
     switches = ([""] + (["no-megabatch"] if a.no_megabatch else [])
                 + (["payload-norms"] if a.payload_norms else [])
-                + (["diag-epilogue"] if a.diag_epilogue else []))
+                + (["diag-epilogue"] if a.diag_epilogue else [])
+                + [w for w in a.switches if w not in ("no-megabatch", "payload-norms",
+                                                      "diag-epilogue")])
     for switch in switches:
         for method in a.methods:
             for backend in backends:

@@ -13,8 +13,10 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import jax
@@ -30,8 +32,27 @@ _BACKENDS = ("auto", "xla", "mosaic", "triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
 
 
+_GEMM_WRITES_COMPUTE_DTYPE = contextvars.ContextVar("dion3_gemm_writes_compute_dtype",
+                                                    default=False)
+
+
+@contextlib.contextmanager
+def _gemm_writes_compute_dtype() -> Iterator[None]:
+    """Private, for benchmarks: Gram Newton-Schulz's plain products ``Q·X`` traced inside this
+    context ask XLA for their result in the compute dtype (``preferred_element_type`` = the
+    operands' 16-bit dtype), so the GEMM writes it directly, instead of a float32 result and a
+    separate conversion. Read at trace time."""
+    token = _GEMM_WRITES_COMPUTE_DTYPE.set(True)
+    try:
+        yield
+    finally:
+        _GEMM_WRITES_COMPUTE_DTYPE.reset(token)
+
+
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """Plain batched ``a @ b`` with float32 (or float64) accumulation, output in ``a.dtype``."""
+    if _GEMM_WRITES_COMPUTE_DTYPE.get() and jnp.dtype(a.dtype).itemsize == 2:
+        return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=a.dtype)
     acc = jnp.promote_types(a.dtype, jnp.float32)
     return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc).astype(a.dtype)
 
