@@ -64,7 +64,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax import _megabatch, _polar, _selection, _transform
+from dion3_jax import _megabatch, _selection
 import pallas_kernels
 from pallas_kernels import _mosaic
 from _timing import median_ms
@@ -148,17 +148,7 @@ SWITCHES = {"": contextlib.nullcontext,
             "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
             "payload-norms": _selection._norms_from_payload,      # norms from the gathered rows
             "diag-epilogue": functools.partial(                    # Mosaic sym_matmul's diagonal
-                _mosaic._default_overrides, diag_in_epilogue=True),  # tiles symmetrised in-kernel
-            "gemm-f16": _polar._gemm_writes_compute_dtype,    # Gram NS's Q·X GEMMs write float16
-            "late-momentum": _transform._late_momentum,       # new momentum after the polar
-            "gemm-f16+late": lambda: _both(_polar._gemm_writes_compute_dtype,
-                                           _transform._late_momentum)}
-
-
-@contextlib.contextmanager
-def _both(a, b):
-    with a(), b():
-        yield
+                _mosaic._default_overrides, diag_in_epilogue=True)}  # tiles symmetrised in-kernel
 
 
 def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):

@@ -13,10 +13,8 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -32,26 +30,15 @@ _BACKENDS = ("auto", "xla", "mosaic", "triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
 
 
-_GEMM_WRITES_COMPUTE_DTYPE = contextvars.ContextVar("dion3_gemm_writes_compute_dtype",
-                                                    default=False)
-
-
-@contextlib.contextmanager
-def _gemm_writes_compute_dtype() -> Iterator[None]:
-    """Private, for benchmarks: Gram Newton-Schulz's plain products ``Q·X`` traced inside this
-    context ask XLA for their result in the compute dtype (``preferred_element_type`` = the
-    operands' 16-bit dtype), so the GEMM writes it directly, instead of a float32 result and a
-    separate conversion. Read at trace time."""
-    token = _GEMM_WRITES_COMPUTE_DTYPE.set(True)
-    try:
-        yield
-    finally:
-        _GEMM_WRITES_COMPUTE_DTYPE.reset(token)
-
-
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Plain batched ``a @ b`` with float32 (or float64) accumulation, output in ``a.dtype``."""
-    if _GEMM_WRITES_COMPUTE_DTYPE.get() and jnp.dtype(a.dtype).itemsize == 2:
+    """Plain batched ``a @ b`` with float32 (or float64) accumulation, output in ``a.dtype``.
+
+    A 16-bit result is asked of XLA directly (``preferred_element_type=a.dtype``): the GEMM
+    accumulates in float32 and writes the rounded result, instead of writing a float32 result
+    that a separate pass converts (bitwise the same on the H200, where it saved 3 ms of the
+    7B-shapes f = 1 step: ``tests/test_kernels_gpu.py``, docs/BENCHMARKS.md, run 17).
+    """
+    if jnp.dtype(a.dtype).itemsize == 2:
         return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=a.dtype)
     acc = jnp.promote_types(a.dtype, jnp.float32)
     return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc).astype(a.dtype)

@@ -25,9 +25,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-import contextlib
-import contextvars
+from collections.abc import Callable, Sequence
 import math
 from typing import Any, Literal, NamedTuple
 
@@ -180,22 +178,6 @@ def _batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[
             out[i] = g[:, off:off + x.size].reshape((g.shape[0], *x.shape))
             off += x.size
     return out  # type: ignore[return-value]
-
-
-_LATE_MOMENTUM = contextvars.ContextVar("dion3_late_momentum", default=False)
-
-
-@contextlib.contextmanager
-def _late_momentum() -> Iterator[None]:
-    """Private, for benchmarks: steps traced inside this context compute the new momentum from
-    ``M + G`` read after the polar (an optimization barrier orders it), instead of letting XLA
-    fuse it into the first pass over ``M`` (which makes it copy the donated momentum). Same
-    values."""
-    token = _LATE_MOMENTUM.set(True)
-    try:
-        yield
-    finally:
-        _LATE_MOMENTUM.reset(token)
 
 
 def _orient(x: jax.Array, swap: bool) -> jax.Array:
@@ -396,16 +378,6 @@ def _step(cfg: _StepConfig, ctx: _distributed.Context, plans, units, grads, moms
 
     # 4. Error feedback: only the selected rows decay (M[I] ← μ·S, S averaged over replicas).
     #    Rows go back with a gather and a select (expand_rows), not a scatter: one dense pass.
-    if _LATE_MOMENTUM.get() and not ctx.compressed:
-        # M + G read again after the polar factors exist (same values), so XLA cannot write the
-        # new momentum over the donated old one while the stacks still need it.
-        moms_l, grads_l, ortho = jax.lax.optimization_barrier((list(moms), list(grads), ortho))
-        late = [p.local.to_blocks(m + g.astype(m.dtype))
-                for p, g, m in zip(plans, grads_l, moms_l)]
-        for u in units:
-            if u.full:
-                synced[u.uid] = late[u.leaf][u.block]
-        mblk = late
     row_pos = {u.uid: _selection.row_positions(idx[u.uid], mblk[u.leaf][u.block].shape[
         u.layout.row_axis]) for u in units if not u.full}
     for u in units:

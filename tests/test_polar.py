@@ -234,3 +234,19 @@ def test_out_dtype_is_the_cast_result(method):
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want))
     empty = polar(jnp.zeros((0, 4, 8)), method=method, out_dtype=compute)
     assert empty.shape == (0, 4, 8) and empty.dtype == compute
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_plain_product_writes_16_bits_rounded_once(dtype):
+    """Gram NS's plain ``Q·X`` returns the operands' 16-bit dtype and equals the float32-
+    accumulated product rounded once (to one 16-bit ulp; bitwise on XLA's CPU and on the H200)."""
+    from dion3_jax import _polar
+
+    rng = np.random.default_rng()
+    q = jnp.asarray(rng.standard_normal((2, 48, 96)) / 10, dtype)
+    x = jnp.asarray(rng.standard_normal((2, 96, 160)), dtype)
+    out = jax.jit(_polar._matmul)(q, x)
+    want = np.matmul(np.asarray(q, np.float64), np.asarray(x, np.float64))
+    assert out.dtype == dtype
+    ulp = np.abs(np.asarray(jnp.asarray(want, dtype), np.float64)) * float(jnp.finfo(dtype).eps)
+    assert np.all(np.abs(np.asarray(out, np.float64) - want) <= ulp + 1e-6)
