@@ -64,7 +64,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax import _megabatch, _polar, _selection
+from dion3_jax import _megabatch, _selection
 import pallas_kernels
 from pallas_kernels import _mosaic
 from _timing import median_ms
@@ -148,8 +148,7 @@ SWITCHES = {"": contextlib.nullcontext,
             "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
             "payload-norms": _selection._norms_from_payload,      # norms from the gathered rows
             "diag-epilogue": functools.partial(                    # Mosaic sym_matmul's diagonal
-                _mosaic._default_overrides, diag_in_epilogue=True),  # tiles symmetrised in-kernel
-            "stack-dus": _polar._stack_by_updates}            # stack by in-place slice writes
+                _mosaic._default_overrides, diag_in_epilogue=True)}  # tiles symmetrised in-kernel
 
 
 def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):

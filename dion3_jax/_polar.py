@@ -13,10 +13,8 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -30,21 +28,6 @@ Backend = Literal["auto", "xla", "mosaic", "triton"]
 _METHODS = ("gram", "standard")
 _BACKENDS = ("auto", "xla", "mosaic", "triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
-
-
-_STACK_BY_UPDATES = contextvars.ContextVar("dion3_stack_by_updates", default=False)
-
-
-@contextlib.contextmanager
-def _stack_by_updates() -> Iterator[None]:
-    """Private, for benchmarks: :meth:`Orthogonalizer.stacked` traced inside this context writes
-    each normalised part into a zero batch with ``dynamic_update_slice`` (one in-place write per
-    part) instead of one ``concatenate`` of all parts. Same values."""
-    token = _STACK_BY_UPDATES.set(True)
-    try:
-        yield
-    finally:
-        _STACK_BY_UPDATES.reset(token)
 
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -261,16 +244,7 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
     ys = [_normalized(p.reshape((-1, n, m)), eps, compute_dtype,
                       None if q is None else jnp.reshape(q, (-1,)))
           for p, q in zip(parts, sq_norms)]
-    if len(ys) == 1:
-        y = ys[0]
-    elif _STACK_BY_UPDATES.get():
-        y = jnp.zeros((sum(p.shape[0] for p in ys), *ys[0].shape[1:]), ys[0].dtype)
-        start = 0
-        for p in ys:
-            y = jax.lax.dynamic_update_slice_in_dim(y, p, start, axis=0)
-            start += p.shape[0]
-    else:
-        y = jnp.concatenate(ys, axis=0)
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
     y = _iterate(y, coeffs, method, restarts, backend,
                  pallas_kernels.padding_multiples(y.shape, y.dtype, backend))
     if n > m:
