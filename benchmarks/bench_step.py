@@ -20,7 +20,8 @@ parameter; ``dion3_jax._megabatch._one_group_per_leaf``, same results). ``--payl
 adds, per Dion3 variant, the step with the polar's per-matrix norms taken from the gathered rows
 (``dion3_jax._selection._norms_from_payload``) instead of summed from row statistics;
 ``--diag-epilogue`` the step with the Mosaic ``sym_matmul`` making its diagonal tiles symmetric in
-its epilogue (``MosaicConfig.diag_in_epilogue``) instead of by an XLA pass. Polar-only
+its epilogue (``MosaicConfig.diag_in_epilogue``) instead of by an XLA pass; ``--switches NAME``
+names any of these. Polar-only
 timings are single-device and are skipped with ``--fsdp`` and for the switched variants.
 
 Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
@@ -147,8 +148,8 @@ def collective_stats(hlo: str) -> dict:
 SWITCHES = {"": contextlib.nullcontext,
             "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
             "payload-norms": _selection._norms_from_payload,      # norms from the gathered rows
-            "diag-epilogue": functools.partial(                    # Mosaic sym_matmul's diagonal
-                _mosaic._default_overrides, diag_in_epilogue=True)}  # tiles symmetrised in-kernel
+            # Mosaic sym_matmul's diagonal tiles symmetrised in its epilogue:
+            "diag-epilogue": functools.partial(_mosaic._default_overrides, diag_in_epilogue=True)}
 
 
 def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):
@@ -310,11 +311,10 @@ def main(argv=None) -> list[dict]:
         plan += [("optax.adamw", optax.adamw(1e-3), "", None),
                  ("optax.contrib.muon", optax.contrib.muon(1e-3), "", None)]
     # The default variants first, then those under the requested switches.
-    switches = ([""] + (["no-megabatch"] if a.no_megabatch else [])
-                + (["payload-norms"] if a.payload_norms else [])
-                + (["diag-epilogue"] if a.diag_epilogue else [])
-                + [w for w in a.switches if w not in ("no-megabatch", "payload-norms",
-                                                      "diag-epilogue")])
+    requested = ((["no-megabatch"] if a.no_megabatch else [])
+                 + (["payload-norms"] if a.payload_norms else [])
+                 + (["diag-epilogue"] if a.diag_epilogue else []) + a.switches)
+    switches = [""] + list(dict.fromkeys(requested))
     for switch in switches:
         for method in a.methods:
             for backend in backends:

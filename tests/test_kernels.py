@@ -341,6 +341,15 @@ class TestMosaicInterpret(KernelSuite):
                 deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
                 assert smem_bytes(deeper, in_dtype, out_dtype) > SMEM_LIMIT
 
+    def test_default_overrides_apply_inside_the_context_only(self):
+        """The benchmarks' private switch sets default fields at trace time, then restores them."""
+        from pallas_kernels._mosaic import MosaicConfig, _default_overrides
+
+        with _default_overrides(diag_in_epilogue=True):
+            inside = MosaicConfig.get_default(jnp.float16, jnp.float32)
+        assert inside.diag_in_epilogue and inside.max_concurrent_steps == 3
+        assert not MosaicConfig.get_default().diag_in_epilogue
+
     def test_b_rows_needs_a_square_b(self):
         from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic
 

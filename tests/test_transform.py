@@ -359,4 +359,3 @@ def test_default_orthogonalizer_returns_the_compute_dtype_same_update():
     for k in params:
         assert u1[k].dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(u1[k]), np.asarray(u2[k]), err_msg=k)
-
