@@ -116,7 +116,7 @@ def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence
     return y if y.shape[1:] == (n, m) else y[:, :n, :m]
 
 
-def _validate(method, restarts, backend, compute_dtype, eps, n_steps):
+def _validate(method, restarts, backend, compute_dtype, out_dtype, eps, n_steps):
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method=!r}")
     if backend not in _BACKENDS:
@@ -128,8 +128,9 @@ def _validate(method, restarts, backend, compute_dtype, eps, n_steps):
             raise ValueError(
                 f"restarts must hold ints in [1, {n_steps - 1}] (0-based steps of a {n_steps}-step "
                 f"iteration), got {restarts=!r}")
-    if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
-        raise ValueError(f"compute_dtype must be a floating dtype, got {compute_dtype=!r}")
+    for name, dtype in (("compute_dtype", compute_dtype), ("out_dtype", out_dtype)):
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype, got {name}={dtype!r}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps=!r}")
 
@@ -212,9 +213,7 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
     ``sq_norms``: None, or per part None or the squared Frobenius norm of each of its matrices
     (shape: the part's batch shape)."""
     coeffs = get_coefficients(coefficients, steps)
-    _validate(method, restarts, backend, compute_dtype, eps, len(coeffs))
-    if out_dtype is not None and not jnp.issubdtype(out_dtype, jnp.floating):
-        raise ValueError(f"out_dtype must be a floating dtype, got {out_dtype=!r}")
+    _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs))
     parts = [jnp.asarray(x) for x in parts]
     x = parts[0]
     if x.ndim < 2:
