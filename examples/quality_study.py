@@ -1,0 +1,582 @@
+"""Quality study: does Dion3 train as well as NorMuon and AdamW? One command, one GPU.
+
+Trains the main job's model family (``examples/train_lm.py``: a byte-level Flax NNX transformer on
+the Python standard library's sources, fixed held-out split by a hash of each file's path) with
+AdamW, NorMuon (``dion3_jax.normuon``, f = 1) and Dion3 at f = 1/2, 1/4, 1/8, and writes one
+JSON line per finished run, so a run stopped at a time limit keeps what it finished.
+
+The runs are queued by priority and planned phase by phase from the results so far:
+
+1. the headline: an AdamW learning-rate sweep, a NorMuon learning-rate sweep, Dion3 at f = 1/4
+   with μ = 0.95 and μ = 0.95^(1/f) at the NorMuon learning rate moved by the paper's rule
+   (``lr·√f`` fixed, ``dion3_jax.transfer_learning_rate``), then seeds 1 and 2 of each;
+2. Dion3 at f = 1/2 and 1/8 (both μ rules); AdamW and NorMuon at Dion3 f = 1/4's measured time
+   ("equal optimizer time": step counts scaled by the measured step times); more seeds;
+3. a learning-rate × f grid around the transferred rate (tests the √f rule) and two weight-decay
+   rules (constant, and ``wd·√f``, which keeps the per-step decay ``lr·wd`` the same for every f).
+
+Every optimizer config is compiled once, ahead of time and in parallel: the learning rate, μ and
+weight decay live in the optimizer state (``optax.inject_hyperparams``; ``fraction`` is static),
+and the warm-up + cosine schedule is computed inside the step from the step counter.
+
+Usage::
+
+    python examples/quality_study.py --tiny --out runs/quality/tiny.jsonl   # CPU check, ~1 min
+    python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~9 min
+    python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
+
+``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
+plots under ``docs/quality/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)  # train_lm, the main job's model and data
+
+MU_RULES = ("const", "pow")  # μ = 0.95, or μ = 0.95^(1/f)
+WD_RULES = ("const", "sqrt_f")  # wd, or wd·√f
+FRACTIONS = (0.5, 0.25, 0.125)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The study's flags (every one validated before any data is read)."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    p.add_argument("--out", default="runs/quality/results.jsonl",
+                   help="JSON-lines file the runs are appended to (a new file each time)")
+    p.add_argument("--report", metavar="JSONL", default=None,
+                   help="write the doc and plots from this results file instead of training")
+    p.add_argument("--doc", default="docs/QUALITY.md", help="--report: the Markdown file")
+    p.add_argument("--plots", default="docs/quality", help="--report: the PNG folder")
+    p.add_argument("--command", default=None,
+                   help="--report: the training command to quote (default: from the results)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny model and runs, for a CPU check of the whole pipeline")
+    p.add_argument("--steps", type=int, default=300, help="steps of every equal-step run")
+    p.add_argument("--d-model", type=int, default=512, help="model width")
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=8, help="attention heads")
+    p.add_argument("--seq-len", type=int, default=512, help="context length in bytes")
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="activation dtype (parameters stay float32)")
+    p.add_argument("--data-mb", type=float, default=12.0, help="cap on the stdlib text read (MB)")
+    p.add_argument("--heldout-percent", type=float, default=5.0,
+                   help="percent of files (by path hash) held out")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per evaluation")
+    p.add_argument("--time-budget", type=float, default=540.0,
+                   help="seconds from start after which no new run is started")
+    p.add_argument("--compile-workers", type=int, default=8,
+                   help="threads compiling the optimizer configs ahead of time")
+    p.add_argument("--tag", default="", help="free text stored with the results (e.g. a commit)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses and validates the flags; errors exit through argparse before anything loads."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.layers, args.heads, args.seq_len, args.batch = 32, 1, 2, 32, 4
+        args.steps, args.eval_every, args.eval_batches, args.data_mb = 24, 8, 2, 1.0
+        args.compute_dtype = "float32"
+    for name in ("steps", "d_model", "layers", "heads", "seq_len", "batch", "eval_every",
+                 "eval_batches", "compile_workers"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.d_model % args.heads or (args.d_model // args.heads) % 2:
+        p.error(f"--d-model must be --heads × an even head size, got {args.d_model}, {args.heads}")
+    if not 0 < args.heldout_percent < 100:
+        p.error(f"--heldout-percent must be in (0, 100), got {args.heldout_percent}")
+    if args.data_mb <= 0 or args.time_budget <= 0:
+        p.error("--data-mb and --time-budget must be positive")
+    if args.report is not None and not os.path.isfile(args.report):
+        p.error(f"--report: no such file {args.report!r}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Run specifications and planning
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run. ``family`` picks the compiled step: adamw, normuon or dion3@f."""
+
+    phase: str
+    opt: str  # "adamw", "normuon" or "dion3"
+    lr: float
+    seed: int
+    steps: int
+    fraction: float = 1.0
+    mu: float = 0.95
+    mu_rule: str = "const"
+    wd: float = 0.1
+    wd_rule: str = "const"
+    adam_lr: float = 0.0  # lr of the AdamW branch of NorMuon / Dion3
+    lr_mult: float = 1.0  # lr / transferred lr (Dion3 grid)
+
+    @property
+    def family(self) -> str:
+        return f"dion3@{self.fraction:g}" if self.opt == "dion3" else self.opt
+
+    def key(self) -> tuple:
+        return (self.opt, self.fraction, round(self.mu, 6), round(self.lr, 9), round(self.wd, 9),
+                round(self.adam_lr, 9), self.steps, self.seed)
+
+
+def config_name(r: dict) -> str:
+    """A readable name of a run's configuration (everything but the seed)."""
+    if r["opt"] == "adamw":
+        return f"AdamW lr {r['lr']:.3g}" + (f", {r['steps']} steps" if r["phase"] == "time" else "")
+    if r["opt"] == "normuon":
+        s = f"NorMuon lr {r['lr']:.3g}, wd {r['wd']:g}"
+        return s + (f", {r['steps']} steps" if r["phase"] == "time" else "")
+    return (f"Dion3 f=1/{round(1 / r['fraction'])} μ {r['mu']:.4g} lr {r['lr']:.3g} "
+            f"wd {r['wd']:.3g}")
+
+
+class Planner:
+    """Yields the study's runs phase by phase; later phases read earlier results."""
+
+    ADAMW_LRS = (1e-3, 2e-3, 4e-3, 8e-3)
+    NORMUON_LRS = (0.01, 0.02, 0.04)
+    ADAMW_WD, MATRIX_WD, BIG_WD = 0.1, 0.01, 0.1
+
+    def __init__(self, steps: int, max_steps: int):
+        self.steps, self.max_steps = steps, max_steps
+        self.results: dict[tuple, dict] = {}
+        self.step_ms: dict[str, float] = {}
+
+    # -- helpers reading the results so far ---------------------------------------------------
+
+    def record(self, run: Run, result: dict) -> None:
+        self.results[run.key()] = result
+        self.step_ms.setdefault(run.family, result["step_ms"])
+
+    def _loss(self, run: Run) -> float:
+        r = self.results.get(run.key())
+        return r["final_heldout"] if r and math.isfinite(r["final_heldout"]) else math.inf
+
+    def _best_lr(self, make, lrs) -> float:
+        return min(lrs, key=lambda lr: self._loss(make(lr, 0)))
+
+    def _extend(self, make, lrs):
+        """The sweep's best lr; one more point beyond the grid if the best is at an edge."""
+        best = self._best_lr(make, lrs)
+        if best == lrs[0]:
+            yield make(lrs[0] / 2, 0)
+        elif best == lrs[-1]:
+            yield make(lrs[-1] * 2, 0)
+
+    def adamw(self, lr, seed, steps=None, phase="adamw"):
+        return Run(phase, "adamw", lr, seed, steps or self.steps, wd=self.ADAMW_WD)
+
+    def normuon(self, lr, seed, steps=None, phase="normuon", wd=None):
+        return Run(phase, "normuon", lr, seed, steps or self.steps,
+                   wd=self.MATRIX_WD if wd is None else wd, adam_lr=self.adam_best())
+
+    def dion3(self, f, mu_rule, seed, lr_mult=1.0, wd_rule="const", base_wd=None, phase="dion3"):
+        import dion3_jax
+
+        lr = dion3_jax.transfer_learning_rate(self.normuon_best(), 1.0, f) * lr_mult
+        mu = 0.95 if mu_rule == "const" else 0.95 ** (1 / f)
+        wd = self.MATRIX_WD if base_wd is None else base_wd
+        wd = wd * math.sqrt(f) if wd_rule == "sqrt_f" else wd
+        return Run(phase, "dion3", lr, seed, self.steps, f, mu, mu_rule, wd, wd_rule,
+                   self.adam_best(), lr_mult)
+
+    def adam_best(self) -> float:
+        return self._best_lr(self.adamw, self.ADAMW_LRS + (5e-4, 1.6e-2))
+
+    def normuon_best(self) -> float:
+        return self._best_lr(self.normuon, self.NORMUON_LRS + (0.005, 0.08))
+
+    def mu_best(self) -> str:
+        """The μ rule with the lower mean held-out loss at f = 1/4 (the headline pair)."""
+        def mean(rule):
+            return sum(self._loss(self.dion3(0.25, rule, s)) for s in range(3)) / 3
+        return min(MU_RULES, key=mean)
+
+    # -- the phases, in priority order -----------------------------------------------------
+
+    def phases(self):
+        yield "adamw lr sweep", lambda: [self.adamw(lr, 0) for lr in self.ADAMW_LRS]
+        yield "adamw sweep edge", lambda: list(self._extend(self.adamw, self.ADAMW_LRS))
+        yield "normuon lr sweep", lambda: [self.normuon(lr, 0) for lr in self.NORMUON_LRS]
+        yield "normuon sweep edge", lambda: list(self._extend(self.normuon, self.NORMUON_LRS))
+        yield "dion3 f=1/4", lambda: [self.dion3(0.25, m, 0) for m in MU_RULES]
+        yield "headline seeds", lambda: [
+            run for s in (1, 2) for run in (
+                self.adamw(self.adam_best(), s), self.normuon(self.normuon_best(), s),
+                *(self.dion3(0.25, m, s) for m in MU_RULES))]
+        yield "dion3 f=1/2, 1/8", lambda: [self.dion3(f, m, 0) for f in (0.5, 0.125)
+                                           for m in MU_RULES]
+        yield "equal time", self._equal_time
+        yield "f seeds", lambda: [self.dion3(f, m, s) for s in (1, 2) for f in (0.5, 0.125)
+                                  for m in MU_RULES]
+        yield "lr x f grid", lambda: self._grid((0.5, 2.0))
+        yield "weight decay", self._weight_decay
+        yield "lr x f grid, wide", lambda: self._grid((0.25, 4.0))
+        yield "weight decay seeds", lambda: self._weight_decay(seeds=(1, 2))
+
+    def _equal_time(self):
+        t = self.step_ms.get("dion3@0.25")
+        if not t:
+            return []
+        runs = []
+        for seed in range(3):
+            for make, best in ((self.adamw, self.adam_best()),
+                               (self.normuon, self.normuon_best())):
+                fam = make(best, 0).family
+                steps = min(self.max_steps, round(self.steps * t / self.step_ms[fam]))
+                runs.append(make(best, seed, steps=steps, phase="time"))
+        return runs
+
+    def _grid(self, mults):
+        mu = self.mu_best()
+        runs = [self.dion3(f, mu, 0, lr_mult=m, phase="grid") for f in FRACTIONS for m in mults]
+        return runs + [self.normuon(self.normuon_best() * m, 0, phase="grid") for m in mults]
+
+    def _weight_decay(self, seeds=(0,)):
+        mu, runs = self.mu_best(), []
+        for seed in seeds:
+            runs.append(self.normuon(self.normuon_best(), seed, phase="wd", wd=self.BIG_WD))
+            for f in FRACTIONS:
+                runs.append(self.dion3(f, mu, seed, base_wd=self.BIG_WD, phase="wd"))
+                runs.append(self.dion3(f, mu, seed, wd_rule="sqrt_f", base_wd=self.BIG_WD,
+                                       phase="wd"))
+                if not seeds[0]:  # the scaled rule at the default weight decay too
+                    runs.append(self.dion3(f, mu, seed, wd_rule="sqrt_f", phase="wd"))
+        return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (imports JAX lazily so that --help and --report stay light)
+# ---------------------------------------------------------------------------------------------
+
+
+def _make_tx(family: str):
+    """An ``inject_hyperparams`` optimizer for a family; values are set per run in the state."""
+    import optax
+
+    import dion3_jax
+
+    def inject(fn, *static):
+        return optax.inject_hyperparams(fn, static_args=static, hyperparam_dtype=_f32())
+
+    if family == "adamw":
+        mask = lambda p: _tree_map(lambda x: x.ndim >= 2, p)
+        return lambda run: inject(optax.adamw, "mask")(
+            learning_rate=run.lr, b1=0.9, b2=0.95, weight_decay=run.wd, mask=mask)
+    kwargs = lambda run: dict(learning_rate=run.lr, mu=run.mu, beta2=0.95, weight_decay=run.wd,
+                              adam_learning_rate=run.adam_lr, adam_b1=0.9, adam_b2=0.95)
+    if family == "normuon":
+        return lambda run: inject(dion3_jax.normuon)(**kwargs(run))
+    fraction = float(family.split("@")[1])
+    return lambda run: inject(dion3_jax.dion3, "fraction")(fraction=fraction, **kwargs(run))
+
+
+def _f32():
+    import jax.numpy as jnp
+
+    return jnp.float32
+
+
+def _tree_map(fn, tree):
+    import jax
+
+    return jax.tree.map(fn, tree)
+
+
+def _schedule_mult(step, warmup, total):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``total`` (traced)."""
+    import jax.numpy as jnp
+
+    step = step.astype(jnp.float32)
+    warm = step / jnp.maximum(warmup, 1.0)
+    frac = jnp.clip((step - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+    return jnp.where(step < warmup, warm, 0.5 * (1.0 + jnp.cos(jnp.pi * frac)))
+
+
+class Trainer:
+    """Holds the data on the device and one compiled step per optimizer family."""
+
+    def __init__(self, args: argparse.Namespace):
+        import jax
+        from flax import nnx
+
+        import train_lm
+
+        self.args = args
+        cfg = train_lm.Config(d_model=args.d_model, layers=args.layers, heads=args.heads,
+                              seq_len=args.seq_len, compute_dtype=args.compute_dtype)
+        self.model_cfg = cfg
+        train, held, self.data_info = train_lm.load_stdlib_bytes(args.data_mb,
+                                                                 args.heldout_percent)
+        self.max_steps = train.size // (args.batch * args.seq_len)  # one epoch
+        n = args.eval_batches * args.batch
+        starts = train_lm.fixed_eval_starts(held.size, n, args.seq_len)
+        held_w = train_lm.windows(held, starts, args.seq_len)
+        self.train_dev = jax.device_put(train)
+        self.held_dev = jax.device_put(held_w.reshape(args.eval_batches, args.batch, -1))
+        model = train_lm.ByteLM(cfg, nnx.Rngs(0))
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.n_params = int(sum(x.size for x in jax.tree.leaves(params)))
+        self.train_size = train.size
+        self.compiled: dict[str, object] = {}
+        self.compile_s: dict[str, float] = {}
+
+    # -- pure functions ------------------------------------------------------------------------
+
+    def params(self, seed: int):
+        from flax import nnx
+
+        import train_lm
+
+        return nnx.split(train_lm.ByteLM(self.model_cfg, nnx.Rngs(seed)), nnx.Param)[1]
+
+    def _loss(self, params, batch):
+        import optax
+        from flax import nnx
+
+        logits = nnx.merge(self.graphdef, params)(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    def _batch(self, data, starts, step):
+        import jax.numpy as jnp
+
+        idx = starts[step][:, None] + jnp.arange(self.args.seq_len + 1)
+        return data[idx].astype(jnp.int32)
+
+    def _step_fn(self, tx):
+        import jax
+        import optax
+
+        def step(params, opt_state, data, starts, hp):
+            i = opt_state.count
+            loss, grads = jax.value_and_grad(self._loss)(params, self._batch(data, starts, i))
+            mult = _schedule_mult(i, hp["warmup"], hp["total"])
+            hps = dict(opt_state.hyperparams)
+            hps["learning_rate"] = hp["lr"] * mult
+            if "adam_learning_rate" in hps:
+                hps["adam_learning_rate"] = hp["adam_lr"] * mult
+            updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hps), params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return step
+
+    def _eval_fn(self, params, windows):
+        import jax
+
+        return jax.lax.map(lambda b: self._loss(params, b), windows).mean()
+
+    def _grad_fn(self, params, data, starts, i):
+        import jax
+
+        return jax.grad(self._loss)(params, self._batch(data, starts, i))
+
+    # -- compilation ---------------------------------------------------------------------------
+
+    def _hp(self, run: Run):
+        import jax
+
+        warmup = max(1, round(0.1 * run.steps))
+        return jax.device_put({k: np.float32(v) for k, v in dict(
+            lr=run.lr, adam_lr=run.adam_lr, warmup=warmup, total=run.steps).items()})
+
+    def _starts(self, seed: int):
+        """One random window start per (step, row), for up to one epoch of steps."""
+        import jax
+
+        rng = np.random.default_rng(seed)
+        high = self.train_size - self.args.seq_len - 1
+        return jax.device_put(rng.integers(0, high, size=(self.max_steps, self.args.batch),
+                                           dtype=np.int32))
+
+    def compile_all(self, families: list[str], example: dict[str, Run]) -> None:
+        """Lowers every family's step (and the eval and grad-only steps), compiles in threads."""
+        import jax
+
+        params, starts = self.params(0), self._starts(0)
+        lowered = {}
+        for fam in families:
+            make = _make_tx(fam)
+            tx = make(example[fam])
+            state = tx.init(params)
+            step = jax.jit(self._step_fn(tx), donate_argnums=(0, 1))
+            lowered[fam] = (make, step.lower(params, state, self.train_dev, starts,
+                                             self._hp(example[fam])))
+        lowered["eval"] = (None, jax.jit(self._eval_fn).lower(params, self.held_dev))
+        lowered["grad"] = (None, jax.jit(self._grad_fn).lower(params, self.train_dev, starts, 0))
+
+        def compile_one(name):
+            t0 = time.perf_counter()
+            exe = lowered[name][1].compile()
+            return name, exe, time.perf_counter() - t0
+
+        workers = min(self.args.compile_workers, len(lowered))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for name, exe, secs in pool.map(compile_one, lowered):
+                self.compiled[name] = (lowered[name][0], exe)
+                self.compile_s[name] = secs
+
+    # -- running -------------------------------------------------------------------------------
+
+    def grad_ms(self, reps: int = 20) -> float:
+        """Milliseconds of one forward + backward pass (no optimizer), median of ``reps``."""
+        import jax
+
+        exe = self.compiled["grad"][1]
+        params, starts = self.params(0), self._starts(0)
+        jax.block_until_ready(exe(params, self.train_dev, starts, 0))
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(params, self.train_dev, starts, i))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * float(np.median(times))
+
+    def evaluate(self, params) -> float:
+        return float(self.compiled["eval"][1](params, self.held_dev))
+
+    def train(self, run: Run) -> dict:
+        """Trains one run; returns its record (curves, final held-out loss, step time)."""
+        import jax
+
+        make, exe = self.compiled[run.family]
+        params = self.params(run.seed)
+        state = make(run).init(params)
+        starts, hp = self._starts(run.seed), self._hp(run)
+        ev = sorted(set(range(self.args.eval_every, run.steps, self.args.eval_every))
+                    | {run.steps})
+        curve, losses, train_s, done = [], [], 0.0, 0
+        for stop in ev:
+            t0 = time.perf_counter()
+            for _ in range(stop - done):
+                params, state, loss = exe(params, state, self.train_dev, starts, hp)
+                losses.append(loss)
+            jax.block_until_ready(loss)
+            train_s += time.perf_counter() - t0
+            done = stop
+            curve.append((stop, self.evaluate(params), round(train_s, 4)))
+        train_losses = [float(x) for x in jax.device_get(losses)]
+        return dict(
+            **dataclasses.asdict(run), family=run.family, config=None,
+            final_heldout=curve[-1][1], heldout_curve=curve,
+            train_curve=_block_means(train_losses, 10), step_ms=1e3 * train_s / run.steps,
+            train_s=train_s,
+        )
+
+
+def _block_means(xs: list[float], k: int) -> list[float]:
+    """Means of consecutive blocks of ``k`` values (a compact training curve)."""
+    return [sum(xs[i:i + k]) / len(xs[i:i + k]) for i in range(0, len(xs), k)]
+
+
+def _meta(args, trainer) -> dict:
+    import jax
+
+    dev = jax.devices()[0]
+    return dict(
+        type="meta", argv=sys.argv[1:], tag=args.tag,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        device=f"{dev.platform}: {dev.device_kind}", n_devices=jax.device_count(),
+        host=platform.node(), python=platform.python_version(), jax=jax.__version__,
+        params=trainer.n_params, data=trainer.data_info, max_steps=trainer.max_steps,
+        model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads,
+                   seq_len=args.seq_len, batch=args.batch, compute_dtype=args.compute_dtype),
+        steps=args.steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
+    )
+
+
+def study(args: argparse.Namespace) -> str:
+    """Runs the whole study, appending JSON lines to ``args.out``; returns its path."""
+    start = time.perf_counter()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if os.path.exists(args.out):
+        raise SystemExit(f"{args.out} exists; pass a new --out (results are never overwritten)")
+    trainer = Trainer(args)
+    planner = Planner(args.steps, trainer.max_steps)
+    if args.steps > trainer.max_steps:
+        raise SystemExit(f"--steps {args.steps} is more than one epoch ({trainer.max_steps})")
+    with open(args.out, "w") as out:
+        def emit(rec):
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+
+        emit(_meta(args, trainer))
+        print(f"model {trainer.n_params / 1e6:.1f}M params; data {trainer.data_info}", flush=True)
+        examples = {"adamw": planner.adamw(1e-3, 0), "normuon": planner.normuon(0.02, 0)}
+        examples.update({f"dion3@{f:g}": Run("x", "dion3", 0.04, 0, args.steps, f, adam_lr=1e-3)
+                         for f in FRACTIONS})
+        trainer.compile_all(list(examples), examples)
+        grad_ms = trainer.grad_ms()
+        emit(dict(type="timing", compile_s=trainer.compile_s, grad_ms=grad_ms,
+                  elapsed_s=time.perf_counter() - start))
+        print(f"compiled in {time.perf_counter() - start:.0f} s: {trainer.compile_s}; "
+              f"forward+backward {grad_ms:.2f} ms", flush=True)
+        _run_phases(args, trainer, planner, emit, start)
+    return args.out
+
+
+def _run_phases(args, trainer, planner, emit, start) -> None:
+    for phase, plan in planner.phases():
+        for run in plan():
+            if run.key() in planner.results:
+                continue
+            guess = planner.step_ms.get(run.family, 50.0) * run.steps / 1e3 + 1.0
+            left = args.time_budget - (time.perf_counter() - start)
+            if guess > left:
+                emit(dict(type="skip", phase=phase, run=dataclasses.asdict(run), left_s=left))
+                print(f"[{phase}] skip {run} ({left:.0f} s left)", flush=True)
+                continue
+            rec = trainer.train(run)
+            rec["config"] = config_name(rec)
+            rec["elapsed_s"] = round(time.perf_counter() - start, 1)
+            planner.record(run, rec)
+            emit(dict(type="run", **rec))
+            print(f"[{phase}] {rec['config']} seed {run.seed}: held-out "
+                  f"{rec['final_heldout']:.4f}, {rec['step_ms']:.1f} ms/step "
+                  f"(t={rec['elapsed_s']:.0f} s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    if args.report:
+        import quality_report
+
+        return quality_report.write_report(args.report, args.doc, args.plots, args.command)
+    try:
+        import dion3_jax  # noqa: F401
+    except ImportError:  # a source checkout without `pip install -e .`
+        sys.path.insert(0, os.path.dirname(_HERE))
+    return study(args)
+
+
+if __name__ == "__main__":
+    main()
