@@ -35,6 +35,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -501,12 +502,15 @@ def _block_means(xs: list[float], k: int) -> list[float]:
 def _meta(args, trainer) -> dict:
     import jax
 
+    import dion3_jax
+
     dev = jax.devices()[0]
     return dict(
         type="meta", argv=sys.argv[1:], tag=args.tag,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         device=f"{dev.platform}: {dev.device_kind}", n_devices=jax.device_count(),
         host=platform.node(), python=platform.python_version(), jax=jax.__version__,
+        dion3_jax=os.path.dirname(dion3_jax.__file__),
         params=trainer.n_params, data=trainer.data_info, max_steps=trainer.max_steps,
         model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads,
                    seq_len=args.seq_len, batch=args.batch, compute_dtype=args.compute_dtype),
@@ -571,9 +575,7 @@ def main(argv: list[str] | None = None) -> str:
         import quality_report
 
         return quality_report.write_report(args.report, args.doc, args.plots, args.command)
-    try:
-        import dion3_jax  # noqa: F401
-    except ImportError:  # a source checkout without `pip install -e .`
+    if importlib.util.find_spec("dion3_jax") is None:  # a checkout without `pip install -e .`
         sys.path.insert(0, os.path.dirname(_HERE))
     return study(args)
 
