@@ -19,13 +19,15 @@ from dion3_jax._alias import (
 )
 from dion3_jax._coefficients import PRESETS as COEFFICIENT_PRESETS
 from dion3_jax._coefficients import get_coefficients
+from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
-from dion3_jax._restarts import autotune_restarts, restart_growth
-from dion3_jax._polar import (Orthogonalizer, gram_newton_schulz, make_orthogonalizer, polar,
-                              standard_newton_schulz)
+from dion3_jax._orthogonalizer import Orthogonalizer, make_orthogonalizer
+from dion3_jax._polar import gram_newton_schulz, polar, standard_newton_schulz
 from dion3_jax._replica_sync import synchronize_momentum
+from dion3_jax._restarts import autotune_restarts, restart_growth
+from dion3_jax._rules import lr_scale
 from dion3_jax._selection import num_selected
-from dion3_jax._transform import ScaleByDion3State, lr_scale, scale_by_dion3
+from dion3_jax._transform import ScaleByDion3State, scale_by_dion3
 
 __version__ = "0.1.0"
 
@@ -33,6 +35,7 @@ __all__ = (
     "COEFFICIENT_PRESETS",
     "DEFAULT_SCALAR_PATTERN",
     "DimensionNumbers",
+    "MeshOptions",
     "Orthogonalizer",
     "ScaleByDion3State",
     "autotune_restarts",

@@ -8,17 +8,20 @@ through ``optax.partition``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-import inspect
+from collections.abc import Callable
 import math
 import re
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from dion3_jax import _layout
-from dion3_jax._transform import AdjustLR, Flavour, check_range, scale_by_dion3
+from dion3_jax._config import AdjustLR, Flavour, check_range
+from dion3_jax._distributed import MeshOptions
+from dion3_jax._orthogonalizer import Orthogonalizer
+from dion3_jax._transform import scale_by_dion3
 
 DION3_LABEL = "dion3"
 SCALAR_LABEL = "scalar"
@@ -51,7 +54,7 @@ def default_param_labels(params: Any, dimension_numbers: Any = None,
     def label(path, leaf):
         if explicit:
             return DION3_LABEL if lookup(path) is not None else SCALAR_LABEL
-        ndim = len(leaf.shape)
+        ndim = jnp.ndim(leaf)
         is_matrix = ndim == 2 or (dimension_numbers is not None and ndim >= 2)
         names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))).lower()
                  for k in path]
@@ -99,19 +102,8 @@ def dion3(
     num_heads: Any = None,
     split_sizes: Any = None,
     mu_dtype: jax.typing.DTypeLike | None = None,
-    orthogonalizer: Callable[[jax.Array], jax.Array] | None = None,
-    method: Literal["gram", "standard"] = "gram",
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
-    restarts: Sequence[int] = (2,),
-    compute_dtype: jax.typing.DTypeLike | None = None,
-    backend: Literal["auto", "xla", "mosaic", "triton"] = "auto",
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    shard_axis: str | Sequence[str] | None = None,
-    replica_axis: str | None = None,
-    selection_scope: Literal["local", "global"] = "local",
-    replica_selection: Literal["random", "norms"] = "random",
-    seed: int | None = None,
-    param_specs: Any = None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
+    mesh_options: MeshOptions | None = None,
     param_labels: Any = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -141,17 +133,8 @@ def dion3(
       beta2: NorMuon second-moment EMA coefficient.
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
-      flavour: ``"normuon"`` or ``"muon"``.
-      adjust_lr: ``"spectral_norm"``, ``"rms_norm"`` or ``None`` (see :func:`scale_by_dion3`).
-      dimension_numbers: per-leaf :class:`dion3_jax.DimensionNumbers` (one value, a tree or a
-        callable); default: 2-D Flax ``(in, out)`` kernels.
-      num_heads: per-head orthogonalization (one int, a tree or a callable).
-      split_sizes: independent row blocks, e.g. fused QKV (a tuple, a tree or a callable).
-      mu_dtype: momentum dtype (default: the params' dtype).
-      orthogonalizer: custom ``(batch, rows, cols) -> polar factors`` callable.
-      method, coefficients, restarts, compute_dtype, backend: :func:`dion3_jax.polar` options.
-      mesh, shard_axis, replica_axis, selection_scope, replica_selection, seed, param_specs:
-        distribution options, passed to :func:`scale_by_dion3` (see ``docs/DISTRIBUTED.md``).
+      flavour, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
+        mesh_options: the matrix transform's options, see :func:`scale_by_dion3`.
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
       scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
@@ -180,25 +163,13 @@ def dion3(
       Amsel et al., `Dion3: Full-Stack Orthogonal Updates <https://arxiv.org/abs/2608.11612>`_,
       2026.
     """
-    check_range("weight_decay", weight_decay, 0.0, math.inf)
-    check_range("adam_weight_decay", adam_weight_decay, 0.0, math.inf)
-    check_range("learning_rate", learning_rate, 0.0, math.inf)
-    if adam_learning_rate is not None:
-        check_range("adam_learning_rate", adam_learning_rate, 0.0, math.inf)
-    check_range("adam_b1", adam_b1, 0.0, 1.0, hi_open=True)
-    check_range("adam_b2", adam_b2, 0.0, 1.0, hi_open=True)
-    check_range("adam_eps", adam_eps, 0.0, math.inf)
-    if scalar_optimizer not in ("adamw", "lion"):
-        raise ValueError(f"scalar_optimizer must be 'adamw' or 'lion', got {scalar_optimizer=!r}")
+    _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
+                      adam_eps, adam_weight_decay, scalar_optimizer)
     matrix_tx = optax.chain(
-        scale_by_dion3(
-            fraction, mu, beta2, flavour=flavour, adjust_lr=adjust_lr,
-            dimension_numbers=dimension_numbers, num_heads=num_heads, split_sizes=split_sizes,
-            mu_dtype=mu_dtype, orthogonalizer=orthogonalizer, method=method,
-            coefficients=coefficients, restarts=restarts, compute_dtype=compute_dtype,
-            backend=backend, mesh=mesh, shard_axis=shard_axis, replica_axis=replica_axis,
-            selection_scope=selection_scope, replica_selection=replica_selection, seed=seed,
-            param_specs=param_specs),
+        scale_by_dion3(fraction, mu, beta2, flavour=flavour, adjust_lr=adjust_lr,
+                       dimension_numbers=dimension_numbers, num_heads=num_heads,
+                       split_sizes=split_sizes, mu_dtype=mu_dtype,
+                       orthogonalizer=orthogonalizer, mesh_options=mesh_options),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -215,9 +186,43 @@ def dion3(
     return optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels)
 
 
-def muon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.95,
-         weight_decay: optax.ScalarOrSchedule = 0.01, weight_decay_mask: Any = None,
-         **kwargs) -> optax.GradientTransformationExtraArgs:
+def _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
+                      adam_eps, adam_weight_decay, scalar_optimizer) -> None:
+    """Construction-time checks of :func:`dion3`'s own arguments (finite, in range, typed)."""
+    check_range("learning_rate", learning_rate, 0.0, math.inf, hi_open=True)
+    check_range("weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+    check_range("adam_weight_decay", adam_weight_decay, 0.0, math.inf, hi_open=True)
+    if adam_learning_rate is not None:
+        check_range("adam_learning_rate", adam_learning_rate, 0.0, math.inf, hi_open=True)
+    check_range("adam_b1", adam_b1, 0.0, 1.0, hi_open=True)
+    check_range("adam_b2", adam_b2, 0.0, 1.0, hi_open=True)
+    check_range("adam_eps", adam_eps, 0.0, math.inf, hi_open=True)
+    if scalar_optimizer not in ("adamw", "lion"):
+        raise ValueError(f"scalar_optimizer must be 'adamw' or 'lion', got {scalar_optimizer=!r}")
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    mu: jax.typing.ArrayLike = 0.95,
+    weight_decay: optax.ScalarOrSchedule = 0.01,
+    weight_decay_mask: Any = None,
+    *,
+    adjust_lr: AdjustLR = "spectral_norm",
+    dimension_numbers: Any = None,
+    num_heads: Any = None,
+    split_sizes: Any = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
+    mesh_options: MeshOptions | None = None,
+    param_labels: Any = None,
+    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.95,
+    adam_eps: jax.typing.ArrayLike = 1e-8,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_weight_decay_mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
     """Muon (momentum ``U = μU + G``, no Nesterov) through the Dion3 code path at ``f = 1``.
 
     Args:
@@ -225,7 +230,9 @@ def muon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.95,
       mu: momentum coefficient.
       weight_decay: decoupled weight decay of the matrices.
       weight_decay_mask: optional mask for it.
-      **kwargs: any keyword-only argument of :func:`dion3` except ``flavour``.
+      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
+        mesh_options, param_labels, scalar_optimizer, adam_learning_rate, adam_b1, adam_b2,
+        adam_eps, adam_weight_decay, adam_weight_decay_mask: as in :func:`dion3`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -233,13 +240,39 @@ def muon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.95,
     References:
       Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024.
     """
-    return dion3(learning_rate, 1.0, mu, 0.95, weight_decay, weight_decay_mask, flavour="muon",
-                 **kwargs)
+    return dion3(
+        learning_rate, 1.0, mu, 0.95, weight_decay, weight_decay_mask, flavour="muon",
+        adjust_lr=adjust_lr, dimension_numbers=dimension_numbers, num_heads=num_heads,
+        split_sizes=split_sizes, mu_dtype=mu_dtype, orthogonalizer=orthogonalizer,
+        mesh_options=mesh_options, param_labels=param_labels, scalar_optimizer=scalar_optimizer,
+        adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
+        adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+        adam_weight_decay_mask=adam_weight_decay_mask)
 
 
-def normuon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.95,
-            beta2: jax.typing.ArrayLike = 0.95, weight_decay: optax.ScalarOrSchedule = 0.01,
-            weight_decay_mask: Any = None, **kwargs) -> optax.GradientTransformationExtraArgs:
+def normuon(
+    learning_rate: optax.ScalarOrSchedule,
+    mu: jax.typing.ArrayLike = 0.95,
+    beta2: jax.typing.ArrayLike = 0.95,
+    weight_decay: optax.ScalarOrSchedule = 0.01,
+    weight_decay_mask: Any = None,
+    *,
+    adjust_lr: AdjustLR = "spectral_norm",
+    dimension_numbers: Any = None,
+    num_heads: Any = None,
+    split_sizes: Any = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
+    mesh_options: MeshOptions | None = None,
+    param_labels: Any = None,
+    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.95,
+    adam_eps: jax.typing.ArrayLike = 1e-8,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_weight_decay_mask: Any = None,
+) -> optax.GradientTransformationExtraArgs:
     """NorMuon (row-normalised Muon) through the Dion3 code path at ``f = 1``.
 
     Args:
@@ -248,7 +281,9 @@ def normuon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.
       beta2: second-moment EMA coefficient.
       weight_decay: decoupled weight decay of the matrices.
       weight_decay_mask: optional mask for it.
-      **kwargs: any keyword-only argument of :func:`dion3` except ``flavour``.
+      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
+        mesh_options, param_labels, scalar_optimizer, adam_learning_rate, adam_b1, adam_b2,
+        adam_eps, adam_weight_decay, adam_weight_decay_mask: as in :func:`dion3`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -256,20 +291,11 @@ def normuon(learning_rate: optax.ScalarOrSchedule, mu: jax.typing.ArrayLike = 0.
     References:
       Li et al., `NorMuon <https://arxiv.org/abs/2510.05491>`_, 2025.
     """
-    return dion3(learning_rate, 1.0, mu, beta2, weight_decay, weight_decay_mask,
-                 flavour="normuon", **kwargs)
-
-
-def _forward_signature(alias, drop: tuple[str, ...]):
-    """Gives ``alias`` (which forwards ``**kwargs`` to :func:`dion3`) an explicit signature, so
-    ``inspect.signature`` — and hence ``optax.inject_hyperparams`` — sees every argument."""
-    own = inspect.signature(alias).parameters
-    params = [p for name, p in own.items() if p.kind is not p.VAR_KEYWORD]
-    params += [p for name, p in inspect.signature(dion3).parameters.items()
-               if p.kind is p.KEYWORD_ONLY and name not in drop and name not in own]
-    alias.__signature__ = inspect.Signature(params, return_annotation=inspect.Signature.empty)
-    return alias
-
-
-_forward_signature(muon, ("flavour",))
-_forward_signature(normuon, ("flavour",))
+    return dion3(
+        learning_rate, 1.0, mu, beta2, weight_decay, weight_decay_mask, flavour="normuon",
+        adjust_lr=adjust_lr, dimension_numbers=dimension_numbers, num_heads=num_heads,
+        split_sizes=split_sizes, mu_dtype=mu_dtype, orthogonalizer=orthogonalizer,
+        mesh_options=mesh_options, param_labels=param_labels, scalar_optimizer=scalar_optimizer,
+        adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
+        adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
+        adam_weight_decay_mask=adam_weight_decay_mask)

@@ -5,7 +5,7 @@ shardings). The step itself (``_transform``) runs inside one ``jax.shard_map`` o
 that are not already manual; this module decides, per leaf, how its local shard maps onto whole
 matrices:
 
-``"local"``
+``"whole"``
   every device holds whole matrices: the leaf is replicated over the shard axes (then the group's
   batch of matrices is split across the shard axes and all-gathered: ``split=True``), or it is
   sharded along a batch axis (stacked layers, experts, whole heads: ``split=False``, no
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.sharding import AxisType, PartitionSpec as P
@@ -34,6 +34,7 @@ from dion3_jax import _layout
 
 SELECTION_SCOPES = ("local", "global")
 REPLICA_SELECTIONS = ("random", "norms")
+ShardMode = Literal["whole", "rows", "cols"]
 
 
 def _as_axes(axis, what: str) -> tuple[str, ...] | None:
@@ -52,30 +53,71 @@ def _as_axes(axis, what: str) -> tuple[str, ...] | None:
     return axes
 
 
-def check_options(mesh, shard_axis, replica_axis, selection_scope, replica_selection,
-                  param_specs) -> None:
-    """Validates the distribution keywords of ``scale_by_dion3`` (at construction)."""
+class MeshOptions(NamedTuple):
+    """How :func:`dion3_jax.scale_by_dion3` runs on a device mesh (all optional).
+
+    Attributes:
+      mesh: the device mesh. Default: the ambient one (``jax.set_mesh``), else the mesh of the
+        leaves' shardings; none → the single-device path.
+      shard_axis: the FSDP mesh axis or axes (a name or a tuple); replicated matrices are split
+        across them. Default: every mesh axis except ``replica_axis`` and manual axes.
+      replica_axis: the slow data-parallel axis (e.g. ``"dcn"``), or None. Parameters must be
+        replicated over it. When ``update`` is called inside a ``jax.shard_map`` that makes it
+        manual, gradients are per replica and only the selected rows are averaged over it
+        (compressed sync; see :func:`dion3_jax.synchronize_momentum`).
+      selection_scope: on row-sharded matrices, ``"local"`` (each shard selects its own
+        ``ceil(f·ceil(n/W))`` rows; only those travel) or ``"global"`` (exact top-k of the whole
+        matrix; the result does not depend on the mesh). Elsewhere both are exact.
+      replica_selection: with ``replica_axis``: ``"random"`` (row set from a PRNG key shared by
+        the replicas; the update equals the fully synchronised one exactly) or ``"norms"``
+        (top-k of the row ℓ1 norms summed over replicas; only the norms are all-reduced).
+      seed: int seed of the ``"random"`` replica selection.
+      param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable), needed
+        when mesh axes are Auto; default under Auto: each leaf sharded over ``shard_axis`` along
+        its first divisible axis. Under Explicit axes the shardings are read from the leaves.
+    """
+
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
+    shard_axis: str | Sequence[str] | None = None
+    replica_axis: str | None = None
+    selection_scope: Literal["local", "global"] = "local"
+    replica_selection: Literal["random", "norms"] = "random"
+    seed: int = 0
+    param_specs: Any = None
+
+
+def check_mesh_options(options: MeshOptions) -> None:
+    """Validates :class:`MeshOptions` (at construction of the transform)."""
+    if not isinstance(options, MeshOptions):
+        raise TypeError(f"mesh_options must be a dion3_jax.MeshOptions, got {options!r}")
+    mesh, replica_axis = options.mesh, options.replica_axis
     if mesh is not None and not isinstance(mesh, (jax.sharding.Mesh,
                                                   jax.sharding.AbstractMesh)):
         raise ValueError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got {mesh=!r}")
-    shard = _as_axes(shard_axis, "shard_axis")
+    shard = _as_axes(options.shard_axis, "shard_axis")
     if replica_axis is not None and not isinstance(replica_axis, str):
         raise ValueError(f"replica_axis must be one mesh axis name or None, got {replica_axis=!r}")
     if shard and replica_axis in shard:
         raise ValueError(f"replica_axis={replica_axis!r} cannot also be a shard axis "
-                         f"({shard_axis=!r})")
-    if selection_scope not in SELECTION_SCOPES:
-        raise ValueError(f"selection_scope must be one of {SELECTION_SCOPES}, got "
-                         f"{selection_scope=!r}")
-    if replica_selection not in REPLICA_SELECTIONS:
-        raise ValueError(f"replica_selection must be one of {REPLICA_SELECTIONS}, got "
-                         f"{replica_selection=!r}")
+                         f"(shard_axis={options.shard_axis!r})")
+    for name, value, allowed in (("selection_scope", options.selection_scope, SELECTION_SCOPES),
+                                 ("replica_selection", options.replica_selection,
+                                  REPLICA_SELECTIONS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {name}={value!r}")
     if mesh is not None:
-        names = tuple(mesh.axis_names)
         for a in (shard or ()) + ((replica_axis,) if replica_axis else ()):
-            if a not in names:
+            if a not in tuple(mesh.axis_names):
                 raise ValueError(f"mesh axis {a!r} (from shard_axis / replica_axis) is not an axis "
-                                 f"of the mesh {names}")
+                                 f"of the mesh {tuple(mesh.axis_names)}")
+    _check_seed_and_specs(options.seed, options.param_specs)
+
+
+def _check_seed_and_specs(seed, param_specs) -> None:
+    if isinstance(seed, jax.core.Tracer):
+        raise ValueError("seed must be a static int")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed=!r}")
     if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, P)
                                         or not _layout.is_single_value(param_specs)):
         raise ValueError(f"param_specs must be a PartitionSpec, a tree of them or a callable, got "
@@ -268,9 +310,10 @@ class LeafPlan:
     Attributes:
       spec: the leaf's PartitionSpec (in/out spec of the shard_map).
       var_spec: the spec of its per-row second moments (reduction axes unsharded).
-      mode: ``"local"``, ``"rows"`` or ``"cols"``.
+      shard: how the leaf's matrices are split across devices: ``"whole"`` (each device holds
+        whole matrices), ``"rows"`` or ``"cols"`` (see the module docstring).
       comm: mesh axes of the sharded matrix axis (rows/cols) or of the batch split (local).
-      split: local mode: the leaf is replicated over ``comm`` and the group's batch is split.
+      split: ``"whole"``: the leaf is replicated over ``comm`` and the group's batch is split.
       layout: the global leaf layout (numbers of rows/columns for k, lr scale).
       local: the layout of the local shard (its blocks are what the device sees).
       segments: rows mode: the matrices of the local block (whole leaf, heads or split sizes).
@@ -278,7 +321,7 @@ class LeafPlan:
 
     spec: P
     var_spec: P
-    mode: str
+    shard: ShardMode
     comm: tuple[str, ...]
     split: bool
     layout: _layout.LeafLayout
@@ -298,7 +341,7 @@ def make_plan(ctx: Context, entries, shape, dn, num_heads, split_sizes, name: st
                          f"({spec}); parameters must be replicated across replicas")
     if not sharded:
         comm = tuple(a for a in ctx.shard_axes if ctx.sizes.get(a, 1) > 1)
-        return LeafPlan(spec, var_spec, "local", comm, bool(comm), glob, glob)
+        return LeafPlan(spec, var_spec, "whole", comm, bool(comm), glob, glob)
     if len(sharded) > 1:
         raise ValueError(f"{name} ({shape=}) is sharded along more than one axis ({spec}); Dion3 "
                          "supports one sharded axis per leaf (merge mesh axes into one entry, "
@@ -312,7 +355,7 @@ def make_plan(ctx: Context, entries, shape, dn, num_heads, split_sizes, name: st
         return LeafPlan(spec, var_spec, "cols", comm, False, glob, local)
     if axis not in glob.output_axes:  # a batch axis: whole matrices on every device
         local = _layout.make_layout(local_shape, dn, num_heads, split_sizes, name=name)
-        return LeafPlan(spec, var_spec, "local", comm, False, glob, local)
+        return LeafPlan(spec, var_spec, "whole", comm, False, glob, local)
     # Output axis: rows.
     n_total = math.prod(shape[i] for i in glob.output_axes)
     n_loc = n_total // w
@@ -325,7 +368,7 @@ def make_plan(ctx: Context, entries, shape, dn, num_heads, split_sizes, name: st
         hd = blocks[0].n
         if glob.num_heads > 1 and n_loc % hd == 0:  # whole heads on each device: batch-like
             local = _layout.make_layout(local_shape, dn, glob.num_heads // w, None, name=name)
-            return LeafPlan(spec, var_spec, "local", comm, False, glob, local)
+            return LeafPlan(spec, var_spec, "whole", comm, False, glob, local)
     local = _layout.make_layout(local_shape, dn, None, None, name=name)
     # Row ranges of the matrices of this leaf, in the output axis (per batch element).
     if glob.num_heads > 1:

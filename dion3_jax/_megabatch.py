@@ -4,80 +4,51 @@ The static plan groups the selected submatrices ("payloads") of all leaves by (w
 how they are distributed). Each group is concatenated along its batch axis and then, inside the
 step's ``shard_map``:
 
-* ``"a2a"`` (row- or column-sharded matrices): the count is padded with zero matrices to a
+* ``"all_to_all"`` (row- or column-sharded matrices): the count is padded with zero matrices to a
   multiple of the axis size ``W``; ONE ``lax.all_to_all`` sends matrix ``j`` of every device to
   device ``j // (N/W)``, which concatenates the pieces into whole matrices; the device
   orthogonalizes its ``N/W`` matrices in one call; ONE ``all_to_all`` sends the pieces back.
 * ``"split"`` (replicated matrices, pure data parallel): the padded batch is split across the
   axis, each device orthogonalizes its slice, ``all_gather`` reassembles the batch.
-* ``"local"`` (whole matrices already on the device: one device, or a batch-sharded leaf):
+* ``"on_device"`` (whole matrices already on the device: one device, or a batch-sharded leaf):
   one orthogonalizer call.
 
-On one device every group is ``"local"`` and this is exactly "one polar call per shape".
+On one device every group is ``"on_device"`` and this is exactly "one polar call per shape".
 Zero matrices (and zero rows) stay exactly zero through Newton-Schulz, so padding never changes the
 real results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-import contextlib
-import contextvars
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+Route = Literal["on_device", "split", "all_to_all"]
 
 
 class GroupKey(NamedTuple):
     """Static identity of a shape group.
 
     Attributes:
-      kind: ``"local"``, ``"split"`` or ``"a2a"``.
-      axes: mesh axes of the collective (empty for ``"local"``).
-      concat_axis: ``"a2a"``: the payload axis (1 or 2) along which pieces are concatenated.
+      route: how the group's matrices reach the orthogonalizer: ``"on_device"``, ``"split"`` or
+        ``"all_to_all"`` (see the module docstring).
+      axes: mesh axes of the collective (empty for ``"on_device"``).
+      concat_axis: ``"all_to_all"``: the payload axis (1 or 2) along which pieces are
+        concatenated into whole matrices.
       shape: the payload's (rows, cols) on the sending device, in wide orientation of the
         assembled matrix.
       dtype: the payload dtype.
-      leaf: -1 (megabatching: leaves share groups); the leaf index under
-        :func:`_one_group_per_leaf` (benchmark comparison only).
     """
 
-    kind: str
+    route: Route
     axes: tuple[str, ...]
     concat_axis: int
     shape: tuple[int, int]
     dtype: jnp.dtype
-    leaf: int = -1
-
-
-_PER_LEAF = contextvars.ContextVar("dion3_one_group_per_leaf", default=False)
-
-
-@contextlib.contextmanager
-def _one_group_per_leaf() -> Iterator[None]:
-    """Private, for benchmarks: steps *traced* inside this context group payloads per leaf as well
-    (no megabatching across parameters: one collective per parameter instead of per shape group).
-    The results are the same; only the number of collectives and batched calls changes. Read at
-    trace time: a jitted function already traced outside the context is not traced again."""
-    token = _PER_LEAF.set(True)
-    try:
-        yield
-    finally:
-        _PER_LEAF.reset(token)
-
-
-def group_leaf(leaf: int) -> int:
-    """The ``GroupKey.leaf`` of a payload of leaf ``leaf`` (-1 unless per-leaf grouping)."""
-    return leaf if _PER_LEAF.get() else -1
-
-
-def group_plan(keys: Sequence[GroupKey]) -> dict[GroupKey, list[int]]:
-    """Static grouping of payloads by key, in first-seen order."""
-    groups: dict[GroupKey, list[int]] = {}
-    for i, k in enumerate(keys):
-        groups.setdefault(k, []).append(i)
-    return groups
 
 
 def _pad_count(x: jax.Array, multiple: int) -> jax.Array:
@@ -111,16 +82,16 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
       An array shaped like ``x``: the device's pieces of the orthogonalized matrices.
     """
     n = x.shape[0]
-    if key.kind == "local" or axis_size == 1:
+    if key.route == "on_device" or axis_size == 1:
         return checked(orthogonalizer, x)
     xp = _pad_count(x, axis_size)
-    if key.kind == "split":
+    if key.route == "split":
         per = xp.shape[0] // axis_size
         start = jax.lax.axis_index(key.axes) * per
         mine = jax.lax.dynamic_slice_in_dim(xp, start, per, axis=0)
         out = jax.lax.all_gather(checked(orthogonalizer, mine), key.axes, axis=0, tiled=True)
         return out[:n]
-    # a2a: (N_pad, a, b) pieces → (N_pad/W, whole) → polar → back. The exchange itself always
+    # all_to_all: (N_pad, a, b) pieces → (N_pad/W, whole) → polar → back. The exchange itself always
     # moves contiguous leading chunks (split and concat on axis 0; XLA:CPU rejects some layouts
     # of a concat on a minor axis); assembling the pieces along `concat_axis` is a local copy.
     w, per = axis_size, xp.shape[0] // axis_size

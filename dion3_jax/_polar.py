@@ -13,7 +13,6 @@ References:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Literal
 
@@ -250,69 +249,3 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
         y = jnp.swapaxes(y, -1, -2)
     y = y.astype(out_dtype)
     return y.reshape((*batch[0], n, m)) if len(parts) == 1 else y
-
-
-_POLAR_DEFAULTS = {name: p.default for name, p in inspect.signature(polar).parameters.items()
-                   if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-class Orthogonalizer:
-    """``f(batch) = polar(batch, **polar_kwargs)``; see :func:`make_orthogonalizer`."""
-
-    def __init__(self, **polar_kwargs):
-        self.polar_kwargs = dict(polar_kwargs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return polar(x, **self.polar_kwargs)
-
-    def stacked(self, parts: Sequence[jax.Array],
-                sq_norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
-        """``self(jnp.concatenate(parts))`` for ``(b_i, rows, cols)`` parts of one shape and dtype,
-        with each part normalised and cast to the compute dtype before the concatenation (so
-        the batch is written once, in that dtype; the per-matrix norms are the same).
-
-        Args:
-          parts: arrays of one matrix shape and dtype; leading axes are a batch.
-          sq_norms: optional, one entry per part: None (the norms are computed from the part), or
-            ``‖X‖_F²`` of each of the part's matrices, shape ``part.shape[:-2]``, when the caller
-            has them already (Dion3 sums them from row statistics of the whole matrix, so the
-            gathered rows are read once, for the stack).
-
-        Raises:
-          ValueError: parts of different shapes or dtypes, or ``sq_norms`` of the wrong length
-            or shape.
-        """
-        return _polar_parts(list(parts), **{**_POLAR_DEFAULTS, **self.polar_kwargs},
-                            sq_norms=None if sq_norms is None else list(sq_norms))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.polar_kwargs.items())
-        return f"Orthogonalizer({args})"
-
-
-def make_orthogonalizer(**polar_kwargs) -> Orthogonalizer:
-    """Returns ``f(batch) = polar(batch, **polar_kwargs)``, validated now rather than at trace.
-
-    The result also has ``f.stacked(parts)``: the polar factors of ``jnp.concatenate(parts)``
-    with each part normalised before the concatenation (what Dion3's megabatching calls on one
-    device: the group's batch is then assembled once, in the compute dtype).
-
-    Args:
-      **polar_kwargs: keyword arguments of :func:`polar`.
-
-    Returns:
-      A callable mapping a ``(batch, rows, cols)`` array to its polar factors.
-
-    Raises:
-      ValueError: for a bad keyword argument.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from dion3_jax import make_orthogonalizer
-      >>> f = make_orthogonalizer(method="gram", backend="xla")
-      >>> a, b = jnp.ones((2, 8, 32)), jnp.ones((3, 8, 32))
-      >>> f(a).shape, f.stacked([a, b]).shape
-      ((2, 8, 32), (5, 8, 32))
-    """
-    jax.eval_shape(lambda: polar(jnp.zeros((1, 2, 3), jnp.float32), **polar_kwargs))  # validates
-    return Orthogonalizer(**polar_kwargs)

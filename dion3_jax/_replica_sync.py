@@ -24,30 +24,17 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-
-def random_scores(seed: int, count: jax.Array, uid: int, shape: tuple[int, ...],
-                  fold: jax.Array | None = None) -> jax.Array:
-    """Uniform scores shared by all replicas: a function of (seed, step, matrix id[, shard])."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), uid)
-    if fold is not None:
-        key = jax.random.fold_in(key, fold)
-    return jax.random.uniform(key, shape, jnp.float32)
-
-
-def _is_dion3_state(x) -> bool:
-    from dion3_jax._transform import ScaleByDion3State  # noqa: PLC0415 - avoid an import cycle
-    return isinstance(x, ScaleByDion3State)
+from dion3_jax._transform import ScaleByDion3State
 
 
 def _pmean_momentum(opt_state: Any, replica_axis: str) -> Any:
     def fix(node):
-        if _is_dion3_state(node):
+        if isinstance(node, ScaleByDion3State):
             mom = jax.tree.map(lambda m: jax.lax.pmean(m, replica_axis), node.momentum)
             return node._replace(momentum=mom)
         return node
-    return jax.tree.map(fix, opt_state, is_leaf=_is_dion3_state)
+    return jax.tree.map(fix, opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
 
 
 def synchronize_momentum(opt_state: Any, replica_axis: str = "dcn", *, mesh=None) -> Any:

@@ -10,11 +10,8 @@ References:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -51,26 +48,14 @@ def selected_sq_norm(row_sq: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.sum(jnp.take_along_axis(row_sq, rows, axis=1), axis=1)
 
 
-_NORMS_FROM_ROWS = contextvars.ContextVar("dion3_norms_from_rows", default=True)
-
-
-@contextlib.contextmanager
-def _norms_from_payload() -> Iterator[None]:
-    """Private, for benchmarks: steps *traced* inside this context take the polar's Frobenius
-    norm of a one-device payload from the gathered rows themselves, as before, instead of
-    :func:`selected_sq_norm` of row statistics (the same value up to float32 summation order).
-    Read at trace time."""
-    token = _NORMS_FROM_ROWS.set(False)
-    try:
-        yield
-    finally:
-        _NORMS_FROM_ROWS.reset(token)
-
-
-def norms_from_rows() -> bool:
-    """Whether one-device payload norms come from row statistics (see
-    :func:`_norms_from_payload`)."""
-    return _NORMS_FROM_ROWS.get()
+def random_scores(seed: int, count: jax.Array, uid: int, shape: tuple[int, ...],
+                  fold: jax.Array | None = None) -> jax.Array:
+    """Uniform scores shared by all replicas (compressed sync, ``replica_selection="random"``):
+    a function of (seed, step, matrix id[, shard]) only, so every replica picks the same rows."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), count), uid)
+    if fold is not None:
+        key = jax.random.fold_in(key, fold)
+    return jax.random.uniform(key, shape, jnp.float32)
 
 
 def top_rows(scores: jax.Array, k: int) -> jax.Array:

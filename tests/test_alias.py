@@ -90,9 +90,11 @@ def test_inject_hyperparams_equals_plain(name):
 def test_injected_fraction_must_be_static():
     params, grads = _params(), _grads(_params())
     tx = optax.inject_hyperparams(dion3_jax.dion3)(learning_rate=0.02, fraction=0.5)
-    state = tx.init(params)
-    with pytest.raises(ValueError, match="fraction"):
-        jax.jit(tx.update)(grads, state, params)
+    with pytest.raises(ValueError, match="static_args=.'fraction'"):   # at init, not update
+        tx.init(params)
+    tx = optax.inject_hyperparams(dion3_jax.dion3, static_args=("fraction",))(
+        learning_rate=0.02, fraction=0.5)
+    jax.jit(tx.update)(grads, tx.init(params), params)
 
 
 def test_learning_rate_schedule_and_injected_lr_change():

@@ -13,13 +13,13 @@ default backend's devices with exactly the CPU meshes (8,), (2, 4), (4, 2) (scri
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import numpy as np
+import optax
 import pytest
 
 import dion3_jax
@@ -35,7 +35,9 @@ else:
 pytestmark.append(pytest.mark.usefixtures("on_test_platform"))
 MESH_2D = (2, N // 2) if N % 2 == 0 else None   # (2, 4) on the CPU, (2, 1) on 2 GPUs
 
-POLAR = dict(method="standard", compute_dtype=jnp.float32)  # tight tolerances
+POLAR = dict(orthogonalizer=dion3_jax.make_orthogonalizer(  # tight tolerances
+    method="standard", compute_dtype=jnp.float32))
+MO = dion3_jax.MeshOptions
 TORCH = DimensionNumbers(reduction_axis=1, output_axis=0)
 
 
@@ -135,7 +137,7 @@ def test_sharded_equals_single_device(mesh_shape, scope, fraction):
     leaves = model(mesh)
     params = random_tree(leaves, 0)
     grads = [random_tree(leaves, s + 1) for s in range(2)]
-    kw = dict(selection_scope=scope, **opts(leaves), **POLAR)
+    kw = dict(mesh_options=MO(selection_scope=scope), **opts(leaves), **POLAR)
     ref_u, ref_state = run_single(dion3_jax.scale_by_dion3(fraction, **kw), params, grads)
     with jax.set_mesh(mesh):
         tx = dion3_jax.scale_by_dion3(fraction, **kw)
@@ -170,13 +172,15 @@ def test_bfloat16_sharded_equals_single_device():
     params = random_tree(leaves, 0, jnp.bfloat16)
     grads = [random_tree(leaves, s + 1, jnp.bfloat16) for s in range(2)]
     # Standard NS: Gram NS falls back to standard NS on squares anyway.
-    kw = dict(selection_scope="global", method="standard", **opts(leaves))
+    kw = dict(mesh_options=MO(selection_scope="global"), **opts(leaves),
+              orthogonalizer=dion3_jax.make_orthogonalizer(method="standard"))
     single, _ = run_single(dion3_jax.scale_by_dion3(0.5, **kw), params, grads)
 
     def f32(tree):
         return {k: np.asarray(v, np.float32) for k, v in tree.items()}
     with jax.default_matmul_precision("highest"):
-        exact, _ = run_single(dion3_jax.scale_by_dion3(0.5, compute_dtype=jnp.float32, **kw),
+        exact_polar = dion3_jax.make_orthogonalizer(method="standard", compute_dtype=jnp.float32)
+        exact, _ = run_single(dion3_jax.scale_by_dion3(0.5, **{**kw, "orthogonalizer": exact_polar}),
                               f32(params), [f32(g) for g in grads])
     ulp = 2.0 ** -8
     with jax.set_mesh(mesh):
@@ -201,10 +205,11 @@ def test_auto_axes_equal_single_device_and_keep_shardings():
     specs = {k: v[1] for k, v in leaves.items()}
     params = random_tree(leaves, 0)
     grads = [random_tree(leaves, 3)]
-    kw = dict(selection_scope="global", **opts(leaves), **POLAR)
+    kw = dict(**opts(leaves), **POLAR)
     ref_u, _ = run_single(dion3_jax.scale_by_dion3(0.25, **kw), params, grads)
     with jax.set_mesh(mesh):
-        tx = dion3_jax.scale_by_dion3(0.25, param_specs=specs, **kw)
+        tx = dion3_jax.scale_by_dion3(
+            0.25, mesh_options=MO(selection_scope="global", param_specs=specs), **kw)
         state = tx.init(put(params, leaves, mesh))
         before = jax.tree.map(lambda x: x.sharding, state)
         update = jax.jit(tx.update)
@@ -277,7 +282,7 @@ def test_polar_factors_travel_back_in_the_compute_dtype():
     mesh = make_mesh((N,))
     leaves = fsdp_model(2, mesh)
     with jax.set_mesh(mesh):
-        tx = dion3_jax.scale_by_dion3(1.0, method="gram")
+        tx = dion3_jax.scale_by_dion3(1.0)
         params = put(random_tree(leaves, 0), leaves, mesh)
         hlo = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
     shapes = {"f32": [], "f16": []}
@@ -296,7 +301,7 @@ def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     for layers in (2, 8):
         leaves = fsdp_model(layers, mesh)
         with jax.set_mesh(mesh):
-            tx = dion3_jax.scale_by_dion3(0.25, selection_scope=scope)
+            tx = dion3_jax.scale_by_dion3(0.25, mesh_options=MO(selection_scope=scope))
             params = put(random_tree(leaves, 0), leaves, mesh)
             state = tx.init(params)
             hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
@@ -310,24 +315,30 @@ def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     assert counts[2] == counts[8] == 2 * 3, counts          # 3 shape groups: q, up, down
 
 
-def test_one_group_per_leaf_switch_same_update_more_all_to_alls():
-    """The benchmarks' --no-megabatch switch: 2 all-to-alls per parameter, same result."""
-    from dion3_jax import _megabatch
+def per_leaf_transform(leaves, **kw):
+    """No megabatching, from the outside: one scale_by_dion3 per leaf (each its own group)."""
+    return optax.partition({k: dion3_jax.scale_by_dion3(0.25, **kw) for k in leaves},
+                           lambda tree: {k: k for k in tree})
+
+
+def test_megabatching_one_collective_pair_per_shape_not_per_leaf():
+    """Megabatched: 2 all-to-alls per shape group; one transform per leaf: 2 per parameter;
+    the same update."""
     mesh = make_mesh(need_2d())
     leaves = fsdp_model(2, mesh)
     grads = random_tree(leaves, 1)
     out, counts = {}, {}
     for per_leaf in (False, True):
         with jax.set_mesh(mesh):
-            tx = dion3_jax.scale_by_dion3(0.25, **POLAR)
+            tx = (per_leaf_transform(leaves, **POLAR) if per_leaf
+                  else dion3_jax.scale_by_dion3(0.25, **POLAR))
             params = put(random_tree(leaves, 0), leaves, mesh)
             state = tx.init(params)
             g = put(grads, leaves, mesh)
-            with _megabatch._one_group_per_leaf() if per_leaf else contextlib.nullcontext():
-                update = jax.jit(tx.update)
-                counts[per_leaf] = count_op(update.lower(g, state).compile().as_text(),
-                                            "all-to-all")
-                out[per_leaf], _ = update(g, state)
+            update = jax.jit(tx.update)
+            counts[per_leaf] = count_op(update.lower(g, state).compile().as_text(),
+                                        "all-to-all")
+            out[per_leaf], _ = update(g, state)
     assert counts == {False: 2 * 3, True: 2 * len(leaves)}, counts
     for k in leaves:
         # Bitwise on the CPU; batched GPU matmuls may round differently per batch size.
@@ -363,22 +374,24 @@ def test_single_device_path_unchanged_without_mesh():
 
 def test_validation():
     with pytest.raises(ValueError, match="selection_scope"):
-        dion3_jax.scale_by_dion3(selection_scope="everywhere")
+        dion3_jax.scale_by_dion3(mesh_options=MO(selection_scope="everywhere"))
     with pytest.raises(ValueError, match="replica_selection"):
-        dion3_jax.scale_by_dion3(replica_selection="sometimes")
+        dion3_jax.scale_by_dion3(mesh_options=MO(replica_selection="sometimes"))
     with pytest.raises(ValueError, match="replica_axis"):
-        dion3_jax.scale_by_dion3(shard_axis="dcn", replica_axis="dcn")
+        dion3_jax.scale_by_dion3(mesh_options=MO(shard_axis="dcn", replica_axis="dcn"))
     with pytest.raises(ValueError, match="shard_axis"):
-        dion3_jax.scale_by_dion3(shard_axis=3)
+        dion3_jax.scale_by_dion3(mesh_options=MO(shard_axis=3))
     mesh = make_mesh(need_2d())
     with pytest.raises(ValueError, match="not an axis"):
-        dion3_jax.scale_by_dion3(mesh=mesh, replica_axis="pod")
-    with pytest.raises(ValueError, match="seed"):
-        dion3_jax.scale_by_dion3(seed=1.5)
+        dion3_jax.scale_by_dion3(mesh_options=MO(mesh=mesh, replica_axis="pod"))
+    with pytest.raises(TypeError, match="seed"):
+        dion3_jax.scale_by_dion3(mesh_options=MO(seed=1.5))
+    with pytest.raises(TypeError, match="mesh_options"):
+        dion3_jax.scale_by_dion3(mesh_options=mesh)
     with jax.set_mesh(mesh):
         w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("a", "b")))
         with pytest.raises(ValueError, match="more than one axis"):
             dion3_jax.scale_by_dion3().init({"w": w})
         w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P(None, "a")))
         with pytest.raises(ValueError, match="replica"):
-            dion3_jax.scale_by_dion3(replica_axis="a").init({"w": w})
+            dion3_jax.scale_by_dion3(mesh_options=MO(replica_axis="a")).init({"w": w})

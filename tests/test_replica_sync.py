@@ -32,7 +32,9 @@ else:
     FSDP = 4
 pytestmark.append(pytest.mark.usefixtures("on_test_platform"))
 
-POLAR = dict(method="standard", compute_dtype=jnp.float32)
+POLAR = dict(orthogonalizer=dion3_jax.make_orthogonalizer(method="standard",
+                                                          compute_dtype=jnp.float32))
+MO = dion3_jax.MeshOptions
 SPECS = {"rows": ((16, 64), P(None, "fsdp")),     # output axis sharded
          "cols": ((32, 24), P("fsdp", None)),     # reduction axis sharded
          "rep": ((16, 24), P())}                   # replicated
@@ -72,10 +74,10 @@ def compressed_update(tx, m):
 def test_random_compressed_sync_equals_fully_synchronised(scope, axis_type):
     """Under Auto axes the leaves' specs come from ``param_specs``."""
     m = mesh(axis_type)
-    kw = dict(replica_axis="dcn", replica_selection="random", selection_scope=scope, seed=3,
-              **POLAR)
-    if axis_type == AxisType.Auto:
-        kw["param_specs"] = {k: spec for k, (_, spec) in SPECS.items()}
+    specs = ({k: spec for k, (_, spec) in SPECS.items()} if axis_type == AxisType.Auto
+             else None)
+    kw = dict(mesh_options=MO(replica_axis="dcn", replica_selection="random",
+                              selection_scope=scope, seed=3, param_specs=specs), **POLAR)
     params = trees(0)
     grads = [trees(s + 1, replicas=2) for s in range(3)]
     with jax.set_mesh(m):
@@ -104,8 +106,8 @@ def test_norms_selection_keeps_replicas_identical():
     params = trees(0)
     g = trees(1, replicas=2)
     with jax.set_mesh(m):
-        tx = dion3_jax.scale_by_dion3(0.25, replica_axis="dcn", replica_selection="norms",
-                                      **POLAR)
+        tx = dion3_jax.scale_by_dion3(
+            0.25, mesh_options=MO(replica_axis="dcn", replica_selection="norms"), **POLAR)
         state = tx.init(put(params, m))
         u, _ = compressed_update(tx, m)(put(g, m, stacked=True), state)
     for k in SPECS:
@@ -131,7 +133,7 @@ def test_bytes_over_replica_axis_scale_with_fraction():
     sizes = {}
     for f in (1.0, 0.5, 0.125):
         with jax.set_mesh(m):
-            tx = dion3_jax.scale_by_dion3(f, replica_axis="dcn")
+            tx = dion3_jax.scale_by_dion3(f, mesh_options=MO(replica_axis="dcn"))
             state = tx.init(put(params, m))
             hlo = compressed_update(tx, m).lower(put(g, m, stacked=True), state).compile(
                 ).as_text()

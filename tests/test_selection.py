@@ -87,9 +87,10 @@ def test_selected_sq_norm_is_the_payload_frobenius_norm():
 
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
-    """One device, f = 1/4: the step takes each selected payload's Frobenius norm from row
-    statistics (one call of selected_sq_norm per selected matrix block); under the benchmarks'
-    _norms_from_payload switch it does not, and the update is the same to float32 rounding."""
+    """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected
+    payload's Frobenius norm from row statistics (one call of selected_sq_norm per selected
+    matrix block); a plain callable doing the same polar normalises the payload itself (no call),
+    and the update is the same to float32 rounding."""
     import dion3_jax
     calls = []
     real = _selection.selected_sq_norm
@@ -99,17 +100,17 @@ def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     shapes = {"a": (16, 40), "b": (16, 40), "c": (40, 16), "heads": (16, 24), "d": (8, 4)}
     params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
     grads = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
-    tx = dion3_jax.scale_by_dion3(0.25, method=method, compute_dtype=jnp.float32, backend="xla",
-                                  num_heads={"heads": 3, "a": None, "b": None, "c": None,
-                                             "d": None})
-    state = tx.init(params)
-    with jax.default_matmul_precision("highest"):
-        new, _ = jax.jit(tx.update)(grads, state)
-        assert len(calls) == len(shapes), calls     # one block each
+    polar_kw = dict(method=method, compute_dtype=jnp.float32, backend="xla")
+    heads = {"heads": 3, "a": None, "b": None, "c": None, "d": None}
+    results = {}
+    for name, orth in (("built-in", dion3_jax.make_orthogonalizer(**polar_kw)),
+                       ("callable", lambda x: dion3_jax.polar(x, **polar_kw))):
+        tx = dion3_jax.scale_by_dion3(0.25, orthogonalizer=orth, num_heads=heads)
         calls.clear()
-        with _selection._norms_from_payload():
-            old, _ = jax.jit(tx.update)(grads, state)
-        assert not calls
+        with jax.default_matmul_precision("highest"):
+            results[name], _ = jax.jit(tx.update)(grads, tx.init(params))
+        assert len(calls) == (len(shapes) if name == "built-in" else 0), (name, calls)
     for k in shapes:
-        np.testing.assert_allclose(np.asarray(new[k]), np.asarray(old[k]), rtol=0, atol=2e-5,
+        np.testing.assert_allclose(np.asarray(results["built-in"][k]),
+                                   np.asarray(results["callable"][k]), rtol=0, atol=2e-5,
                                    err_msg=k)

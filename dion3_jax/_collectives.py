@@ -1,0 +1,48 @@
+"""Batched collectives: one ``psum`` / ``all_gather`` per distinct set of mesh axes.
+
+The step has many small per-matrix reductions (row norms summed over column shards, NorMuon's
+Frobenius terms summed over row shards). Each call here flattens every array that reduces over
+the same axes into one buffer, so the number of collectives does not grow with the model's depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _by_axes(items) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, axes) in enumerate(items):
+        groups.setdefault(axes, []).append(i)
+    return groups
+
+
+def batched_psum(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
+    """``psum`` of each array over its axes (``()``: unchanged), one collective per axes tuple."""
+    out: list[jax.Array | None] = [x if not axes else None for x, axes in items]
+    for axes, idx in _by_axes(items).items():
+        if not axes:
+            continue
+        flat = jax.lax.psum(jnp.concatenate([items[i][0].reshape(-1) for i in idx]), axes)
+        off = 0
+        for i in idx:
+            x = items[i][0]
+            out[i] = flat[off:off + x.size].reshape(x.shape)
+            off += x.size
+    return out  # type: ignore[return-value]
+
+
+def batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
+    """``all_gather`` of each array over its axes (a new leading device axis), one collective
+    per axes tuple."""
+    out: list[jax.Array | None] = [None] * len(items)
+    for axes, idx in _by_axes(items).items():
+        flat = jnp.concatenate([items[i][0].reshape(-1) for i in idx])
+        g = jax.lax.all_gather(flat, axes, axis=0)            # (W, total)
+        off = 0
+        for i in idx:
+            x = items[i][0]
+            out[i] = g[:, off:off + x.size].reshape((g.shape[0], *x.shape))
+            off += x.size
+    return out  # type: ignore[return-value]

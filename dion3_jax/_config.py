@@ -1,0 +1,122 @@
+"""The validated, static configuration of :func:`dion3_jax.scale_by_dion3`.
+
+Every argument is checked once, at construction, so that a bad value raises a ``ValueError`` (or
+``TypeError`` for a wrong type) naming it before anything is traced. Values that may be traced
+(``mu`` and ``beta2`` under ``optax.inject_hyperparams``) are range-checked only when concrete.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dion3_jax import _layout
+from dion3_jax._distributed import MeshOptions, check_mesh_options
+from dion3_jax._orthogonalizer import Orthogonalizer, as_orthogonalizer
+
+Flavour = Literal["normuon", "muon"]
+AdjustLR = Literal["spectral_norm", "rms_norm"] | None
+FLAVOURS = ("normuon", "muon")
+ADJUST_LR = ("spectral_norm", "rms_norm", None)
+
+
+class Dion3Config(NamedTuple):
+    """Everything the step depends on besides the arrays (see :func:`scale_by_dion3`)."""
+
+    fraction: float
+    mu: Any
+    beta2: Any
+    flavour: str
+    adjust_lr: Any
+    dimension_numbers: Any
+    num_heads: Any
+    split_sizes: Any
+    mu_dtype: Any
+    orthogonalizer: Orthogonalizer
+    mesh_options: MeshOptions
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_fraction(fraction) -> float:
+    """Validates the static selected fraction and returns it as a Python float."""
+    if isinstance(fraction, jax.Array):  # a tracer, or optax.inject_hyperparams's array at init
+        raise ValueError(
+            "fraction must be a static Python number (it fixes array shapes); with "
+            "optax.inject_hyperparams pass static_args=('fraction',)")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise TypeError(f"fraction must be a Python int or float, got {fraction=!r}")
+    f = float(fraction)
+    if not 0.0 < f <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction=!r}")
+    return f
+
+
+def check_range(name: str, value, lo: float, hi: float, hi_open: bool = False) -> None:
+    """Raises when a concrete ``value`` is outside ``[lo, hi]`` (or ``[lo, hi)``).
+
+    Callables (schedules) and tracers pass; ``None``, strings and other non-numbers raise a
+    ``TypeError`` naming ``name``; NaN and out-of-range values a ``ValueError``.
+    """
+    if callable(value) or is_tracer(value):
+        return
+    if value is None or isinstance(value, (str, bytes, bool)):
+        raise TypeError(f"{name} must be a number, got {name}={value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be a number, got {name}={value!r}") from e
+    ok = lo <= v < hi if hi_open else lo <= v <= hi
+    if not ok or math.isnan(v):
+        bracket = ")" if hi_open else "]"
+        raise ValueError(f"{name} must be in [{lo}, {hi}{bracket}, got {name}={value!r}")
+
+
+def _check_mu_dtype(mu_dtype):
+    if mu_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(mu_dtype)
+    except TypeError as e:
+        raise ValueError(f"mu_dtype must be a dtype or None, got {mu_dtype=!r}") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"mu_dtype must be a floating dtype, got {mu_dtype=!r}")
+    return dtype
+
+
+def _check_layout_options(dimension_numbers, num_heads, split_sizes) -> None:
+    if (dimension_numbers is not None and not callable(dimension_numbers)
+            and _layout.is_single_value(dimension_numbers)
+            and not hasattr(dimension_numbers, "reduction_axis")):
+        raise ValueError("dimension_numbers must be a DimensionNumbers, a tree of them or a "
+                         f"callable, got {dimension_numbers=!r}")
+    if not callable(num_heads) and _layout.is_single_value(num_heads):
+        _layout.check_num_heads(num_heads)
+    if not callable(split_sizes) and _layout.is_single_value(split_sizes):
+        _layout.check_split_sizes(split_sizes)
+        if split_sizes is not None and isinstance(num_heads, int) and num_heads > 1:
+            raise ValueError(f"num_heads and split_sizes cannot be combined, got {num_heads=} "
+                             f"and {split_sizes=}")
+
+
+def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
+                split_sizes, mu_dtype, orthogonalizer, mesh_options) -> Dion3Config:
+    """Validates the arguments of :func:`scale_by_dion3` and returns its static config."""
+    fraction = check_fraction(fraction)
+    check_range("mu", mu, 0.0, 1.0)
+    check_range("beta2", beta2, 0.0, 1.0, hi_open=True)
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour=!r}")
+    if adjust_lr not in ADJUST_LR:
+        raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr=!r}")
+    _check_layout_options(dimension_numbers, num_heads, split_sizes)
+    mesh_options = MeshOptions() if mesh_options is None else mesh_options
+    check_mesh_options(mesh_options)
+    return Dion3Config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
+                       split_sizes, _check_mu_dtype(mu_dtype), as_orthogonalizer(orthogonalizer),
+                       mesh_options)

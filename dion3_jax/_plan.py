@@ -1,0 +1,176 @@
+"""The static plan of a Dion3 step: units, their matrix views, shape groups and k.
+
+Everything here is plain Python data computed from the tree structure, the shapes and dtypes, the
+leaves' shardings and the mesh; nothing is traced. :func:`build_plan` runs once per such
+signature (the transform caches it), and the traced step (``_step``) only reads it.
+
+A *unit* is one batch of matrices the step treats alike: a canonical block of a leaf (all of its
+matrices when the leaf is not sharded along its rows), or one row segment of a row-sharded leaf
+(a whole matrix, a head, or a ``split_sizes`` block, seen through each device's rows). Units
+whose selected rows have the same shape, dtype and route share a *shape group*: one batched
+orthogonalizer call and one collective each way.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dion3_jax import _distributed, _layout, _megabatch, _selection
+from dion3_jax._config import Dion3Config
+
+
+class Unit(NamedTuple):
+    """One batch of matrices of the step.
+
+    Attributes:
+      uid: position in :attr:`Plan.units`.
+      leaf: index of the leaf (flattened tree order).
+      block: index of the canonical block of the leaf.
+      layout: the whole matrix: ``n`` rows, ``c`` columns; the device's batch and row axis.
+      local_cols: columns of the block held by this device (``c / W`` when column-sharded).
+      shard: the leaf's :data:`dion3_jax._distributed.ShardMode`.
+      comm: mesh axes of the sharded matrix axis (rows/cols) or of the batch split.
+      split: ``"whole"`` leaves replicated over ``comm``: the group's batch is split.
+      seg: ``"rows"``: the row segment; else None.
+      k: the selection rule's count, ``num_selected(f, n)``.
+      pick: rows this device sends per matrix (``k`` unless the rows are sharded).
+      full: every row is selected (no gather, no scatter).
+      group: the unit's shape group.
+      swap: the payload is transposed to the group's wide orientation.
+    """
+
+    uid: int
+    leaf: int
+    block: int
+    layout: _layout.BlockLayout
+    local_cols: int
+    shard: _distributed.ShardMode
+    comm: tuple[str, ...]
+    split: bool
+    seg: _distributed.Segment | None
+    k: int
+    pick: int
+    full: bool
+    group: _megabatch.GroupKey
+    swap: bool
+
+
+class Plan(NamedTuple):
+    """The static plan of one step.
+
+    Attributes:
+      ctx: where the step runs (mesh, axes).
+      leaves: per leaf, how its local shard maps to matrices.
+      units: every unit, in leaf and block order.
+      groups: shape groups, in first-seen order: ``(key, uids)``.
+      random_selection: rows chosen from shared random scores (compressed "random" sync).
+      norms_over_replicas: row scores are summed over the replica axis ("norms" sync).
+      stack_on_device: on-device groups are normalised per matrix before stacking (no replica
+        averaging in between).
+      row_norm_uids: units whose polar norm comes from row statistics taken beside the scores.
+    """
+
+    ctx: _distributed.Context
+    leaves: tuple[_distributed.LeafPlan, ...]
+    units: tuple[Unit, ...]
+    groups: tuple[tuple[_megabatch.GroupKey, tuple[int, ...]], ...]
+    random_selection: bool
+    norms_over_replicas: bool
+    stack_on_device: bool
+    row_norm_uids: frozenset[int]
+
+
+def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx):
+    """The unit's shape group and whether its payload is transposed to the group's shape."""
+    ra = layout.row_axis
+    rows_assembled = pick * (ctx.size(comm) if shard == "rows" else 1)
+    # Wide orientation for the polar; a square matrix keeps its layout (polar(Xᵀ) = polar(X)ᵀ,
+    # so a transpose there would only move memory).
+    want = ra if rows_assembled == layout.c else 1 if rows_assembled < layout.c else 2
+    swap = ra != want
+    shape = (pick, local_cols) if (ra == 1) != swap else (local_cols, pick)
+    if shard == "whole":
+        route = "split" if split else "on_device"
+        return _megabatch.GroupKey(route, comm if split else (), 0, shape, dtype), swap
+    concat = want if shard == "rows" else 3 - want
+    return _megabatch.GroupKey("all_to_all", comm, concat, shape, dtype), swap
+
+
+def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int):
+    units = []
+    for bi, (gb, lb) in enumerate(zip(lp.layout.blocks, lp.local.blocks)):
+        lay = _layout.BlockLayout(lb.batch, gb.n, gb.c, lb.row_axis)
+        k = _selection.num_selected(fraction, gb.n)
+        group, swap = _group(lp.shard, lp.comm, lp.split, lay, lb.c, k, dtype, ctx)
+        units.append(Unit(start + len(units), leaf, bi, lay, lb.c, lp.shard, lp.comm, lp.split,
+                          None, k, k, k == gb.n, group, swap))
+    return units
+
+
+def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str, dtype, ctx,
+               start: int):
+    lb = lp.local.blocks[0]
+    units = []
+    for seg in lp.segments:
+        lay = _layout.BlockLayout(lb.batch, seg.layout.n, seg.layout.c, lb.row_axis)
+        k = _selection.num_selected(fraction, seg.layout.n)
+        if scope == "local":
+            pick = _selection.num_selected(fraction, seg.width)
+            every = pick == seg.width
+        else:
+            pick, every = min(k, seg.width), k == seg.layout.n
+        group, swap = _group("rows", lp.comm, False, lay, lb.c, pick, dtype, ctx)
+        units.append(Unit(start + len(units), leaf, 0, lay, lb.c, "rows", lp.comm, False, seg, k,
+                          pick, seg.whole and every, group, swap))
+    return units
+
+
+def _leaf_plans(cfg: Dion3Config, tree, leaves, ctx) -> list[_distributed.LeafPlan]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    dn = _layout.per_leaf(cfg.dimension_numbers, tree)
+    nh = _layout.per_leaf(cfg.num_heads, tree)
+    ss = _layout.per_leaf(cfg.split_sizes, tree)
+    if ctx.distributed:
+        specs = _distributed.leaf_specs(ctx, leaves, cfg.mesh_options.param_specs, tree)
+    else:
+        specs = [((),) * len(leaf.shape) for leaf in leaves]
+    return [_distributed.make_plan(ctx, spec, tuple(leaf.shape), dn(path), nh(path), ss(path),
+                                   _layout.path_str(path))
+            for (path, leaf), spec in zip(flat, specs)]
+
+
+def leaf_plans(cfg: Dion3Config, tree) -> tuple[_distributed.Context, list]:
+    """The context and per-leaf plans of a params-like tree (what ``init`` needs)."""
+    leaves = jax.tree.leaves(tree)
+    opts = cfg.mesh_options
+    ctx = _distributed.resolve_context(opts.mesh, opts.shard_axis, opts.replica_axis, leaves)
+    return ctx, _leaf_plans(cfg, tree, leaves, ctx)
+
+
+def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
+    """The plan of a step on ``grads`` (a tree) with momenta of ``momentum_dtypes`` (a list)."""
+    ctx, leaves = leaf_plans(cfg, grads)
+    scope = cfg.mesh_options.selection_scope
+    units: list[Unit] = []
+    for li, (lp, dtype) in enumerate(zip(leaves, momentum_dtypes)):
+        dtype = jnp.dtype(dtype)
+        if lp.shard == "rows":
+            units += _row_units(li, lp, cfg.fraction, scope, dtype, ctx, len(units))
+        else:
+            units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units))
+    groups: dict[_megabatch.GroupKey, list[int]] = {}
+    for u in units:
+        groups.setdefault(u.group, []).append(u.uid)
+    replica = ctx.replica_axis is not None
+    stack = not ctx.compressed
+    row_norms = frozenset(
+        u.uid for u in units if stack and cfg.orthogonalizer.takes_norms
+        and u.shard == "whole" and not u.split and not u.full)
+    return Plan(ctx, tuple(leaves), tuple(units),
+                tuple((k, tuple(v)) for k, v in groups.items()),
+                replica and cfg.mesh_options.replica_selection == "random",
+                ctx.compressed and cfg.mesh_options.replica_selection == "norms",
+                stack, row_norms)

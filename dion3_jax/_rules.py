@@ -1,0 +1,117 @@
+"""The per-matrix maths of the Dion3 update, as pure functions of arrays.
+
+Blocks are 3-D ``(batch, rows, cols)`` (``row_axis=1``) or ``(batch, cols, rows)``
+(``row_axis=2``); every function works per batch element. The step (``_step``) composes them,
+adding the all-reduces that a sharded matrix needs between the NorMuon pieces; on one matrix
+:func:`normuon` is the whole rule.
+
+References:
+  Amsel et al., `Dion3: Full-Stack Orthogonal Updates <https://arxiv.org/abs/2608.11612>`_, 2026
+  (error feedback on the selected rows).
+  Li et al., `NorMuon: Making Muon more efficient and scalable
+  <https://arxiv.org/abs/2510.05491>`_, 2025 (per-row second moments).
+  Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025
+  (the ``"rms_norm"`` learning-rate scale).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dion3_jax import _selection
+
+NORMUON_EPS = 1e-8
+
+
+def lr_scale(adjust_lr: str | None, fan_out: int, fan_in: int) -> float:
+    """Shape factor η'/lr of one (fan_out × fan_in) matrix.
+
+    ``"spectral_norm"``: √(fan_out/fan_in); ``"rms_norm"``: 0.2·√max(fan_out, fan_in) (Moonshot's
+    AdamW-compatible scale); ``None``: 1. Always from the whole matrix, never the selected rows.
+    """
+    if adjust_lr == "spectral_norm":
+        return math.sqrt(fan_out / fan_in)
+    if adjust_lr == "rms_norm":
+        return 0.2 * math.sqrt(max(fan_out, fan_in))
+    return 1.0
+
+
+def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | None,
+                   row_axis: int) -> jax.Array:
+    """``M[I] ← μ·S``: only the selected rows decay; the others keep accumulating.
+
+    Args:
+      m: the momentum block after ``M ← M + G``.
+      selected: ``S``, the selected rows (``(batch, k, C)`` in ``m``'s orientation), averaged
+        over the replicas under compressed sync.
+      mu: the decay (float32 scalar).
+      row_pos: :func:`dion3_jax._selection.row_positions` of the selected rows, or None when
+        every row is selected (then ``S`` is the whole block).
+      row_axis: ``m``'s row axis.
+
+    Returns:
+      The new momentum block, in ``m``'s dtype.
+    """
+    decayed = (mu * selected).astype(m.dtype)
+    if row_pos is None:
+        return decayed
+    return _selection.expand_rows(decayed, row_pos, row_axis, base=m)
+
+
+def row_sq_norms(o: jax.Array, row_axis: int) -> jax.Array:
+    """``Σ_j O_ij²`` per row, ``(batch, rows)``, in float32."""
+    return jnp.sum(jnp.square(o.astype(jnp.float32)), axis=3 - row_axis)
+
+
+def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """NorMuon's second-moment EMA of the selected rows and the Frobenius terms.
+
+    Args:
+      v_sel: the selected rows' second moments, ``(batch, k)`` float32.
+      row_sq: :func:`row_sq_norms` of ``O`` (summed over column shards when sharded).
+      cols: the whole matrix's number of columns (``ν_i = row_sq_i / cols``).
+      beta2: the EMA coefficient.
+
+    Returns:
+      ``(v_new, a, fro)``: ``v ← β₂·v + (1−β₂)·ν`` (no bias correction), the row divisors
+      ``a = √v_new + ε``, and ``fro = [‖O‖_F², ‖O/a‖_F²]`` per batch element, ``(2, batch)``
+      (summed over row shards when sharded).
+    """
+    v_new = beta2 * v_sel + (1.0 - beta2) * (row_sq / cols)
+    a = jnp.sqrt(v_new) + NORMUON_EPS
+    fro = jnp.stack([jnp.sum(row_sq, axis=1), jnp.sum(row_sq / jnp.square(a), axis=1)])
+    return v_new, a, fro
+
+
+def normuon_directions(o: jax.Array, a: jax.Array, fro: jax.Array, row_axis: int) -> jax.Array:
+    """``D = O / a``, rescaled to ``‖O‖_F``: ``D · ‖O‖_F / max(‖O/a‖_F, ε)``, float32."""
+    factor = jnp.sqrt(fro[0]) / jnp.maximum(jnp.sqrt(fro[1]), NORMUON_EPS)
+    return o.astype(jnp.float32) * (jnp.expand_dims(1.0 / a, 3 - row_axis)
+                                    * factor[:, None, None])
+
+
+def normuon(o: jax.Array, v_sel: jax.Array, beta2, row_axis: int = 1
+            ) -> tuple[jax.Array, jax.Array]:
+    """NorMuon on whole (unsharded) matrices: ``(D, v_new)`` from the polar factors ``O``.
+
+    Args:
+      o: the polar factors of the selected rows, ``(batch, k, C)`` (``row_axis=1``).
+      v_sel: their second moments, ``(batch, k)`` float32.
+      beta2: the EMA coefficient.
+      row_axis: ``o``'s row axis.
+
+    Returns:
+      The float32 directions and the new second moments.
+    """
+    row_sq = row_sq_norms(o, row_axis)
+    v_new, a, fro = normuon_moments(v_sel, row_sq, o.shape[3 - row_axis], beta2)
+    return normuon_directions(o, a, fro, row_axis), v_new
+
+
+def muon_directions(o: jax.Array) -> jax.Array:
+    """Muon: the polar factors themselves, float32."""
+    return o.astype(jnp.float32)

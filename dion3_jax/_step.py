@@ -1,0 +1,317 @@
+"""The traced Dion3 step: a pipeline of named phases over the static plan.
+
+Per device (inside the transform's ``shard_map``, or directly on one device)::
+
+    accumulate_and_score → select → gather_and_send → megabatched_polar
+        → error_feedback → normalise → scatter_and_apply
+
+Each phase reads the :class:`dion3_jax._plan.Plan` and passes named tuples to the next; per-unit
+values are tuples indexed by ``Unit.uid``. The per-matrix maths lives in ``_rules``; the
+selection primitives in ``_selection``; the grouped collectives in ``_megabatch`` and
+``_collectives``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dion3_jax import _megabatch, _rules, _selection
+from dion3_jax._collectives import batched_all_gather, batched_psum
+from dion3_jax._config import Dion3Config
+from dion3_jax._plan import Plan, Unit
+
+Blocks = list[list[jax.Array]]
+
+
+class Accumulated(NamedTuple):
+    """After ``M ← M + G``: the blocks, and per unit its row scores and row statistics."""
+
+    momentum: Blocks                       # per leaf, per block
+    variance: Blocks | None                # NorMuon second moments (None for Muon)
+    scores: tuple[jax.Array | None, ...]   # (batch, candidate rows); None when every row goes
+    positions: tuple[tuple | None, ...]    # "rows" units: this device's (start, count) rows
+    row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → squared row norms
+
+
+class Pick(NamedTuple):
+    """One unit's selection on this device."""
+
+    rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
+    payload: jax.Array          # S = M[I], (batch, pick, C) in the block's orientation
+    sq_norm: jax.Array | None   # ‖S‖_F² per matrix, from row statistics
+
+
+class Polar(NamedTuple):
+    """One unit's selected rows as orthogonalized (replica-averaged under compressed sync)."""
+
+    selected: jax.Array         # S (mean over replicas), the block's orientation
+    factors: jax.Array          # O = polar(S), this device's rows / columns
+
+
+def _shard_index(u: Unit):
+    return jax.lax.axis_index(u.comm) if u.comm else 0
+
+
+def _orient(x: jax.Array, swap: bool) -> jax.Array:
+    return jnp.swapaxes(x, 1, 2) if swap else x
+
+
+def _l1_scores(plan: Plan, momentum: Blocks) -> dict[tuple[int, int], jax.Array]:
+    """Row ℓ1 norms per (leaf, block), summed over column shards (and replicas under "norms")."""
+    replica = (plan.ctx.replica_axis,) if plan.norms_over_replicas else ()
+    items, keys = [], []
+    for u in plan.units:
+        key = (u.leaf, u.block)
+        if u.full or key in keys:
+            continue
+        s = _selection.row_l1_norms(momentum[u.leaf][u.block], u.layout.row_axis)
+        items.append((s, (u.comm if u.shard == "cols" else ()) + replica))
+        keys.append(key)
+    return dict(zip(keys, batched_psum(items)))
+
+
+def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
+    """Scores of a "rows" unit over its segment's ``width`` local rows; absent rows are −inf."""
+    seg, d = u.seg, _shard_index(u)
+    start, cnt = _selection.local_positions(seg.start, seg.count, seg.width, d)
+    if not plan.random_selection:
+        shifted = any(s != 0 for s in seg.start)
+        return _selection.segment_scores(raw[(u.leaf, u.block)], start, cnt, seg.width,
+                                         shifted), (start, cnt)
+    seed = cfg.mesh_options.seed
+    if cfg.mesh_options.selection_scope == "local":
+        r = _selection.random_scores(seed, count, u.uid, (u.layout.batch, seg.width), d)
+    else:
+        w = plan.ctx.size(u.comm)
+        r = _selection.random_scores(seed, count, u.uid, (u.layout.batch, w * seg.width))
+        r = jax.lax.dynamic_slice_in_dim(r, d * seg.width, seg.width, axis=1)
+    valid = jnp.arange(seg.width) < cnt
+    return jnp.where(valid[None], r, -jnp.inf), (start, cnt)
+
+
+def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
+                         ) -> Accumulated:
+    """``M ← M + G`` per block; the row statistics and each unit's selection scores."""
+    momentum = [p.local.to_blocks(m + g.astype(m.dtype)) for p, g, m in zip(plan.leaves, grads,
+                                                                            moms)]
+    variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
+                if cfg.flavour == "normuon" else None)
+    row_sq = {}
+    for uid in sorted(plan.row_norm_uids):
+        u = plan.units[uid]
+        if (u.leaf, u.block) not in row_sq:
+            row_sq[(u.leaf, u.block)] = _selection.row_sq_norms(momentum[u.leaf][u.block],
+                                                                u.layout.row_axis)
+    raw = {} if plan.random_selection else _l1_scores(plan, momentum)
+    scores, positions = [], []
+    for u in plan.units:
+        s, pos = None, None
+        if u.full:
+            pass
+        elif u.shard == "rows":
+            s, pos = _segment_scores(cfg, plan, u, raw, count)
+        elif plan.random_selection:
+            fold = _shard_index(u) if (u.shard == "whole" and not u.split and u.comm) else None
+            s = _selection.random_scores(cfg.mesh_options.seed, count, u.uid,
+                                         (u.layout.batch, u.layout.n), fold)
+        else:
+            s = raw[(u.leaf, u.block)]
+        scores.append(s)
+        positions.append(pos)
+    return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq)
+
+
+def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, tuple]:
+    """Per unit that selects, its ``(scores, k)`` top-k request; global scope on row shards
+    gathers every device's scores first (n floats per matrix)."""
+    global_scope = cfg.mesh_options.selection_scope == "global"
+    gathered = {}
+    if global_scope:
+        sel = [u for u in plan.units if u.shard == "rows" and not u.full]
+        for u, g in zip(sel, batched_all_gather([(acc.scores[u.uid], u.comm) for u in sel])):
+            gathered[u.uid] = g                               # (W, batch, width)
+    requests = {}
+    for u in plan.units:
+        if u.full:
+            continue
+        if u.shard != "rows":
+            requests[u.uid] = (acc.scores[u.uid], u.k)
+        elif global_scope:
+            g = gathered[u.uid]
+            allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, g.shape[0] * u.seg.width))
+            requests[u.uid] = (allsc, u.k)
+        else:
+            requests[u.uid] = (acc.scores[u.uid], u.pick)
+    return requests
+
+
+def _mine_of_global(u: Unit, top: jax.Array, devices: int):
+    """Global scope: this device's local picks among the global top-k (first ``pick``)."""
+    width = u.seg.width
+    sel = jax.vmap(lambda i: jnp.zeros((devices * width,), bool).at[i].set(True))(top)
+    mine = jax.lax.dynamic_slice_in_dim(sel, _shard_index(u) * width, width, axis=1)
+    order = jnp.where(mine, -jnp.arange(width), -width - jnp.arange(width))
+    li = _selection.top_rows(order.astype(jnp.float32), u.pick)
+    return li, jnp.take_along_axis(mine, li, axis=1)
+
+
+def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, start) -> Pick:
+    """A "rows" unit's payload: its picked local rows, padding rows zeroed."""
+    ra = u.layout.row_axis
+    if cfg.mesh_options.selection_scope == "global":
+        li, valid = _mine_of_global(u, top, plan.ctx.size(u.comm))
+    else:
+        li = top
+        valid = jnp.take_along_axis(scores, li, axis=1) > -jnp.inf
+    n_local = m.shape[ra]
+    rows = jnp.where(valid, start + li, n_local + jnp.arange(u.pick))   # distinct, dropped
+    rows = jnp.sort(rows, axis=1)               # ascending; the padding rows come last
+    valid = rows < n_local
+    s = _selection.gather_rows(m, jnp.minimum(rows, n_local - 1), ra)
+    return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), None)
+
+
+def select(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> tuple[Pick, ...]:
+    """Top-k rows per unit (one batched ``top_k`` per shape) and the payloads ``S = M[I]``."""
+    requests = _top_k_requests(cfg, plan, acc)
+    tops = dict(zip(requests, _selection.batched_top_rows(list(requests.values()))))
+    picks = []
+    for u in plan.units:
+        m = acc.momentum[u.leaf][u.block]
+        if u.full:
+            picks.append(Pick(None, m, None))
+        elif u.shard == "rows":
+            picks.append(_pick_segment_rows(cfg, plan, u, m, tops[u.uid], acc.scores[u.uid],
+                                            acc.positions[u.uid][0]))
+        else:
+            i = jnp.sort(tops[u.uid], axis=1)   # ascending rows: local gathers (polar is
+            key = (u.leaf, u.block)             # row-permutation equivariant)
+            sq = (_selection.selected_sq_norm(acc.row_sq[key], i) if key in acc.row_sq
+                  else None)
+            picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), sq))
+    return tuple(picks)
+
+
+class GroupBatch(NamedTuple):
+    """A shape group's payloads, oriented wide, ready for its orthogonalizer call."""
+
+    key: _megabatch.GroupKey
+    uids: tuple[int, ...]
+    parts: list[jax.Array]           # per member, (batch, a, b)
+    sq_norms: list[jax.Array | None]
+    stacked: jax.Array | None        # the concatenated (replica-averaged) batch, if stacked
+
+
+def gather_and_send(plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
+    """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
+    part by the orthogonalizer); the others are stacked (and averaged over the replicas under
+    compressed sync) for their collective."""
+    batches = []
+    for key, uids in plan.groups:
+        parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
+        norms = [picks[i].sq_norm for i in uids]
+        stacked = None
+        if not (key.route == "on_device" and plan.stack_on_device):
+            stacked = _megabatch.stack(parts)
+            if plan.ctx.compressed:
+                stacked = jax.lax.pmean(stacked, plan.ctx.replica_axis)
+        batches.append(GroupBatch(key, uids, parts, norms, stacked))
+    return batches
+
+
+def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
+                      ) -> tuple[Polar, ...]:
+    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it)."""
+    orth = cfg.orthogonalizer
+    out: list[Polar | None] = [None] * len(plan.units)
+    for b in batches:
+        sizes = [plan.units[i].layout.batch for i in b.uids]
+        if b.stacked is None:
+            o = _megabatch.checked(lambda ps: orth.stacked(ps, b.sq_norms), b.parts)
+            selected = b.parts
+        else:
+            o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
+            selected = _megabatch.unstack(b.stacked, sizes)
+        for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
+            swap = plan.units[i].swap
+            out[i] = Polar(_orient(s, swap), _orient(f, swap))
+    return tuple(out)  # type: ignore[return-value]
+
+
+def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks, polars
+                   ) -> tuple[Blocks, tuple]:
+    """``M[I] ← μ·S`` on every unit; returns the blocks and each unit's row positions."""
+    mu = jnp.asarray(cfg.mu, jnp.float32)
+    momentum = [list(b) for b in acc.momentum]
+    row_pos = tuple(None if u.full else _selection.row_positions(
+        picks[u.uid].rows, momentum[u.leaf][u.block].shape[u.layout.row_axis])
+        for u in plan.units)
+    for u in plan.units:
+        momentum[u.leaf][u.block] = _rules.error_feedback(
+            momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_pos[u.uid],
+            u.layout.row_axis)
+    return momentum, row_pos
+
+
+def _selected_variance(u: Unit, v: jax.Array, pick: Pick) -> jax.Array:
+    ra = u.layout.row_axis
+    v_sel = v if u.full else _selection.gather_rows(v, jnp.minimum(pick.rows, v.shape[ra] - 1),
+                                                    ra)
+    return jnp.squeeze(v_sel.astype(jnp.float32), 3 - ra)
+
+
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks, polars
+              ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
+    """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
+    returns the float32 directions and the new second-moment blocks."""
+    if cfg.flavour != "normuon":
+        return tuple(_rules.muon_directions(p.factors) for p in polars), None
+    beta2 = jnp.asarray(cfg.beta2, jnp.float32)
+    units = plan.units
+    row_sq = batched_psum([(_rules.row_sq_norms(polars[u.uid].factors, u.layout.row_axis),
+                            u.comm if u.shard == "cols" else ()) for u in units])
+    moments = [_rules.normuon_moments(
+        _selected_variance(u, acc.variance[u.leaf][u.block], picks[u.uid]), rs, u.layout.c,
+        beta2) for u, rs in zip(units, row_sq)]
+    fros = batched_psum([(fro, u.comm if u.shard == "rows" else ())
+                         for u, (_, _, fro) in zip(units, moments)])
+    variance = [list(b) for b in acc.variance]
+    dirs = []
+    for u, (v_new, a, _), fro in zip(units, moments, fros):
+        ra = u.layout.row_axis
+        dirs.append(_rules.normuon_directions(polars[u.uid].factors, a, fro, ra))
+        v = variance[u.leaf][u.block]
+        v_new = jnp.expand_dims(v_new, 3 - ra)
+        variance[u.leaf][u.block] = (v_new.astype(v.dtype) if u.full else _selection.scatter_rows(
+            v, picks[u.uid].rows, v_new, ra, mode="drop"))
+    return tuple(dirs), variance
+
+
+def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, row_pos,
+                      momentum: Blocks, variance: Blocks | None):
+    """The scaled directions written into zero updates (selected rows only); blocks → leaves."""
+    ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
+    for u in plan.units:
+        d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
+        ublk[u.leaf][u.block] = d if u.full else _selection.expand_rows(
+            d, row_pos[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
+    new_u = [p.local.from_blocks(ub, g.shape).astype(g.dtype)
+             for p, g, ub in zip(plan.leaves, grads, ublk)]
+    new_m = [p.local.from_blocks(mb, m.shape).astype(m.dtype)
+             for p, m, mb in zip(plan.leaves, moms, momentum)]
+    new_v = [] if variance is None else [p.local.from_blocks(vb, v.shape).astype(v.dtype)
+                                         for p, v, vb in zip(plan.leaves, vars_, variance)]
+    return new_u, new_m, new_v
+
+
+def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
+    """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
+    acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
+    picks = select(cfg, plan, acc)
+    polars = megabatched_polar(cfg, plan, gather_and_send(plan, picks))
+    momentum, row_pos = error_feedback(cfg, plan, acc, picks, polars)
+    dirs, variance = normalise(cfg, plan, acc, picks, polars)
+    return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_pos, momentum, variance)
