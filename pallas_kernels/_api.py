@@ -31,9 +31,10 @@ _KNOWN = ("auto", "xla", "mosaic", "triton")
 
 #: "auto" uses a kernel only for ``batch · n² · k >= AUTO_MIN_WORK`` (``k``: the contraction
 #: length): below that the lower-triangle walk has too few tiles, or too short a main loop, to
-#: beat XLA. H200, 2026-11-29 (docs/BENCHMARKS.md, runs 4 and 7): 4096³ sym_matmul (1.63–1.70×)
-#: and a batch of 32 1024×4096 syrk (1.32–1.50×, 1.4e11) win; syrk 2048×8192 (3.4e10,
-#: 0.97–1.03×), a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×) and everything smaller do not.
+#: beat XLA. One H200, 2026-11-29 (``benchmarks/bench_kernels.py``, docs/KERNELS.md): 4096³
+#: sym_matmul (1.63–1.70×) and a batch of 32 1024×4096 syrk (1.32–1.50×, 1.4e11) win; syrk
+#: 2048×8192 (3.4e10, 0.97–1.03×), a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×) and
+#: everything smaller do not.
 AUTO_MIN_WORK = 4096 ** 3
 
 #: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.
@@ -121,8 +122,8 @@ def _resolve(implementation: str, *, dtypes, size: int, interpret) -> str:
     return implementation
 
 
-#: Row and contraction multiples the kernels pad their operands to (their default tile and panel
-#: depth, ``MosaicConfig`` / ``TritonConfig``): operands already aligned skip the padding copy.
+#: Row and contraction multiples the kernels pad their operands to (the default tile and panel
+#: depth of ``MosaicConfig`` and ``TritonConfig``): operands already aligned skip the padding copy.
 TILE_MULTIPLES = (128, 64)
 
 

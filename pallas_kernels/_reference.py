@@ -1,7 +1,11 @@
 """Plain jnp references for the symmetric products (the truth the kernels are tested against).
 
-Both functions accumulate in float32 (float64 for float64 inputs) and round once to the output dtype, which is what the
-kernels do as well.
+Both kernels (:mod:`pallas_kernels._mosaic`, :mod:`pallas_kernels._triton`) compute these same
+two products, so they share this one reference module: each imports it and re-exports the two
+functions beside its own. They are also the ``"xla"`` implementation of :mod:`pallas_kernels`.
+
+Both functions accumulate in float32 (float64 for float64 inputs) and round once to the output
+dtype, which is what the kernels do as well.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The lower-triangular tile walk of a symmetric product (pure index maths).
 
 An ``n × n`` symmetric output cut into ``T × T`` square tiles has ``T(T+1)/2`` tiles on or below the
-diagonal. The kernels walk them with one linear index ``t`` and need ``t → (i, j)`` with ``i ≥ j``
+diagonal. A kernel walks them with one linear index ``t`` and needs ``t → (i, j)`` with ``i ≥ j``
 computed cheaply inside the kernel, from integer division, remainder and one select only (no square
-root, which would need float maths and fix-ups).
+root, which would need float maths and fix-ups). The Triton kernel walks single tiles
+(:func:`lower_tile_coords`); the Mosaic kernel walks pairs of tiles that share a column panel
+(:func:`pair_tile_coords`, below).
 
 The walk folds the triangle into a ``⌈T/2⌉ × (T+1)`` rectangle: row ``q`` of the rectangle holds
 tile row ``T-1-q`` (``T-q`` tiles) followed by tile row ``q`` (``q+1`` tiles), ``T+1`` tiles in all.
@@ -102,9 +104,10 @@ def lower_tile_table(tiles_per_side: int) -> np.ndarray:
 # --- Paired walk: two tiles per work item that share their column panel --------------------------
 #
 # A work item ``(c, r1, r2)`` stands for the tiles ``{r1, c}`` and ``{r2, c}`` (unordered: the
-# kernel computes ``out[r, c] = x_r · x_cᵀ`` and stores it and its mirror, so an upper tile ``r < c``
-# is as good as the lower one). Both tiles read the column panel ``c``, so a CTA whose two compute
-# warpgroups own one tile each loads three panels per step for two tiles (1.5 per tile instead of 2).
+# kernel computes ``out[r, c] = x_r · x_cᵀ`` and stores it and its mirror, so an upper tile
+# ``r < c`` is as good as the lower one). Both tiles read the column panel ``c``, so a CTA whose two
+# compute warpgroups own one tile each loads three panels per step for two tiles (1.5 per tile
+# instead of 2).
 # ``r2 == r1`` marks a single (the second warpgroup's result is discarded); there are at most two
 # singles per matrix (none when ``T % 4 == 0``), so ``T = 32`` gives ``264 = 2 × 132`` items.
 #
@@ -201,7 +204,11 @@ def pair_tile_coords(m: Any, tiles_per_side: int) -> tuple[Any, Any, Any]:
 
 
 def batched_pair_tile_coords(m: Any, tiles_per_side: int) -> tuple[Any, Any, Any, Any]:
-    """Like :func:`pair_tile_coords` over ``batch · num_pair_items(T)`` items: ``(b, c, r1, r2)``."""
+    """Like :func:`pair_tile_coords` over ``batch · num_pair_items(T)`` items.
+
+    Returns:
+      ``(b, c, r1, r2)``: batch index and the work item.
+    """
     per_matrix = num_pair_items(tiles_per_side)
     b, m = _divmod(m, per_matrix)
     return (b, *pair_tile_coords(m, tiles_per_side))

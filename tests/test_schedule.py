@@ -61,7 +61,7 @@ def test_num_tiles_and_errors():
         _schedule.num_lower_tiles(-1)
 
 
-# --- The paired walk (MosaicConfig(pair_tiles=True)) ---------------------------------------------
+# --- The paired walk (the Mosaic kernel's work items) -----------------------------------------
 
 
 def _pair_cover(tiles):
