@@ -1,4 +1,11 @@
-"""Shared timing helper of the benchmark scripts."""
+"""Shared timing helpers of the benchmark scripts.
+
+- :func:`median_ms`: one call per synchronisation (for calls of many milliseconds).
+- :func:`median_ms_rotated`: several calls on different input sets per synchronisation (for
+  sub-millisecond kernels: spreads dispatch and host sync, keeps inputs out of L2).
+- :func:`median_ms_interleaved`: several variants timed in turn, one call each per round (for
+  A/B comparisons: slow drifts of clocks or temperature reach every variant alike).
+"""
 
 from __future__ import annotations
 
@@ -34,8 +41,36 @@ def median_ms_rotated(fn, arg_sets, *, reps: int) -> float:
 
     One dispatch and one synchronisation per rep are spread over several calls (a lone call of a
     0.2 ms kernel also measures ~0.05–0.1 ms of dispatch and host sync), and each call reads
-    other buffers than the one before it, so no call finds its inputs in L2 (METHOD.md: rotate
-    among input sets).
+    other buffers than the one before it, so no call finds its inputs in L2.
     """
     many = jax.jit(lambda sets: tuple(fn(*args) for args in sets))
     return median_ms(many, tuple(tuple(a) for a in arg_sets), reps=reps) / len(arg_sets)
+
+
+def median_ms_interleaved(calls: dict, *, reps: int, warmup: int = 2) -> dict:
+    """Median wall time in ms of each of several calls, timed in interleaved rounds.
+
+    Every round times each call once, synchronised with ``jax.block_until_ready``; the order of
+    the calls rotates from round to round, so no variant always runs first or right after the
+    same other one.
+
+    Args:
+      calls: name → a function of no arguments that runs one step and returns what to wait for
+        (it may carry its own state, e.g. donated parameters, from call to call).
+      reps: timed rounds.
+      warmup: untimed rounds first (the first call of a jitted function compiles).
+
+    Returns:
+      name → median ms.
+    """
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            jax.block_until_ready(calls[name]())
+    times = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(calls[name]())
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -10,8 +10,8 @@ all variants in one run.
 
 Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py                # default shapes, every available backend
-  python benchmarks/bench_kernels.py --variants     # also tile/pipeline variants of the kernels
-  python benchmarks/bench_kernels.py --variants pairI_infl1_diag k64s4   # only these variants
+  python benchmarks/bench_kernels.py --variants     # also pipeline-depth variants of the kernels
+  python benchmarks/bench_kernels.py --variants s3 w8s3   # only these variants
   python benchmarks/bench_kernels.py --polar        # also dion3_jax.polar per backend
   python benchmarks/bench_kernels.py --json out.jsonl
 """
@@ -19,7 +19,6 @@ Usage (GPU machine; repository root on PYTHONPATH):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -54,35 +53,11 @@ SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
     ("sym_matmul", "sym", (2,), 128, 128, jnp.bfloat16),
 ]
 
-MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default: pair tiles, index, infl1).
-    # k64s4: the first kernel (one 128×128 tile per CTA, 4 stages of 2 panels + 64 KiB epilogue).
-    "k64s4": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=4),
-    "k64s5": _mosaic.MosaicConfig(tile_k=64, max_concurrent_steps=5),
-    "1wg_k64s5": _mosaic.MosaicConfig(num_compute_wgs=1, max_concurrent_steps=5),
-    # infl1: one wgmma group left in flight per step (delay_release=1).
-    "infl1s5": _mosaic.MosaicConfig(wgmma_in_flight=1, max_concurrent_steps=5),
-    # pair: two 128×128 tiles per CTA sharing the column panel (128×128 accumulator per warpgroup,
-    # 3 panels = 48 KiB per stage; 264 items = 2 waves for 4096²). W: wgmma under pl.when(wg);
-    # I: one stacked row-panel ring indexed by [wg, k % stages]. e128: 64×128 epilogue sub-tiles.
-    "pairW": _mosaic.MosaicConfig(pair_tiles=True),
-    "pairI": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index"),
-    "pairW_e128s3": _mosaic.MosaicConfig(pair_tiles=True, epi_cols=128, max_concurrent_steps=3),
-    "pairI_infl1s3": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index",
-                                          wgmma_in_flight=1, max_concurrent_steps=3),
-    # dbuf: two epilogue staging slots, stores grouped per sub-tile, c prefetched (slower: run 7).
-    "pairI_infl1_dbuf_s3": _mosaic.MosaicConfig(pair_tiles=True, pair_select="index",
-                                                wgmma_in_flight=1, epi_double_buffer=True,
-                                                max_concurrent_steps=3),
-    # diag: the default with sym_matmul's diagonal tiles symmetrised in the epilogue (no XLA pass).
-    "pairI_infl1_diag": dataclasses.replace(_mosaic.MosaicConfig.get_default(),
-                                            diag_in_epilogue=True),
-    # brows: sym_matmul reads its symmetric b by row panels (transposed in shared memory, as syrk).
-    "pairI_infl1_brows": dataclasses.replace(_mosaic.MosaicConfig.get_default(), b_rows=True),
-    "pairI_infl1_brows_diag": dataclasses.replace(_mosaic.MosaicConfig.get_default(),
-                                                  b_rows=True, diag_in_epilogue=True),
+MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default(): 4 stages for 16-bit outputs).
+    "s3": _mosaic.MosaicConfig(max_concurrent_steps=3),
 }
 #: Variants also run on every shape (the others only on the two headline shapes).
-ALL_SHAPE_VARIANTS = ("mosaic[default]", "mosaic[k64s4]", "triton[default]")
+ALL_SHAPE_VARIANTS = ("mosaic[default]", "triton[default]")
 TRITON_VARIANTS = {  # Besides "default" (TritonConfig(): 8 warps, 4 stages).
     "w8s3": _triton.TritonConfig(num_warps=8, num_stages=3),
     "w4s4": _triton.TritonConfig(num_warps=4, num_stages=4),
@@ -126,7 +101,7 @@ def implementations(variants):
     """(label, syrk_fn, sym_fn) for every backend (and variant) that can run here.
 
     ``variants``: None (defaults only), an empty list (every variant) or the variant names to
-    add (e.g. ``["pairI_infl1_diag"]``; unknown names raise ``ValueError``)."""
+    add (e.g. ``["s3"]``; unknown names raise ``ValueError``)."""
     known = {*MOSAIC_VARIANTS, *TRITON_VARIANTS}
     unknown = set(variants or ()) - known
     if unknown:
@@ -278,17 +253,12 @@ def polar_breakdown(args, log, x, polar):
                  + counts["matmul"] * t_mm)
         log(f"{backend:<8} {t_syrk:8.3f} {t_sym:8.3f} {t_mm:9.3f} {total:8.3f}")
     if "mosaic" in pallas_kernels.available_implementations():
-        # The XLA pass that symmetrises sym_matmul's diagonal tiles: left out, and moved into the
-        # kernel's epilogue.
-        default = _mosaic.MosaicConfig.get_default()
-        for what, config, symmetrize in [
-                ("kernel without the diagonal-tile pass", default, False),
-                ("with the diagonal tiles symmetrised in the epilogue",
-                 dataclasses.replace(default, diag_in_epilogue=True), True)]:
-            fn = jax.jit(lambda u, config=config, symmetrize=symmetrize: _mosaic._launch(
-                u, u, u, out_dtype=u.dtype, config=config, alpha=1.5, beta=-0.5,
-                b_transposed=False, interpret=False, symmetrize_diagonal=symmetrize))
-            log(f"mosaic sym_matmul {what}: {rot(fn, r[None]):.3f} ms")
+        # The kernel alone: sym_matmul_mosaic less the XLA pass that makes its diagonal tiles
+        # exactly symmetric (and less the slice; n is a tile multiple here).
+        fn = jax.jit(lambda u: _mosaic._padded_product(
+            u, u, u, out_dtype=u.dtype, config=_mosaic.MosaicConfig.get_default(), alpha=1.5,
+            beta=-0.5, b_transposed=False, interpret=False, name="sym_matmul_mosaic"))
+        log(f"mosaic sym_matmul kernel without the diagonal-tile pass: {rot(fn, r[None]):.3f} ms")
 
 
 def diagnose(args, log):

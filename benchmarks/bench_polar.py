@@ -5,7 +5,7 @@ standard NS with symmetric products counted once, so methods compare on one scal
 error against a float32 standard-NS run with the same coefficients.
 
 Usage:
-  python benchmarks/bench_polar.py                  # the DESIGN §6 shapes (GPU)
+  python benchmarks/bench_polar.py                  # the 7B model's polar shapes (GPU)
   python benchmarks/bench_polar.py --small          # tiny shapes, a CPU smoke run
 """
 
@@ -78,8 +78,9 @@ def main(argv=None) -> None:
             continue
         # optax's own Newton-Schulz (Jordan coefficients, 5 steps) for reference
         ox = x.astype(jnp.bfloat16)
-        ofn = jax.jit(lambda y: jax.vmap(lambda z: optax.contrib._muon.orthogonalize_via_newton_schulz(
-            z, jnp.asarray((3.4445, -4.7750, 2.0315)), 5))(y.reshape((-1, *y.shape[-2:]))))
+        jordan = jnp.asarray((3.4445, -4.7750, 2.0315))
+        optax_ns = lambda z: optax.contrib._muon.orthogonalize_via_newton_schulz(z, jordan, 5)
+        ofn = jax.jit(lambda y: jax.vmap(optax_ns)(y.reshape((-1, *y.shape[-2:]))))
         ms = median_ms(ofn, ox, reps=args.reps)
         rows.append((shape, "optax NS (jordan)", "xla", "bfloat16", ms,
                      _useful_flops(shape) / ms / 1e9, "-"))

@@ -17,9 +17,9 @@ Variants of the write-back of ``U`` (``d``: the ``(k, C)`` rows-major result):
 - ``rowgather_barrier_T``: the same with an ``optimization_barrier`` between gather and transpose
   (keeps XLA from fusing the transpose into the gather's strided reads).
 
-And of the payload gather ``S = M[I]`` as a rows-major ``(k, C)`` block: ``take_minor_T`` (the step's
-form: gather along the minor axis, then transpose) and ``T_take_rows`` (transpose, then gather
-whole rows).
+And of the payload gather ``S = M[I]`` as a rows-major ``(k, C)`` block: ``take_minor_T`` (the
+step's form: gather along the minor axis, then transpose) and ``T_take_rows`` (transpose, then
+gather whole rows).
 
 Usage::
 

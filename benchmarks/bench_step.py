@@ -1,9 +1,12 @@
-"""Optimizer-step timings on the "7B-shapes" model (DESIGN.md §6), one device or FSDP.
+"""Optimizer-step timings on the "7B-shapes" model, one device or FSDP.
 
 The model: 8 layers of Llama-7B matrices in Flax (in, out) layout, float32: per layer four
 4096×4096 (q, k, v, o), two 4096→11008 (gate, up) and one 11008→4096 (down); 1.62 B matrix
 parameters. Each variant is ``jit(update + apply_updates)`` with donated buffers, timed with
 ``jax.block_until_ready`` after a warm-up; medians of ``--reps`` runs, all variants in one run.
+Every row also gives the variant's compile time: tracing, lowering and compiling the step, in
+seconds (with ``--compile-workers`` the variants compile concurrently, so each one's time
+includes waiting for the CPU).
 
 Variants: optax.adamw, optax.contrib.muon, and Dion3 (NorMuon flavour) at f ∈ {1, 1/2, 1/4, 1/8}
 × {standard, Gram} Newton-Schulz × every matmul backend available on the device. For Dion3 the
@@ -15,14 +18,10 @@ a 1-D Explicit mesh of all ``jax.devices()``; params, grads and state stay shard
 its megabatched step (one all-to-all each way per shape group). ``optax.contrib.muon`` does not
 run on matrices sharded under an Explicit mesh; it is then retried under an Auto mesh with the
 same shardings (labelled "auto mesh"; XLA inserts whatever gathers it needs). ``--no-megabatch``
-adds, per Dion3 variant, the same step with one group per parameter (one all-to-all each way per
-parameter; ``dion3_jax._megabatch._one_group_per_leaf``, same results). ``--payload-norms``
-adds, per Dion3 variant, the step with the polar's per-matrix norms taken from the gathered rows
-(``dion3_jax._selection._norms_from_payload``) instead of summed from row statistics;
-``--diag-epilogue`` the step with the Mosaic ``sym_matmul`` making its diagonal tiles symmetric in
-its epilogue (``MosaicConfig.diag_in_epilogue``) instead of by an XLA pass; ``--switches NAME``
-names any of these. Polar-only
-timings are single-device and are skipped with ``--fsdp`` and for the switched variants.
+adds, per Dion3 variant, the same optimizer without megabatching: ``optax.partition`` gives every
+parameter its own label and its own Dion3, so each parameter is a shape group of one (one
+all-to-all each way per parameter; the same update). Polar-only timings are single-device and are
+skipped with ``--fsdp`` and for the variants without megabatching.
 
 Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
 of all-to-all, all-gather and all-reduce instructions (async ``-start`` forms counted once; other
@@ -37,8 +36,6 @@ Usage::
     python benchmarks/bench_step.py --fsdp --no-megabatch --fractions 1 0.25 --methods gram
     python benchmarks/bench_step.py --small --fsdp --no-megabatch --cpu-devices 8  # CPU smoke
     python benchmarks/bench_step.py --compile-workers 8 --no-polar   # every variant, one run
-    python benchmarks/bench_step.py --no-polar --methods gram --backends mosaic \
-        --fractions 0.25 1 --payload-norms --compile-workers 4     # norms: rows vs payload
 """
 
 from __future__ import annotations
@@ -46,7 +43,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import functools
 import os
 import re
 import signal
@@ -65,9 +61,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax import _megabatch, _selection
 import pallas_kernels
-from pallas_kernels import _mosaic
 from _timing import median_ms
 
 FULL = dict(layers=8, d=4096, ff=11008)
@@ -144,25 +138,54 @@ def collective_stats(hlo: str) -> dict:
     return stats
 
 
-# Private switches a variant can be traced under (benchmark comparisons only; same results).
-SWITCHES = {"": contextlib.nullcontext,
-            "no-megabatch": _megabatch._one_group_per_leaf,       # one group per parameter
-            "payload-norms": _selection._norms_from_payload,      # norms from the gathered rows
-            # Mosaic sym_matmul's diagonal tiles symmetrised in its epilogue:
-            "diag-epilogue": functools.partial(_mosaic._default_overrides, diag_in_epilogue=True)}
+#: The compute dtype of each Newton-Schulz method (``dion3_jax.polar``'s defaults); Dion3's own
+#: orthogonalizer returns its polar factors in it, and so do the ones built here.
+COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
 
 
-def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):
+def orthogonalizer(method: str, backend: str):
+    """``dion3_jax.make_orthogonalizer`` for one Newton-Schulz method and matmul backend."""
+    return dion3_jax.make_orthogonalizer(method=method, backend=backend,
+                                         out_dtype=COMPUTE_DTYPE[method])
+
+
+def dion3_step(fraction: float, method: str, backend: str, per_leaf=None):
+    """``dion3_jax.dion3`` with learning rate 0.01, megabatched or one Dion3 per parameter.
+
+    Args:
+      fraction: Dion3's ``f``.
+      method: ``"gram"`` or ``"standard"`` Newton-Schulz.
+      backend: ``pallas_kernels`` implementation of the symmetric products.
+      per_leaf: ``None`` (megabatching: one Dion3 for the whole flat parameter dict), or the
+        dict's keys: ``optax.partition`` then labels every parameter with its own key and gives
+        each its own ``dion3``, so no two parameters share a shape group (one polar call and one
+        collective pair per parameter instead of per shape group).
+
+    Returns:
+      The optax transformation.
+    """
+    def make():
+        return dion3_jax.dion3(0.01, fraction, orthogonalizer=orthogonalizer(method, backend))
+
+    if per_leaf is None:
+        return make()
+    return optax.partition({k: make() for k in per_leaf}, {k: k for k in per_leaf})
+
+
+def compile_step(tx, params, grads, mesh=None, state=None):
     """``jit(update + apply_updates)`` (params and state donated), lowered and compiled.
 
     ``state`` defaults to the abstract shapes of ``tx.init(params)`` (``jax.eval_shape``: no
     device memory), which is enough on one device; pass the real state under a mesh so that its
-    shardings are the ones compiled for. Safe to call from several threads at once (the
-    ``switch`` is a key of :data:`SWITCHES`: a context variable, set here in the calling thread).
+    shardings are the ones compiled for. Safe to call from several threads at once.
+
+    Returns:
+      ``(compiled, seconds)``: the executable and the wall time of tracing, lowering and
+      compiling it.
     """
+    t0 = time.perf_counter()
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-    grouping = SWITCHES[switch]()
-    with ctx, grouping:
+    with ctx:
         if state is None:
             state = jax.eval_shape(tx.init, params)
 
@@ -170,7 +193,8 @@ def compile_step(tx, params, grads, mesh=None, switch: str = "", state=None):
             updates, state = tx.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
-        return jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+    return compiled, time.perf_counter() - t0
 
 
 def _abstract_state(tx, params, mesh=None):
@@ -185,20 +209,29 @@ def _abstract_state(tx, params, mesh=None):
                         state)
 
 
-def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compiled=None,
+def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
               show_collectives: bool = False):
-    """Median ms of jit(update + apply_updates) and the compiled step's collective stats.
+    """Times jit(update + apply_updates).
 
-    ``compiled``: the step from :func:`compile_step` (or a future of it), compiled here if None.
+    Args:
+      tx: the optax transformation.
+      params, grads: parameter and gradient trees (placed as the step should see them).
+      reps: timed runs.
+      mesh: the mesh the step runs under, if any.
+      compiled: :func:`compile_step`'s ``(executable, seconds)`` (or a future of it); compiled
+        here if None.
+      show_collectives: print the compiled step's first collective instructions.
+
+    Returns:
+      ``(median ms, compile seconds, collective stats)``.
     """
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx:
         state = tx.init(params)
         params = jax.tree.map(jnp.copy, params)
         if compiled is None:
-            step = compile_step(tx, params, grads, mesh, switch, state)
-        else:
-            step = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled = compile_step(tx, params, grads, mesh, state)
+        step, compile_s = compiled.result() if hasattr(compiled, "result") else compiled
         hlo = step.as_text()
         stats = collective_stats(hlo)
         if show_collectives:
@@ -212,7 +245,7 @@ def time_step(tx, params, grads, reps: int, mesh=None, switch: str = "", compile
             params, state = jax.block_until_ready(step(params, state, grads))
             times.append(time.perf_counter() - t0)
         del params, state
-    return statistics.median(times) * 1e3, stats
+    return statistics.median(times) * 1e3, compile_s, stats
 
 
 def time_polar(shapes, fraction: float, ortho, reps: int) -> float:
@@ -245,18 +278,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fsdp", action="store_true",
                    help="shard every matrix along its output axis over all devices (1-D mesh)")
     p.add_argument("--no-megabatch", action="store_true",
-                   help="also time each Dion3 variant with one group (all-to-all) per parameter")
-    p.add_argument("--payload-norms", action="store_true",
-                   help="also time each Dion3 variant with the polar's norms taken from the "
-                        "gathered rows (dion3_jax._selection._norms_from_payload; the default "
-                        "sums them from row statistics)")
-    p.add_argument("--diag-epilogue", action="store_true",
-                   help="also time each Dion3 variant with the Mosaic kernels' default set to "
-                        "diag_in_epilogue=True (pallas_kernels._mosaic._default_overrides)")
-    p.add_argument("--switches", nargs="+", default=[], choices=sorted(SWITCHES)[1:],
-                   metavar="SWITCH",
-                   help="also time each Dion3 variant under these switches (any of "
-                        f"{', '.join(sorted(SWITCHES)[1:])})")
+                   help="also time each Dion3 variant without megabatching (one Dion3 per "
+                        "parameter through optax.partition: one all-to-all pair per parameter)")
     p.add_argument("--show-collectives", action="store_true",
                    help="print each variant's first collective instructions (compiled HLO)")
     p.add_argument("--compile-workers", type=int, default=0, metavar="N",
@@ -299,35 +322,35 @@ def main(argv=None) -> list[dict]:
           f"params, float32); {where}; medians of {reps}", flush=True)
     rows = []
 
-    def record(name, ms, stats, polar_ms=None):
-        rows.append({"variant": name, "ms": ms, "polar_ms": polar_ms, "stats": stats})
+    def record(name, ms, compile_s, stats, polar_ms=None):
+        rows.append({"variant": name, "ms": ms, "compile_s": compile_s, "polar_ms": polar_ms,
+                     "stats": stats})
         extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
         coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
-        print(f"  {name}: {ms:.2f} ms{extra}  [{coll or 'no collectives'}]", flush=True)
+        print(f"  {name}: {ms:.2f} ms, compiled in {compile_s:.1f} s{extra}  "
+              f"[{coll or 'no collectives'}]", flush=True)
 
-    # Every variant: (name, optax transformation, switch, (method, backend, f) or None).
+    # Every variant: (name, optax transformation, (method, backend, f, megabatch) or None).
     plan = []
     if not a.no_baselines:
-        plan += [("optax.adamw", optax.adamw(1e-3), "", None),
-                 ("optax.contrib.muon", optax.contrib.muon(1e-3), "", None)]
-    # The default variants first, then those under the requested switches.
-    requested = ((["no-megabatch"] if a.no_megabatch else [])
-                 + (["payload-norms"] if a.payload_norms else [])
-                 + (["diag-epilogue"] if a.diag_epilogue else []) + a.switches)
-    switches = [""] + list(dict.fromkeys(requested))
-    for switch in switches:
+        plan += [("optax.adamw", optax.adamw(1e-3), None),
+                 ("optax.contrib.muon", optax.contrib.muon(1e-3), None)]
+    # The megabatched (default) variants first, then those without megabatching.
+    for megabatch in [True] + ([False] if a.no_megabatch else []):
         for method in a.methods:
             for backend in backends:
                 for f in a.fractions:
-                    name = f"dion3 f={f:g} {method} {backend}" + (f" {switch}" if switch else "")
-                    plan.append((name, dion3_jax.dion3(0.01, f, method=method, backend=backend),
-                                 switch, (method, backend, f)))
+                    name = (f"dion3 f={f:g} {method} {backend}"
+                            + ("" if megabatch else " no-megabatch"))
+                    per_leaf = None if megabatch else sorted(shapes)
+                    plan.append((name, dion3_step(f, method, backend, per_leaf),
+                                 (method, backend, f, megabatch)))
     compiled = {}
     if a.compile_workers > 0:
         pool = concurrent.futures.ThreadPoolExecutor(a.compile_workers)
-        compiled = {name: pool.submit(compile_step, tx, params, grads, mesh, switch,
+        compiled = {name: pool.submit(compile_step, tx, params, grads, mesh,
                                       _abstract_state(tx, params, mesh))
-                    for name, tx, switch, _ in plan}
+                    for name, tx, _ in plan}
         t0 = time.perf_counter()
         pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.
         print(f"# compiled {len(plan)} variants on {a.compile_workers} threads in "
@@ -353,18 +376,17 @@ def main(argv=None) -> list[dict]:
                       for k, v in grads.items()}
                 record("optax.contrib.muon (auto mesh)",
                        *time_step(optax.contrib.muon(1e-3), ap, ag, reps, auto_mesh))
-        for name, tx, switch, dion in plan:
+        for name, tx, dion in plan:
             if dion is None:
                 continue
-            ms, stats = time_step(tx, params, grads, reps, mesh, switch,
-                                  compiled=compiled.get(name),
-                                  show_collectives=a.show_collectives)
+            ms, compile_s, stats = time_step(tx, params, grads, reps, mesh,
+                                             compiled=compiled.get(name),
+                                             show_collectives=a.show_collectives)
             polar_ms = None
-            if not (a.no_polar or a.fsdp or switch):
-                method, backend, f = dion
-                ortho = dion3_jax.make_orthogonalizer(method=method, backend=backend)
-                polar_ms = time_polar(shapes, f, ortho, reps)
-            record(name, ms, stats, polar_ms)
+            method, backend, f, megabatch = dion
+            if not (a.no_polar or a.fsdp or not megabatch):
+                polar_ms = time_polar(shapes, f, orthogonalizer(method, backend), reps)
+            record(name, ms, compile_s, stats, polar_ms)
 
     # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far
     # is still printed.
@@ -380,9 +402,9 @@ def main(argv=None) -> list[dict]:
 
     adamw = next((r["ms"] for r in rows if r["variant"] == "optax.adamw"), None)
     print()
-    print("| step | ms (median) | × AdamW | polar ms | rest ms | all-to-all | all-gather | "
-          "all-reduce | other coll. | MiB moved / device |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| step | ms (median) | × AdamW | compile s | polar ms | rest ms | all-to-all | "
+          "all-gather | all-reduce | other coll. | MiB moved / device |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rel = f"{r['ms'] / adamw:.1f}" if adamw else "–"
         pol = f"{r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
@@ -390,7 +412,7 @@ def main(argv=None) -> list[dict]:
         st = r["stats"]
         other = sum(st[op][0] for op in COLLECTIVES[3:])
         moved = sum(b for _, b in st.values()) / 2**20
-        print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {pol} | {rest} | "
+        print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {r['compile_s']:.1f} | {pol} | {rest} | "
               f"{st['all-to-all'][0]} | {st['all-gather'][0]} | {st['all-reduce'][0]} | {other} | "
               f"{moved:.2f} |")
     return rows

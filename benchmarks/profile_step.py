@@ -27,8 +27,7 @@ from jax.profiler import ProfileData
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import bench_step  # noqa: E402  (model shapes and parameter trees)
-import dion3_jax  # noqa: E402
+import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
 
 
 def op_times(trace_dir: str) -> dict[str, float]:
@@ -89,16 +88,14 @@ def main(argv=None):
     p.add_argument("--dump-hlo", metavar="PATH",
                    help="write the profiled executable's whole optimized HLO text here "
                         "(gzip-compressed when PATH ends in .gz)")
-    p.add_argument("--switch", default="", choices=sorted(bench_step.SWITCHES),
-                   help="trace the step under one of bench_step's private switches")
     a = p.parse_args(argv)
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     shapes = bench_step.model_shapes(**cfg)
     params = bench_step.make_tree(shapes, 0)
     grads = bench_step.make_tree(shapes, 1, 1e-3)
-    tx = dion3_jax.dion3(0.01, a.fraction, method=a.method, backend=a.backend)
+    tx = bench_step.dion3_step(a.fraction, a.method, a.backend)
     state = tx.init(params)
-    step = bench_step.compile_step(tx, params, grads, state=state, switch=a.switch)
+    step, _ = bench_step.compile_step(tx, params, grads, state=state)
     if a.dump_hlo:
         opener = gzip.open if a.dump_hlo.endswith(".gz") else open
         with opener(a.dump_hlo, "wt") as f:
@@ -113,8 +110,7 @@ def main(argv=None):
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}"
-          f"{' ' + a.switch if a.switch else ''}, "
+    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}, "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
           f"{total:.2f} ms (summed over {len(per_step)} ops)")
     by_kind: dict[str, float] = collections.defaultdict(float)

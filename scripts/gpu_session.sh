@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_session.sh kernels   # GPU kernel tests + kernel table with variants + polar
 #   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes), all variants
+#   bash scripts/gpu_session.sh commits   # the step of an older commit against the working tree
 #   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
 #
 #   bash scripts/gpu_session.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
@@ -53,11 +54,9 @@ run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
 
 for PART in "$@"; do
 case "$PART" in
-  kernels)  # GPU kernel tests, kernel table with the variants still in question, polar per
-            # backend (`--variants` alone runs every variant: longer than one call allows).
+  kernels)  # GPU kernel tests, kernel table with the pipeline-depth variants, polar per backend.
     run kernel_tests 290 python3 -m pytest -q -rs tests/test_kernels_gpu.py
     run bench_kernels 280 python3 benchmarks/bench_kernels.py --polar --reps 20 --variants \
-      k64s4 pairI_infl1_diag pairI_infl1_brows pairI_infl1_brows_diag \
       --json "$OUT/bench_kernels.jsonl"
     ;;
   kernels-table)  # The kernel table with the default configurations only, polar per backend.
@@ -76,15 +75,13 @@ case "$PART" in
     run bench_step_more 170 python3 benchmarks/bench_step.py --no-polar --no-baselines \
       --methods gram standard --backends xla triton --fractions 0.25
     ;;
-  step-all)  # Every row of the step table in ONE process (DESIGN §6: all variants in one run):
+  step-all)  # Every row of the step table in ONE process (rows compared only within one run):
              # the variants compile on 8 threads first, then run one after another.
     run bench_step_all 540 python3 benchmarks/bench_step.py --compile-workers 8 --no-polar
     ;;
-  norms)  # The polar's per-matrix norms from row statistics (default) against from the gathered
-          # rows (--payload-norms), same process; then where the f = 1/4 step's time goes.
-    run bench_step_norms 300 python3 benchmarks/bench_step.py --no-polar --methods gram \
-      --backends mosaic --fractions 0.25 0.125 1 --payload-norms --compile-workers 6
-    run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 20
+  commits)  # The default step (f = 1 and 1/4) of commit ${OLD_COMMIT:-b467ab5} against the
+            # working tree, in one process, timed in interleaved rounds.
+    run bench_commits 540 python3 benchmarks/bench_commits.py --commit "${OLD_COMMIT:-b467ab5}"
     ;;
   step-gram)  # Baselines and Dion3 Gram NS on the Mosaic kernels at f = 1, 1/4, 1/2.
     run bench_step_gram 200 python3 benchmarks/bench_step.py --methods gram --backends mosaic \
@@ -98,7 +95,7 @@ case "$PART" in
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | norms | step-gram | profile | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | selection)"
      exit 2 ;;
 esac
 done

@@ -1,0 +1,166 @@
+"""The 7B-shapes optimizer step of two versions of the library, timed in one process.
+
+One version is the working tree's ``dion3_jax`` / ``pallas_kernels``; the other is an older
+commit's, exported with ``git archive`` into a temporary directory and imported as
+``dion3_jax_old`` / ``pallas_kernels_old`` (their imports of each other rewritten to the new
+names). From each, ``scale_by_dion3(f)`` (the fraction only, every other argument at its
+default) followed by ``optax.scale(-1e-3)`` is compiled as ``jit(update + apply_updates)`` with
+donated buffers on ``bench_step.py``'s model, and the two steps are timed in interleaved rounds
+(``_timing.median_ms_interleaved``), so both see the same machine state. Prints a table:
+fraction, old ms, new ms, new / old.
+
+Usage (repository root; the old commit must be in this checkout's git history)::
+
+    python benchmarks/bench_commits.py                        # b467ab5 against the working tree
+    python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25
+    python benchmarks/bench_commits.py --small --commit HEAD  # tiny model, CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import bench_step  # noqa: E402  (the model)
+from _timing import median_ms_interleaved  # noqa: E402
+
+PACKAGES = ("dion3_jax", "pallas_kernels")
+SUFFIX = "_old"
+_FROM = re.compile(r"^(\s*)from\s+(" + "|".join(PACKAGES) + r")\b")
+_IMPORT = re.compile(r"^(\s*)import\s+(" + "|".join(PACKAGES) + r")((?:\.\w+)*)(\s+as\s+\w+)?\s*$")
+_ANY = re.compile(r"^\s*(import|from)\s[^#]*\b(" + "|".join(PACKAGES) + r")\b(?!" + SUFFIX + ")")
+
+
+def rename_imports(source: str) -> str:
+    """Rewrites a module's imports of ``dion3_jax`` / ``pallas_kernels`` to the ``_old`` names.
+
+    ``from pkg... import x`` becomes ``from pkg_old... import x``; ``import pkg`` becomes
+    ``import pkg_old as pkg`` (the rest of the module keeps using the name ``pkg``).
+
+    Raises:
+      ValueError: for an import of either package in a form not rewritten here.
+    """
+    out = []
+    for line in source.splitlines(keepends=True):
+        text = line.rstrip("\n")
+        if m := _FROM.match(text):
+            text = f"{m[1]}from {m[2]}{SUFFIX}{text[m.end():]}"
+        elif m := _IMPORT.match(text):
+            indent, pkg, sub, alias = m[1], m[2], m[3], m[4]
+            if sub and not alias:
+                raise ValueError(f"cannot rename {text.strip()!r}: write it as 'from' or 'as'")
+            text = f"{indent}import {pkg}{SUFFIX}{sub}{alias or f' as {pkg}'}"
+        elif _ANY.match(text):
+            raise ValueError(f"cannot rename the import {text.strip()!r}")
+        out.append(text + line[len(line.rstrip("\n")):])
+    return "".join(out)
+
+
+def export_old(commit: str, dest: pathlib.Path) -> str:
+    """Writes ``commit``'s packages to ``dest`` as ``dion3_jax_old`` / ``pallas_kernels_old``.
+
+    Returns:
+      The commit's short hash.
+    """
+    short = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", commit],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit, *PACKAGES],
+                         capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(dest, filter="data")
+    for pkg in PACKAGES:
+        (dest / pkg).rename(dest / f"{pkg}{SUFFIX}")
+        for path in (dest / f"{pkg}{SUFFIX}").rglob("*.py"):
+            path.write_text(rename_imports(path.read_text()))
+    return short
+
+
+def working_tree_version() -> str:
+    """``HEAD``'s short hash, with ``+changes`` when the packages differ from it."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", *PACKAGES],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
+def stepper(dion3, fraction: float, params, grads):
+    """Compiles one version's step and returns ``(run, compile seconds)``.
+
+    ``run()`` applies one step to this version's own copy of the parameters and its state (both
+    donated and carried from call to call) and returns them.
+    """
+    tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
+    step, compile_s = bench_step.compile_step(tx, params, grads)
+    carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
+
+    def run():
+        carry[:] = step(carry[0], carry[1], grads)
+        return carry
+    return run, compile_s
+
+
+def time_fraction(versions: dict, fraction: float, params, grads, reps: int) -> dict:
+    """Compiles both versions' steps at one fraction and times them in interleaved rounds."""
+    runs = {}
+    for name, dion3 in versions.items():
+        runs[name], compile_s = stepper(dion3, fraction, params, grads)
+        print(f"  f={fraction:g} {name}: compiled in {compile_s:.1f} s", flush=True)
+    ms = median_ms_interleaved(runs, reps=reps)
+    print(f"  f={fraction:g}: old {ms['old']:.2f} ms, new {ms['new']:.2f} ms", flush=True)
+    return {"fraction": fraction, "old_ms": ms["old"], "new_ms": ms["new"]}
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--commit", default="b467ab5", help="the older version (default b467ab5)")
+    p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25])
+    p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10; 3 small)")
+    p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
+    a = p.parse_args(argv)
+    cfg = bench_step.SMALL if a.small else bench_step.FULL
+    reps = a.reps or (3 if a.small else 10)
+    shapes = bench_step.model_shapes(**cfg)
+    params = bench_step.make_tree(shapes, 0)
+    grads = bench_step.make_tree(shapes, 1, 1e-3)
+    # The old version's modules are imported lazily too (at trace time): keep its files until
+    # the end.
+    with tempfile.TemporaryDirectory(prefix="dion3_old_") as tmp:
+        old_commit = export_old(a.commit, pathlib.Path(tmp))
+        sys.path.insert(0, tmp)
+        versions = {"old": importlib.import_module(f"dion3_jax{SUFFIX}"),
+                    "new": importlib.import_module("dion3_jax")}
+        dev = jax.devices()[0]
+        print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
+              f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; old = {old_commit} "
+              f"({a.commit}), new = the working tree at {working_tree_version()} "
+              f"({os.path.dirname(versions['new'].__file__)}); medians of {reps} interleaved "
+              "rounds", flush=True)
+        rows = [time_fraction(versions, f, params, grads, reps) for f in a.fractions]
+    print()
+    print("| fraction | old ms | new ms | new / old |")
+    print("|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['fraction']:g} | {r['old_ms']:.2f} | {r['new_ms']:.2f} | "
+              f"{r['new_ms'] / r['old_ms']:.3f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
