@@ -1,7 +1,30 @@
-"""A float64 NumPy rendering of DESIGN.md §2 (the Dion3 update rule), written independently of
-the package: loops over matrices, explicit row indices, no shared helpers.
+"""A float64 NumPy rendering of the Dion3 update rule, written independently of the package.
 
-Matrices here are in the (out × in) view: row i = output neuron i.
+Loops over matrices, explicit row indices, no shared helpers: the tests compare the package's
+update with this one.
+
+Matrices here are in the (out × in) view: row i = output neuron i. One step on an ``n × C``
+matrix ``W`` with gradient ``G``, momentum ``M`` (``n × C``) and NorMuon second moments ``v``
+(length ``n``), for fraction ``f``, decay ``mu``, EMA coefficient ``beta2``, learning rate ``lr``
+and weight decay ``wd`` (the numbers match the comments in :func:`dion3_matrix_step`):
+
+1. Accumulate: ``M ← M + G``.
+2. Score every row by its ℓ1 norm: ``s_i = Σ_j |M_ij|``.
+3. Select ``k = max(1, ⌈f·n⌉)`` rows ``I``: the ``k`` largest scores, ties to the lower index.
+4. Take the payload ``S = M[I, :]``.
+5. Error feedback: ``M[I, :] ← mu·S``; the unselected rows keep their full momentum.
+6. Orthogonalize: ``O = polar(S)``, five Newton-Schulz steps on ``S / (‖S‖_F + 1e-7)`` with
+   the Polar Express coefficients under the 1.05 safety factor (``a/1.05, b/1.05³, c/1.05⁵``;
+   :func:`ns_polar`).
+7. NorMuon (``flavour="normuon"``): ``ν_i = mean_j O_ij²``, ``v[I] ← beta2·v[I] + (1 − beta2)·ν``,
+   ``D = O / (√v[I] + 1e-8)`` rescaled so that ``‖D‖_F = ‖O‖_F``. Muon: ``D = O``.
+8. Shape factor from the whole matrix: ``η = lr·√(n/C)`` (``"spectral_norm"``),
+   ``lr·0.2·√max(n, C)`` (``"rms_norm"``) or ``lr`` (``None``).
+9. Decoupled weight decay on every entry: ``W ← W·(1 − lr·wd)``.
+10. Update the selected rows only: ``W[I, :] ← W[I, :] − η·D``.
+
+At ``f = 1`` every row is selected every step, so this is Muon / NorMuon with momentum
+``U_t = mu·U_{t−1} + G_t`` (no Nesterov).
 """
 
 from __future__ import annotations

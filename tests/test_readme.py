@@ -1,32 +1,103 @@
-"""The README's Python snippets run as written; its first two commands are the scripts CI uses."""
+"""What the README promises about commands, installs and packaging holds.
+
+The README's ```python blocks run in tests/test_doc_snippets.py.
+"""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
+import tomllib
 
-import pytest
+from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-SNIPPETS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGES = ("dion3_jax", "pallas_kernels")
 
 
-def test_readme_has_snippets():
-    assert len(SNIPPETS) >= 3
+def bash_commands(text: str) -> list[str]:
+    """The commands of every ```bash block, comments and blank lines dropped, in order."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        commands += [line.split("#")[0].strip() for line in block.splitlines()]
+    return [c for c in commands if c]
 
 
-@pytest.mark.parametrize("i", range(len(SNIPPETS)))
-def test_snippet_runs(i):
-    exec(compile(SNIPPETS[i], f"README.md[snippet {i}]", "exec"), {"__name__": "__readme__"})
+def requirements(names: list[str]) -> dict[str, Requirement]:
+    """Parses requirement strings into a dict keyed by the canonical (lower-case) name."""
+    parsed = [Requirement(n) for n in names]
+    return {r.name.lower().replace("_", "-"): r for r in parsed}
 
 
-def test_first_two_commands():
-    bash_blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
-    commands = [line.split("#")[0].strip() for line in bash_blocks[0].splitlines()]
-    commands = [c for c in commands if c]
+def ci_pins() -> dict[str, str]:
+    """``requirements-ci.txt`` as ``{name: exact version}``; every line must be an exact pin."""
+    pins = {}
+    for line in (ROOT / "requirements-ci.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and version, f"requirements-ci.txt: {line!r} is not an exact pin"
+            pins[name.strip().lower()] = version.strip()
+    return pins
+
+
+def test_first_two_commands_are_the_scripts_ci_runs():
+    commands = bash_commands(README)
     assert commands[:2] == ["bash scripts/train.sh", "bash scripts/test.sh"]
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert "bash scripts/test.sh" in ci
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
     for c in commands[:2]:
-        assert (ROOT / c.split()[1]).exists()
+        assert (ROOT / c.split()[1]).exists(), c
+
+
+def test_every_extra_the_readme_names_exists():
+    named = set(re.findall(r'pip install -e "\.\[(\w+)\]"', README))
+    assert {"examples", "test", "triton"} <= named
+    assert named <= set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_direct_dependencies_have_upper_bounds():
+    project = PYPROJECT["project"]
+    deps = list(project["dependencies"])
+    deps += [d for extra in project["optional-dependencies"].values() for d in extra]
+    for name, req in requirements(deps).items():
+        if name in ("jax", "jaxlib", "optax", "flax", "orbax-checkpoint", "numpy"):
+            assert any(s.operator in ("<", "<=", "~=", "==") for s in req.specifier), req
+
+
+def test_ci_pins_lie_in_the_declared_ranges():
+    project = PYPROJECT["project"]
+    declared = requirements(project["dependencies"] + project["optional-dependencies"]["examples"]
+                            + project["optional-dependencies"]["test"])
+    pins = ci_pins()
+    assert set(pins) == set(declared), "requirements-ci.txt and pyproject.toml list other packages"
+    for name, version in pins.items():
+        assert declared[name].specifier.contains(version), (name, version, declared[name])
+
+
+def test_packages_ship_py_typed():
+    package_data = PYPROJECT["tool"]["setuptools"]["package-data"]
+    for package in PACKAGES:
+        assert (ROOT / package / "py.typed").is_file(), package
+        assert "py.typed" in package_data[package], package
+
+
+def test_license_is_the_apache_text():
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert "Copyright 2026 The dion3_jax authors" in text
+
+
+def test_restarts_command_prints_what_the_readme_says():
+    line = next(c for c in bash_commands(README) if "dion3_jax.restarts" in c)
+    expected = re.search(r"last line: (.*)$", next(
+        raw for raw in README.splitlines() if "dion3_jax.restarts --" in raw)).group(1).strip()
+    args = line.split()[1:]  # drop "python": run with this interpreter
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == expected
