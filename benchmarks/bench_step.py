@@ -264,7 +264,7 @@ class _Stopped(Exception):
     pass
 
 
-def main(argv=None) -> list[dict]:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per variant (default 10)")
@@ -288,54 +288,36 @@ def main(argv=None) -> list[dict]:
                         "order; 0: compile each just before timing it")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
-    a = p.parse_args(argv)
-    if a.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", a.cpu_devices)
-    cfg = SMALL if a.small else FULL
-    reps = a.reps or (3 if a.small else 10)
-    backends = a.backends or list(pallas_kernels.available_implementations())
-    shapes = model_shapes(**cfg)
-    n_params = sum(int(np.prod(s)) for s in shapes.values())
-    mesh = auto_mesh = None
-    params = make_tree(shapes, 0)
-    grads = make_tree(shapes, 1, 1e-3)
-    if a.fsdp:
-        devs = jax.devices()
-        mesh = jax.make_mesh((len(devs),), ("fsdp",), axis_types=(AxisType.Explicit,),
-                             devices=devs)
-        auto_mesh = jax.make_mesh((len(devs),), ("fsdp",), axis_types=(AxisType.Auto,),
-                                  devices=devs)
-        for name, (_, fan_out) in shapes.items():
-            if fan_out % len(devs):
-                raise SystemExit(f"--fsdp: {name} has {fan_out} output rows, not a multiple of "
-                                 f"{len(devs)} devices")
+    return p.parse_args(argv)
 
-        def place(tree, m):
-            return {k: jax.device_put(v, NamedSharding(m, P(None, "fsdp")))
-                    for k, v in tree.items()}
-        params, grads = place(params, mesh), place(grads, mesh)
-    dev = jax.devices()[0]
-    where = (f"FSDP over {len(jax.devices())} devices (P(None, 'fsdp'), Explicit mesh)"
-             if a.fsdp else "one device")
-    print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
-          f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']} ({n_params / 1e9:.3f} B matrix "
-          f"params, float32); {where}; medians of {reps}", flush=True)
-    rows = []
 
-    def record(name, ms, compile_s, stats, polar_ms=None):
-        rows.append({"variant": name, "ms": ms, "compile_s": compile_s, "polar_ms": polar_ms,
-                     "stats": stats})
-        extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
-        coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
-        print(f"  {name}: {ms:.2f} ms, compiled in {compile_s:.1f} s{extra}  "
-              f"[{coll or 'no collectives'}]", flush=True)
+def fsdp_meshes(shapes):
+    """``(explicit, auto)``: 1-D ``"fsdp"`` meshes of all devices, Explicit and Auto axes.
 
-    # Every variant: (name, optax transformation, (method, backend, f, megabatch) or None).
+    Raises:
+      SystemExit: when a matrix's output rows do not divide among the devices.
+    """
+    devs = jax.devices()
+    for name, (_, fan_out) in shapes.items():
+        if fan_out % len(devs):
+            raise SystemExit(f"--fsdp: {name} has {fan_out} output rows, not a multiple of "
+                             f"{len(devs)} devices")
+    return tuple(jax.make_mesh((len(devs),), ("fsdp",), axis_types=(kind,), devices=devs)
+                 for kind in (AxisType.Explicit, AxisType.Auto))
+
+
+def place(tree, mesh):
+    """Every matrix sharded along its output axis (Flax layout) over ``mesh``."""
+    return {k: jax.device_put(v, NamedSharding(mesh, P(None, "fsdp"))) for k, v in tree.items()}
+
+
+def build_plan(a, shapes, backends) -> list[tuple]:
+    """Every variant: ``(name, optax transformation, (method, backend, f, megabatch) or None)``;
+    the baselines, the megabatched Dion3 variants, then those without megabatching."""
     plan = []
     if not a.no_baselines:
         plan += [("optax.adamw", optax.adamw(1e-3), None),
                  ("optax.contrib.muon", optax.contrib.muon(1e-3), None)]
-    # The megabatched (default) variants first, then those without megabatching.
     for megabatch in [True] + ([False] if a.no_megabatch else []):
         for method in a.methods:
             for backend in backends:
@@ -345,61 +327,34 @@ def main(argv=None) -> list[dict]:
                     per_leaf = None if megabatch else sorted(shapes)
                     plan.append((name, dion3_step(f, method, backend, per_leaf),
                                  (method, backend, f, megabatch)))
-    compiled = {}
-    if a.compile_workers > 0:
-        pool = concurrent.futures.ThreadPoolExecutor(a.compile_workers)
-        compiled = {name: pool.submit(compile_step, tx, params, grads, mesh,
-                                      _abstract_state(tx, params, mesh))
-                    for name, tx, _ in plan}
-        t0 = time.perf_counter()
-        pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.
-        print(f"# compiled {len(plan)} variants on {a.compile_workers} threads in "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return plan
 
-    def variants():
-        if not a.no_baselines:
-            record("optax.adamw", *time_step(plan[0][1], params, grads, reps, mesh,
-                                             compiled=compiled.get("optax.adamw")))
-            try:
-                record("optax.contrib.muon",
-                       *time_step(plan[1][1], params, grads, reps, mesh,
-                                  compiled=compiled.get("optax.contrib.muon")))
-            except Exception as e:  # noqa: BLE001 - sharded matrices under an Explicit mesh
-                if mesh is None:
-                    raise
-                print(f"  optax.contrib.muon failed under the Explicit mesh "
-                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); retrying under an "
-                      f"Auto mesh", flush=True)
-                ap = {k: jax.device_put(v, NamedSharding(auto_mesh, P(None, "fsdp")))
-                      for k, v in params.items()}
-                ag = {k: jax.device_put(v, NamedSharding(auto_mesh, P(None, "fsdp")))
-                      for k, v in grads.items()}
-                record("optax.contrib.muon (auto mesh)",
-                       *time_step(optax.contrib.muon(1e-3), ap, ag, reps, auto_mesh))
-        for name, tx, dion in plan:
-            if dion is None:
-                continue
-            ms, compile_s, stats = time_step(tx, params, grads, reps, mesh,
-                                             compiled=compiled.get(name),
-                                             show_collectives=a.show_collectives)
-            polar_ms = None
-            method, backend, f, megabatch = dion
-            if not (a.no_polar or a.fsdp or not megabatch):
-                polar_ms = time_polar(shapes, f, orthogonalizer(method, backend), reps)
-            record(name, ms, compile_s, stats, polar_ms)
 
-    # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far
-    # is still printed.
-    def stop(signum, frame):
-        raise _Stopped
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        variants()
-    except _Stopped:
-        print("# stopped by SIGTERM: the table below has the rows done so far", flush=True)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def compile_all(plan, workers: int, params, grads, mesh) -> dict:
+    """Every variant compiled up front on ``workers`` threads: name → future of
+    :func:`compile_step`'s result (all done when this returns)."""
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    compiled = {name: pool.submit(compile_step, tx, params, grads, mesh,
+                                  _abstract_state(tx, params, mesh))
+                for name, tx, _ in plan}
+    t0 = time.perf_counter()
+    pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.
+    print(f"# compiled {len(plan)} variants on {workers} threads in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return compiled
 
+
+def row(name, ms, compile_s, stats, polar_ms=None) -> dict:
+    """One table row, also printed as a progress line."""
+    extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
+    coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
+    print(f"  {name}: {ms:.2f} ms, compiled in {compile_s:.1f} s{extra}  "
+          f"[{coll or 'no collectives'}]", flush=True)
+    return {"variant": name, "ms": ms, "compile_s": compile_s, "polar_ms": polar_ms,
+            "stats": stats}
+
+
+def print_table(rows) -> None:
     adamw = next((r["ms"] for r in rows if r["variant"] == "optax.adamw"), None)
     print()
     print("| step | ms (median) | × AdamW | compile s | polar ms | rest ms | all-to-all | "
@@ -412,9 +367,69 @@ def main(argv=None) -> list[dict]:
         st = r["stats"]
         other = sum(st[op][0] for op in COLLECTIVES[3:])
         moved = sum(b for _, b in st.values()) / 2**20
-        print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {r['compile_s']:.1f} | {pol} | {rest} | "
-              f"{st['all-to-all'][0]} | {st['all-gather'][0]} | {st['all-reduce'][0]} | {other} | "
-              f"{moved:.2f} |")
+        print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {r['compile_s']:.1f} | {pol} | "
+              f"{rest} | {st['all-to-all'][0]} | {st['all-gather'][0]} | "
+              f"{st['all-reduce'][0]} | {other} | {moved:.2f} |")
+
+
+def main(argv=None) -> list[dict]:
+    a = parse_args(argv)
+    if a.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", a.cpu_devices)
+    cfg = SMALL if a.small else FULL
+    reps = a.reps or (3 if a.small else 10)
+    backends = a.backends or list(pallas_kernels.available_implementations())
+    shapes = model_shapes(**cfg)
+    n_params = sum(int(np.prod(s)) for s in shapes.values())
+    params, grads = make_tree(shapes, 0), make_tree(shapes, 1, 1e-3)
+    mesh = auto_mesh = None
+    if a.fsdp:
+        mesh, auto_mesh = fsdp_meshes(shapes)
+        params, grads = place(params, mesh), place(grads, mesh)
+    dev = jax.devices()[0]
+    where = (f"FSDP over {len(jax.devices())} devices (P(None, 'fsdp'), Explicit mesh)"
+             if a.fsdp else "one device")
+    print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
+          f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']} ({n_params / 1e9:.3f} B matrix "
+          f"params, float32); {where}; medians of {reps}", flush=True)
+    plan = build_plan(a, shapes, backends)
+    compiled = (compile_all(plan, a.compile_workers, params, grads, mesh)
+                if a.compile_workers > 0 else {})
+    rows = []
+
+    def variants():
+        for name, tx, dion in plan:
+            try:
+                ms, compile_s, stats = time_step(tx, params, grads, reps, mesh,
+                                                 compiled=compiled.get(name),
+                                                 show_collectives=a.show_collectives)
+            except Exception as e:  # noqa: BLE001 - optax muon, sharded under an Explicit mesh
+                if name != "optax.contrib.muon" or mesh is None:
+                    raise
+                print(f"  optax.contrib.muon failed under the Explicit mesh "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); retrying under an "
+                      f"Auto mesh", flush=True)
+                rows.append(row(f"{name} (auto mesh)", *time_step(
+                    tx, place(params, auto_mesh), place(grads, auto_mesh), reps, auto_mesh)))
+                continue
+            polar_ms = None
+            if dion is not None and not (a.no_polar or a.fsdp or not dion[3]):
+                method, backend, f, _ = dion
+                polar_ms = time_polar(shapes, f, orthogonalizer(method, backend), reps)
+            rows.append(row(name, ms, compile_s, stats, polar_ms))
+
+    # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far
+    # is still printed.
+    def stop(signum, frame):
+        raise _Stopped
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        variants()
+    except _Stopped:
+        print("# stopped by SIGTERM: the table below has the rows done so far", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print_table(rows)
     return rows
 
 
