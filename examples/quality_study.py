@@ -51,6 +51,7 @@ sys.path.insert(0, _HERE)  # train_lm, the main job's model and data
 MU_RULES = ("const", "pow")  # μ = 0.95, or μ = 0.95^(1/f)
 WD_RULES = ("const", "sqrt_f")  # wd, or wd·√f
 FRACTIONS = (0.5, 0.25, 0.125)
+NOTES_MARK = "<!-- end of summary -->"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,37 +61,46 @@ FRACTIONS = (0.5, 0.25, 0.125)
 
 def build_parser() -> argparse.ArgumentParser:
     """The study's flags (every one validated before any data is read)."""
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-    )
+    import _common
+
+    p = _common.make_parser(__doc__)
     p.add_argument("--out", default="runs/quality/results.jsonl",
                    help="JSON-lines file the runs are appended to (a new file each time)")
-    p.add_argument("--report", metavar="JSONL", default=None,
-                   help="write the doc and plots from this results file instead of training")
+    p.add_argument("--report", metavar="JSONL", nargs="+", default=None,
+                   help="write the doc and plots from these results files instead of training")
+    p.add_argument("--notes", default=None,
+                   help="--report: Markdown in words to include; the part before a line "
+                        f"{NOTES_MARK!r} goes first, the rest last")
     p.add_argument("--doc", default="docs/QUALITY.md", help="--report: the Markdown file")
     p.add_argument("--plots", default="docs/quality", help="--report: the PNG folder")
     p.add_argument("--command", default=None,
                    help="--report: the training command to quote (default: from the results)")
+    p.add_argument("--resume", metavar="JSONL", default=None,
+                   help="results of an earlier call: its finished runs are not run again (the "
+                        "plan continues from them); new runs go to --out")
     p.add_argument("--tiny", action="store_true",
                    help="tiny model and runs, for a CPU check of the whole pipeline")
-    p.add_argument("--steps", type=int, default=300, help="steps of every equal-step run")
-    p.add_argument("--d-model", type=int, default=512, help="model width")
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=8, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=512, help="context length in bytes")
-    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--steps", type=_common.positive_int, default=300,
+                   help="steps of every equal-step run")
+    p.add_argument("--d-model", type=_common.positive_int, default=512, help="model width")
+    p.add_argument("--layers", type=_common.positive_int, default=8, help="transformer blocks")
+    p.add_argument("--heads", type=_common.positive_int, default=8, help="attention heads")
+    p.add_argument("--seq-len", type=_common.positive_int, default=512,
+                   help="context length in bytes")
+    p.add_argument("--batch", type=_common.positive_int, default=32, help="sequences per step")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="activation dtype (parameters stay float32)")
-    p.add_argument("--data-mb", type=float, default=12.0, help="cap on the stdlib text read (MB)")
-    p.add_argument("--heldout-percent", type=float, default=5.0,
+    p.add_argument("--data-mb", type=_common.positive_float, default=12.0,
+                   help="cap on the stdlib text read (MB)")
+    p.add_argument("--heldout-percent", type=_common.percent, default=5.0,
                    help="percent of files (by path hash) held out")
-    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-    p.add_argument("--eval-batches", type=int, default=16, help="held-out batches per evaluation")
-    p.add_argument("--time-budget", type=float, default=540.0,
+    p.add_argument("--eval-every", type=_common.positive_int, default=50,
+                   help="steps between held-out evaluations")
+    p.add_argument("--eval-batches", type=_common.positive_int, default=16,
+                   help="held-out batches per evaluation")
+    p.add_argument("--time-budget", type=_common.positive_float, default=540.0,
                    help="seconds from start after which no new run is started")
-    p.add_argument("--compile-workers", type=int, default=8,
+    p.add_argument("--compile-workers", type=_common.positive_int, default=8,
                    help="threads compiling the optimizer configs ahead of time")
     p.add_argument("--tag", default="", help="free text stored with the results (e.g. a commit)")
     return p
@@ -104,18 +114,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.d_model, args.layers, args.heads, args.seq_len, args.batch = 32, 1, 2, 32, 4
         args.steps, args.eval_every, args.eval_batches, args.data_mb = 24, 8, 2, 1.0
         args.compute_dtype = "float32"
-    for name in ("steps", "d_model", "layers", "heads", "seq_len", "batch", "eval_every",
-                 "eval_batches", "compile_workers"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.d_model % args.heads or (args.d_model // args.heads) % 2:
         p.error(f"--d-model must be --heads × an even head size, got {args.d_model}, {args.heads}")
-    if not 0 < args.heldout_percent < 100:
-        p.error(f"--heldout-percent must be in (0, 100), got {args.heldout_percent}")
-    if args.data_mb <= 0 or args.time_budget <= 0:
-        p.error("--data-mb and --time-budget must be positive")
-    if args.report is not None and not os.path.isfile(args.report):
-        p.error(f"--report: no such file {args.report!r}")
+    for flag in ("report", "resume", "notes"):
+        paths = getattr(args, flag)
+        for path in [paths] if isinstance(paths, str) else paths or []:
+            if not os.path.isfile(path):
+                p.error(f"--{flag}: no such file {path!r}")
     return args
 
 
@@ -499,6 +504,20 @@ def _block_means(xs: list[float], k: int) -> list[float]:
     return [sum(xs[i:i + k]) / len(xs[i:i + k]) for i in range(0, len(xs), k)]
 
 
+def load_runs(path: str, planner: Planner | None = None) -> int:
+    """Reads the finished runs of a results file, recording them in ``planner``; their count."""
+    names = {f.name for f in dataclasses.fields(Run)}
+    count = 0
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("type") == "run":
+                count += 1
+                if planner is not None:
+                    planner.record(Run(**{k: v for k, v in rec.items() if k in names}), rec)
+    return count
+
+
 def _meta(args, trainer) -> dict:
     import jax
 
@@ -526,6 +545,8 @@ def study(args: argparse.Namespace) -> str:
         raise SystemExit(f"{args.out} exists; pass a new --out (results are never overwritten)")
     trainer = Trainer(args)
     planner = Planner(args.steps, trainer.max_steps)
+    if args.resume:
+        print(f"resumed {load_runs(args.resume, planner)} runs from {args.resume}", flush=True)
     if args.steps > trainer.max_steps:
         raise SystemExit(f"--steps {args.steps} is more than one epoch ({trainer.max_steps})")
     with open(args.out, "w") as out:
@@ -574,7 +595,11 @@ def main(argv: list[str] | None = None) -> str:
     if args.report:
         import quality_report
 
-        return quality_report.write_report(args.report, args.doc, args.plots, args.command)
+        notes = open(args.notes).read() if args.notes else ""
+        head, _, tail = notes.partition(NOTES_MARK)
+        return quality_report.write_report(args.report, args.doc, args.plots, args.command,
+                                           preamble=head, conclusions=tail,
+                                           notes_path=args.notes)
     if importlib.util.find_spec("dion3_jax") is None:  # a checkout without `pip install -e .`
         sys.path.insert(0, os.path.dirname(_HERE))
     return study(args)

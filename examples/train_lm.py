@@ -1,28 +1,34 @@
-"""Train a byte-level transformer LM on the Python standard library, with Dion3 and AdamW.
+"""Train a byte-level transformer LM on the Python standard library: Dion3, NorMuon and AdamW.
 
 The main job of ``dion3_jax``: a small decoder-only transformer (Flax NNX) learns to predict the
 next byte of real text that ships with every machine, the ``.py`` sources of the Python standard
-library. The same model (same initialisation), the same batches in the same order and the same
-step budget are given to each optimizer in turn; the script prints a table of train and held-out
-loss (nats/byte) and saves the loss curves as a PNG.
+library. Each optimizer in turn gets the same model (same initialisation), the same batches in the
+same order and the same step budget; the script prints a table of train and held-out loss
+(nats/byte), the time of one optimizer step and the share of it spent in the optimizer update
+(a full jitted step against a jitted forward + backward alone), and saves the loss curves as a PNG.
 
-On a 2-core CPU the defaults (0.85M parameters, 400 steps of 2k bytes) run in a few minutes for
-both optimizers; their learning rates and momenta were tuned for that budget (``docs/TRAINING.md``).
-Every size is a flag, so the same script scales up on a GPU, e.g. to a 25M-parameter model with 16k
-bytes per step, the shape of the reference quality point in DESIGN.md (not run here; re-tune the
-learning rates and momenta for a new budget)::
+On a 2-core CPU the defaults (0.85M parameters, 400 steps of 2 KB) run in a few minutes for the
+three optimizers; their learning rates and momenta were tuned for that budget
+(``docs/TRAINING.md``). Dion3's learning rate and momentum follow from NorMuon's by the rules the
+quality study supports (``docs/QUALITY.md``): ``lr_f = lr_1 / √f`` and ``μ_f = μ_1^(1/f)``.
+Every size is a flag, so the same script scales up on a GPU, e.g. to 25M parameters with 16 KB per
+step (re-tune the learning rates for a new budget)::
 
     python examples/train_lm.py --d-model 512 --layers 8 --heads 8 --seq-len 512 --batch 32 \\
-        --steps 1800 --warmup 100 --data-mb 10 --compute-dtype bfloat16
+        --steps 300 --warmup 30 --data-mb 12 --compute-dtype bfloat16
 
 Data split: every file goes to the held-out set or to the training set by a hash of its path
 relative to the stdlib root, so the split is the same on every machine and held-out files are
 never trained on. Loss is the mean cross-entropy per byte in nats.
 
+Each run writes ``table.txt``, ``results.json`` and ``loss.png`` into a new folder
+``runs/train_lm/<YYYYmmdd-HHMMSS>/`` (or ``--out``; an earlier run there is never overwritten
+unless ``--overwrite`` is given).
+
 Usage::
 
-    python examples/train_lm.py                       # Dion3 and AdamW, CPU defaults
-    python examples/train_lm.py --optimizers dion3 --dion3-lr 0.04 --steps 500
+    python examples/train_lm.py                       # Dion3, NorMuon and AdamW, CPU defaults
+    python examples/train_lm.py --optimizers dion3 --steps 200
     python examples/train_lm.py --help
 """
 
@@ -32,6 +38,7 @@ import argparse
 import dataclasses
 import glob
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -45,13 +52,16 @@ import numpy as np
 import optax
 from flax import nnx
 
-try:
-    import dion3_jax
-except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import dion3_jax
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+if importlib.util.find_spec("dion3_jax") is None:  # a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(_HERE))
 
-OPTIMIZERS = ("dion3", "adamw", "normuon", "muon")
+import dion3_jax  # noqa: E402
+import _common  # noqa: E402
+
+OPTIMIZERS = ("dion3", "normuon", "adamw", "muon")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,76 +87,131 @@ class Config:
     # Training.
     steps: int = 400
     warmup: int = 50  # linear warm-up steps, then cosine decay to 0.
-    optimizers: str = "dion3,adamw"  # comma-separated, from OPTIMIZERS.
+    optimizers: str = "dion3,normuon,adamw"  # comma-separated, from OPTIMIZERS.
     seed: int = 0
-    # AdamW (the baseline).
+    # AdamW (the baseline; its lr, b1 and b2 also drive the AdamW branch of the others).
     adamw_lr: float = 8e-3
     adamw_b1: float = 0.8
     adamw_b2: float = 0.95
-    adamw_weight_decay: float = 0.1  # on 2D+ leaves only (not norms).
-    # Dion3 (and muon / normuon, which share these settings at fraction 1).
-    dion3_lr: float = 0.04
-    fraction: float = 0.25
-    mu: float = 0.8  # reference default 0.95; 0.8 ≈ 0.95**(1/f) wins here, see docs/TRAINING.md.
+    adamw_weight_decay: float = 0.1  # on 2D leaves only (not norms).
+    # The matrices: NorMuon / Muon (f = 1) and Dion3 (f < 1).
+    normuon_lr: float = 0.02
+    mu: float = 0.95  # momentum at f = 1.
     beta2: float = 0.95
     dion3_weight_decay: float = 0.01
-    dion3_adam_lr: float | None = None  # lr of Dion3's AdamW branch (embed, lm_head, norms);
-    #                                     None: the same as --adamw-lr.
+    fraction: float = 0.25
+    dion3_lr: float | None = None  # None: normuon_lr / sqrt(fraction).
+    dion3_mu: float | None = None  # None: mu ** (1 / fraction).
+    dion3_adam_lr: float | None = None  # lr of the AdamW branch; None: adamw_lr.
     # Evaluation and output.
     eval_every: int = 100
     eval_batches: int = 8  # held-out batches per periodic evaluation.
     final_eval_batches: int = 32  # batches for the final train / held-out losses.
-    out: str = "runs/train_lm"
+    timing_reps: int = 10  # forward + backward passes timed to split the step time.
+    out: str | None = None  # None: a new folder runs/train_lm/<YYYYmmdd-HHMMSS>.
+    overwrite: bool = False
     progress: bool = True
 
+    @property
+    def names(self) -> list[str]:
+        return [n.strip() for n in self.optimizers.split(",") if n.strip()]
 
-_HELP = {
-    "d_model": "model width",
-    "layers": "transformer blocks",
-    "heads": "attention heads (d_model must be divisible by heads)",
-    "seq_len": "context length in bytes",
-    "mlp_ratio": "MLP hidden size / d_model",
-    "compute_dtype": "activation dtype: float32 or bfloat16 (parameters stay float32)",
-    "batch": "sequences per step",
-    "data_mb": "cap on the stdlib text read, in MB",
-    "heldout_percent": "percent of files (chosen by path hash) held out",
-    "steps": "optimizer steps per run (the same budget for every optimizer)",
-    "warmup": "linear warm-up steps before the cosine decay to 0",
-    "optimizers": f"comma-separated list from {', '.join(OPTIMIZERS)}",
-    "seed": "seed of the initialisation and of the batch order",
-    "adamw_lr": "AdamW peak learning rate",
-    "adamw_b1": "AdamW beta1 (also used by Dion3's AdamW branch)",
-    "adamw_b2": "AdamW beta2 (also used by Dion3's AdamW branch)",
-    "adamw_weight_decay": "AdamW decoupled weight decay, on 2D leaves only",
-    "dion3_lr": "Dion3 / NorMuon / Muon peak learning rate (matrices)",
-    "fraction": "Dion3 row fraction f (normuon and muon use f = 1)",
-    "mu": "Dion3 error-feedback decay (momentum at f = 1)",
-    "beta2": "NorMuon second-moment decay",
-    "dion3_weight_decay": "Dion3 decoupled weight decay of the matrices",
-    "dion3_adam_lr": "lr of Dion3's AdamW branch (embed, lm_head, norms); default --adamw-lr",
-    "eval_every": "steps between held-out evaluations",
-    "eval_batches": "held-out batches per periodic evaluation",
-    "final_eval_batches": "batches for the final train / held-out losses",
-    "out": "output directory (loss.png, table.txt, results.json)",
-    "progress": "show a tqdm progress bar",
+    def matrix_lr(self, name: str) -> float:
+        """Peak learning rate of the matrices for optimizer ``name``."""
+        if name != "dion3":
+            return self.normuon_lr
+        if self.dion3_lr is not None:
+            return self.dion3_lr
+        return dion3_jax.transfer_learning_rate(self.normuon_lr, 1.0, self.fraction)
+
+    def matrix_mu(self, name: str) -> float:
+        """Momentum (error-feedback decay for Dion3) of optimizer ``name``."""
+        if name != "dion3":
+            return self.mu
+        return self.mu ** (1.0 / self.fraction) if self.dion3_mu is None else self.dion3_mu
+
+
+# (flag type, help) per field; the defaults come from Config.
+_FLAGS = {
+    "d_model": (_common.positive_int, "model width"),
+    "layers": (_common.positive_int, "transformer blocks"),
+    "heads": (_common.positive_int, "attention heads (d_model must be divisible by heads)"),
+    "seq_len": (_common.positive_int, "context length in bytes"),
+    "mlp_ratio": (_common.positive_int, "MLP hidden size / d_model"),
+    "compute_dtype": (str, "activation dtype (parameters stay float32)"),
+    "batch": (_common.positive_int, "sequences per step"),
+    "data_mb": (_common.positive_float, "cap on the stdlib text read, in MB"),
+    "heldout_percent": (_common.percent, "percent of files (chosen by path hash) held out"),
+    "steps": (_common.positive_int, "optimizer steps per run (the same for every optimizer)"),
+    "warmup": (_common.nonnegative_int, "linear warm-up steps before the cosine decay to 0"),
+    "optimizers": (_common.names(OPTIMIZERS), f"comma-separated, from {', '.join(OPTIMIZERS)}"),
+    "seed": (_common.nonnegative_int, "seed of the initialisation and of the batch order"),
+    "adamw_lr": (_common.positive_float, "AdamW peak learning rate"),
+    "adamw_b1": (_common.decay, "AdamW beta1 (also the AdamW branch of Dion3 / NorMuon / Muon)"),
+    "adamw_b2": (_common.decay, "AdamW beta2 (also the AdamW branch of Dion3 / NorMuon / Muon)"),
+    "adamw_weight_decay": (_common.nonnegative_float, "AdamW weight decay, 2D leaves only"),
+    "normuon_lr": (_common.positive_float, "NorMuon / Muon peak learning rate (matrices)"),
+    "mu": (_common.decay, "NorMuon / Muon momentum"),
+    "beta2": (_common.decay, "NorMuon second-moment decay (also Dion3's)"),
+    "dion3_weight_decay": (_common.nonnegative_float,
+                           "weight decay of the matrices (Dion3, NorMuon, Muon)"),
+    "fraction": (_common.fraction, "Dion3 row fraction f, in (0, 1]"),
+    "dion3_lr": (_common.positive_float, "Dion3 peak learning rate; default "
+                 "--normuon-lr / sqrt(--fraction) (dion3_jax.transfer_learning_rate)"),
+    "dion3_mu": (_common.decay, "Dion3 error-feedback decay; default --mu ** (1 / --fraction)"),
+    "dion3_adam_lr": (_common.positive_float,
+                      "lr of the AdamW branch (embed, lm_head, norms); default --adamw-lr"),
+    "eval_every": (_common.positive_int, "steps between held-out evaluations"),
+    "eval_batches": (_common.positive_int, "held-out batches per periodic evaluation"),
+    "final_eval_batches": (_common.positive_int, "batches for the final train / held-out losses"),
+    "timing_reps": (_common.positive_int, "forward + backward passes timed for the step split"),
+    "out": (str, "output folder; default a new runs/train_lm/<YYYYmmdd-HHMMSS>"),
+    "overwrite": (None, "allow --out to be a folder that already holds a run"),
+    "progress": (None, "progress bar on a terminal, plain lines otherwise"),
 }
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+def build_parser():
+    """The command line: one flag per ``Config`` field."""
+    parser = _common.make_parser(__doc__)
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
-        kw = dict(default=field.default, help=_HELP[field.name])
+        kind, text = _FLAGS[field.name]
+        kw = dict(default=field.default, help=text)
         if field.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-        elif field.type == "float | None":
-            parser.add_argument(flag, type=float, **kw)
+        elif field.name == "compute_dtype":
+            parser.add_argument(flag, choices=("float32", "bfloat16"), **kw)
         else:
-            kind = {"int": int, "float": float, "str": str}[field.type]
             parser.add_argument(flag, type=kind, **kw)
-    return Config(**vars(parser.parse_args(argv)))
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parses and validates the flags; every error exits through argparse before data loads."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    if isinstance(args["optimizers"], list):
+        args["optimizers"] = ",".join(args["optimizers"])
+    cfg = Config(**args)
+    problem = check_config(cfg)
+    if problem:
+        parser.error(problem)
+    return cfg
+
+
+def check_config(cfg: Config) -> str | None:
+    """Returns what is wrong with ``cfg`` (as a sentence), or ``None``."""
+    bad = [n for n in cfg.names if n not in OPTIMIZERS]
+    if bad or not cfg.names:
+        return f"--optimizers: invalid choice {bad or cfg.optimizers!r} (choose from {OPTIMIZERS})"
+    if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
+        return f"--d-model must be --heads × an even head size, got {cfg.d_model}, {cfg.heads}"
+    if not 0 < cfg.fraction <= 1:
+        return f"--fraction must be in (0, 1], got {cfg.fraction}"
+    if cfg.out and not cfg.overwrite and os.path.exists(os.path.join(cfg.out, "results.json")):
+        return f"--out {cfg.out} already holds a run; pass --overwrite or another folder"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,15 +347,23 @@ class ByteLM(nnx.Module):
 
 
 def loss_fn(model: ByteLM, batch: jax.Array) -> jax.Array:
+    """Mean next-byte cross-entropy (nats) of a batch of ``seq_len + 1`` byte windows."""
     logits = model(batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
 @nnx.jit
 def train_step(model: ByteLM, optimizer: nnx.Optimizer, batch: jax.Array) -> jax.Array:
+    """One optimizer step (forward, backward, update); returns the batch loss."""
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
     optimizer.update(model, grads)
     return loss
+
+
+@nnx.jit
+def grad_step(model: ByteLM, batch: jax.Array):
+    """Forward and backward only: the step without the optimizer, to time the two apart."""
+    return nnx.grad(loss_fn)(model, batch)
 
 
 @nnx.jit
@@ -315,37 +388,26 @@ def _decay_mask(params):
 
 def make_optimizer(name: str, cfg: Config) -> tuple[optax.GradientTransformation, dict]:
     """Returns the optax transformation for ``name`` and the hyperparameters it used."""
-    adam_lr = cfg.adamw_lr if cfg.dion3_adam_lr is None else cfg.dion3_adam_lr
     if name == "adamw":
         hp = dict(lr=cfg.adamw_lr, b1=cfg.adamw_b1, b2=cfg.adamw_b2, wd=cfg.adamw_weight_decay)
-        tx = optax.adamw(
-            schedule(cfg.adamw_lr, cfg),
-            b1=cfg.adamw_b1,
-            b2=cfg.adamw_b2,
-            weight_decay=cfg.adamw_weight_decay,
-            mask=_decay_mask,
-        )
+        tx = optax.adamw(schedule(cfg.adamw_lr, cfg), b1=cfg.adamw_b1, b2=cfg.adamw_b2,
+                         weight_decay=cfg.adamw_weight_decay, mask=_decay_mask)
         return tx, hp
-    if name in ("dion3", "normuon", "muon"):
-        fraction = cfg.fraction if name == "dion3" else 1.0
-        hp = dict(lr=cfg.dion3_lr, fraction=fraction, wd=cfg.dion3_weight_decay, adam_lr=adam_lr)
-        kwargs = dict(
-            mu=cfg.mu,
-            weight_decay=cfg.dion3_weight_decay,
-            adam_learning_rate=schedule(adam_lr, cfg),
-            adam_b1=cfg.adamw_b1,
-            adam_b2=cfg.adamw_b2,
-        )
-        if name == "dion3":
-            tx = dion3_jax.dion3(
-                schedule(cfg.dion3_lr, cfg), fraction=fraction, beta2=cfg.beta2, **kwargs
-            )
-        elif name == "normuon":
-            tx = dion3_jax.normuon(schedule(cfg.dion3_lr, cfg), beta2=cfg.beta2, **kwargs)
-        else:
-            tx = dion3_jax.muon(schedule(cfg.dion3_lr, cfg), **kwargs)
-        return tx, hp
-    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+    adam_lr = cfg.adamw_lr if cfg.dion3_adam_lr is None else cfg.dion3_adam_lr
+    lr, mu = cfg.matrix_lr(name), cfg.matrix_mu(name)
+    fraction = cfg.fraction if name == "dion3" else 1.0
+    hp = dict(lr=lr, mu=mu, fraction=fraction, wd=cfg.dion3_weight_decay, adam_lr=adam_lr)
+    kwargs = dict(mu=mu, weight_decay=cfg.dion3_weight_decay, adam_b1=cfg.adamw_b1,
+                  adam_b2=cfg.adamw_b2, adam_learning_rate=schedule(adam_lr, cfg))
+    if name == "dion3":
+        tx = dion3_jax.dion3(schedule(lr, cfg), fraction=fraction, beta2=cfg.beta2, **kwargs)
+    elif name == "normuon":
+        tx = dion3_jax.normuon(schedule(lr, cfg), beta2=cfg.beta2, **kwargs)
+    else:
+        tx = dion3_jax.muon(schedule(lr, cfg), **kwargs)
+    return tx, hp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,63 +420,55 @@ def evaluate(model: ByteLM, batches: np.ndarray) -> float:
     return float(np.mean(jax.device_get(losses)))
 
 
+def time_grad_step(cfg: Config, data: dict) -> float:
+    """Median milliseconds of a jitted forward + backward pass (compiled first)."""
+    model = ByteLM(cfg, nnx.Rngs(cfg.seed))
+    batches = [jnp.asarray(windows(data["train"], s, cfg.seq_len))
+               for s in data["train_starts"][: cfg.timing_reps + 1]]
+    jax.block_until_ready(grad_step(model, batches[0]))
+    times = []
+    for b in batches[1:]:
+        t0 = time.perf_counter()
+        jax.block_until_ready(grad_step(model, b))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
 def run_one(name: str, cfg: Config, data: dict) -> dict:
     """Trains one model with optimizer ``name`` on the shared batch order; returns its record."""
     model = ByteLM(cfg, nnx.Rngs(cfg.seed))  # the same initialisation for every optimizer
     tx, hp = make_optimizer(name, cfg)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    train_starts = data["train_starts"]
-    losses, evals = [], []
-    bar = _progress(cfg.steps, name, cfg.progress)
+    losses, evals, step_s = [], [], []
+    bar = _common.Progress(cfg.steps, name, cfg.progress)
     t0 = time.perf_counter()
     for step in range(cfg.steps):
-        batch = windows(data["train"], train_starts[step], cfg.seq_len)
-        losses.append(train_step(model, optimizer, jnp.asarray(batch)))
+        batch = jnp.asarray(windows(data["train"], data["train_starts"][step], cfg.seq_len))
+        t = time.perf_counter()
+        losses.append(jax.block_until_ready(train_step(model, optimizer, batch)))
+        step_s.append(time.perf_counter() - t)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             evals.append((step + 1, evaluate(model, data["heldout_eval"][: cfg.eval_batches])))
             bar.set_postfix(loss=f"{float(losses[-1]):.3f}", heldout=f"{evals[-1][1]:.3f}")
         elif step % 10 == 0:
             bar.set_postfix(loss=f"{float(losses[-1]):.3f}")
         bar.update(1)
-    losses = [float(x) for x in jax.device_get(losses)]
     seconds = time.perf_counter() - t0
     bar.close()
+    losses = [float(x) for x in jax.device_get(losses)]
     if not all(math.isfinite(x) for x in losses):
         print(f"warning: {name} produced a non-finite training loss")
     return dict(
-        optimizer=name,
-        hyperparameters=hp,
-        train_losses=losses,
-        heldout_curve=evals,
+        optimizer=name, hyperparameters=hp, train_losses=losses, heldout_curve=evals,
         train_loss=evaluate(model, data["train_eval"]),
-        heldout_loss=evaluate(model, data["heldout_final"]),
-        seconds=seconds,
+        heldout_loss=evaluate(model, data["heldout_final"]), seconds=seconds,
+        # The first step compiles; the median of the others is the steady-state step time.
+        step_ms=1e3 * float(np.median(step_s[1:] or step_s)),
     )
 
 
-def _progress(total: int, desc: str, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the examples/test extras
-        tqdm = None
-    if tqdm is None or not enabled:
-
-        class _Null:
-            def update(self, n):
-                pass
-
-            def set_postfix(self, **kw):
-                pass
-
-            def close(self):
-                pass
-
-        return _Null()
-    return tqdm(total=total, desc=f"{desc:>8}", dynamic_ncols=True)
-
-
 def prepare_data(cfg: Config) -> dict:
+    """Loads the text; fixes the batch order (one start per step and row) and the eval windows."""
     train, heldout, info = load_stdlib_bytes(cfg.data_mb, cfg.heldout_percent)
     rng = np.random.default_rng(cfg.seed)
     high = train.size - cfg.seq_len - 1
@@ -426,27 +480,40 @@ def prepare_data(cfg: Config) -> dict:
     return dict(
         train=train,
         info=info,
-        # One random window start per (step, row): the same batch order for every optimizer.
-        train_starts=rng.integers(0, high, size=(cfg.steps, cfg.batch)),
+        train_starts=rng.integers(0, high, size=(max(cfg.steps, cfg.timing_reps + 1), cfg.batch)),
         train_eval=tr.reshape(cfg.final_eval_batches, cfg.batch, -1),
         heldout_final=held.reshape(cfg.final_eval_batches, cfg.batch, -1),
         heldout_eval=sub.reshape(cfg.eval_batches, cfg.batch, -1),
     )
 
 
-def format_table(results: list[dict]) -> str:
-    header = f"{'optimizer':<10} {'lr':>8} {'train loss':>11} {'held-out loss':>14} {'time (s)':>9}"
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def format_table(results: list[dict], grad_ms: float) -> str:
+    """The results table: losses, step time and the optimizer's share of it."""
+    header = (f"{'optimizer':<9} {'lr':>7} {'μ':>6} {'train loss':>10} {'held-out':>9} "
+              f"{'step ms':>8} {'optimizer %':>11} {'time (s)':>8}")
     lines = [header, "-" * len(header)]
     for r in results:
+        hp = r["hyperparameters"]
+        mu = hp.get("mu", hp.get("b1"))
+        share = 100 * max(0.0, r["step_ms"] - grad_ms) / r["step_ms"]
         lines.append(
-            f"{r['optimizer']:<10} {r['hyperparameters']['lr']:>8.3g} {r['train_loss']:>11.4f} "
-            f"{r['heldout_loss']:>14.4f} {r['seconds']:>9.1f}"
-        )
-    lines.append("(nats/byte; train and held-out losses measured on fixed windows after training)")
+            f"{r['optimizer']:<9} {hp['lr']:>7.3g} {mu:>6.3g} {r['train_loss']:>10.4f} "
+            f"{r['heldout_loss']:>9.4f} {r['step_ms']:>8.1f} {share:>10.0f}% "
+            f"{r['seconds']:>8.1f}")
+    lines.append(
+        f"(nats/byte on fixed windows after training; μ is AdamW's b1 for adamw; step ms: median "
+        f"jitted step; optimizer %: (step - forward/backward) / step, forward/backward "
+        f"{grad_ms:.1f} ms)")
     return "\n".join(lines)
 
 
 def plot_curves(results: list[dict], path: str, cfg: Config) -> None:
+    """Smoothed train loss and held-out loss per optimizer, saved as a PNG (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -459,17 +526,15 @@ def plot_curves(results: list[dict], path: str, cfg: Config) -> None:
         k = max(1, min(25, x.size // 20))
         smooth = np.convolve(x, np.ones(k) / k, mode="valid")
         ax.plot(np.arange(k, x.size + 1), smooth, color=color, alpha=0.6, lw=1,
-                label=f"{r['optimizer']} train (lr {r['hyperparameters']['lr']:g})")
+                label=f"{r['optimizer']} train (lr {r['hyperparameters']['lr']:.3g})")
         steps, held = zip(*r["heldout_curve"])
         ax.plot(steps, held, "o-", color=color, lw=2, ms=4, label=f"{r['optimizer']} held-out")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     finals = [r["heldout_loss"] for r in results]
     ax.set_ylim(min(finals) - 0.2, min(finals) + 2.0)
-    ax.set_title(
-        f"byte LM on stdlib sources: d={cfg.d_model}, L={cfg.layers}, T={cfg.seq_len}, "
-        f"B={cfg.batch}, {cfg.steps} steps"
-    )
+    ax.set_title(f"byte LM on stdlib sources: d={cfg.d_model}, L={cfg.layers}, "
+                 f"T={cfg.seq_len}, B={cfg.batch}, {cfg.steps} steps", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -477,48 +542,61 @@ def plot_curves(results: list[dict], path: str, cfg: Config) -> None:
     plt.close(fig)
 
 
+def write_outputs(out: str, cfg: Config, info: dict, results: list[dict], grad_ms: float) -> dict:
+    """Writes ``table.txt`` and ``results.json`` first, then ``loss.png`` if matplotlib exists."""
+    table = format_table(results, grad_ms)
+    with open(os.path.join(out, "table.txt"), "w") as f:
+        f.write(table + "\n")
+    summary = os.path.join(out, "results.json")
+    with open(summary, "w") as f:
+        json.dump(dict(config=dataclasses.asdict(cfg), out=out, data=info, grad_ms=grad_ms,
+                       results=results), f, indent=1)
+    plot = os.path.join(out, "loss.png")
+    try:
+        plot_curves(results, plot, cfg)
+    except ImportError as e:
+        print(f"note: no plot ({e}); install matplotlib for {plot}. The table and the results "
+              f"are written.")
+        plot = None
+    print(f"wrote {', '.join(p for p in (os.path.join(out, 'table.txt'), summary, plot) if p)}")
+    return dict(table=table, plot=plot, json=summary)
+
+
+def output_dir(cfg: Config) -> str:
+    """``cfg.out`` (created if needed), or a new ``runs/train_lm/<YYYYmmdd-HHMMSS>`` folder."""
+    if cfg.out is None:
+        return _common.new_run_dir(os.path.join("runs", "train_lm"))
+    os.makedirs(cfg.out, exist_ok=True)
+    return cfg.out
+
+
 def train(cfg: Config) -> dict:
-    """Runs every optimizer in ``cfg.optimizers`` and writes the table, PNG and JSON to ``cfg.out``.
+    """Runs every optimizer in ``cfg.optimizers`` and writes the table, JSON and PNG.
 
     Returns a dict with ``results`` (one record per optimizer: hyperparameters, per-step train
-    losses, held-out curve, final train and held-out losses, seconds), ``table`` (str), ``plot``
-    and ``json`` (paths) and ``data`` (a summary of the text used).
+    losses, held-out curve, final train and held-out losses, seconds, step_ms), ``table`` (str),
+    ``grad_ms``, ``out``, ``plot`` (path or ``None`` without matplotlib), ``json`` (path),
+    ``data`` (a summary of the text used) and ``params``.
     """
-    names = [n.strip() for n in cfg.optimizers.split(",") if n.strip()]
-    for n in names:
-        if n not in OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {n!r} in {cfg.optimizers=}; choose from {OPTIMIZERS}"
-            )
-    if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
-        raise ValueError(f"d_model must be heads × an even head_dim: {cfg.d_model=}, {cfg.heads=}")
+    problem = check_config(cfg)
+    if problem:
+        raise ValueError(problem)
+    out = output_dir(cfg)
     data = prepare_data(cfg)
-    model = ByteLM(cfg, nnx.Rngs(cfg.seed))
-    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(ByteLM(cfg, nnx.Rngs(0)), nnx.Param)))
     info = data["info"]
-    print(
-        f"data: {info['train_files']} train files ({info['train_bytes'] / 1e6:.1f} MB), "
-        f"{info['heldout_files']} held-out files ({info['heldout_bytes'] / 1e6:.2f} MB) "
-        f"from {info['root']}"
-    )
-    print(
-        f"model: {n_params / 1e6:.2f}M parameters, d_model={cfg.d_model}, layers={cfg.layers}, "
-        f"heads={cfg.heads}, seq_len={cfg.seq_len}; batch={cfg.batch}, steps={cfg.steps} "
-        f"({cfg.batch * cfg.seq_len * cfg.steps / 1e6:.1f}M bytes); device={jax.devices()[0]}"
-    )
-    results = [run_one(name, cfg, data) for name in names]
-    table = format_table(results)
-    print(table)
-    os.makedirs(cfg.out, exist_ok=True)
-    plot = os.path.join(cfg.out, "loss.png")
-    plot_curves(results, plot, cfg)
-    with open(os.path.join(cfg.out, "table.txt"), "w") as f:
-        f.write(table + "\n")
-    summary = os.path.join(cfg.out, "results.json")
-    with open(summary, "w") as f:
-        json.dump(dict(config=dataclasses.asdict(cfg), data=info, results=results), f, indent=1)
-    print(f"wrote {plot}, {summary}")
-    return dict(results=results, table=table, plot=plot, json=summary, data=info, params=n_params)
+    print(f"data: {info['train_files']} train files ({info['train_bytes'] / 1e6:.1f} MB), "
+          f"{info['heldout_files']} held-out files ({info['heldout_bytes'] / 1e6:.2f} MB) "
+          f"from {info['root']}")
+    print(f"model: {n_params / 1e6:.2f}M parameters, d_model={cfg.d_model}, layers={cfg.layers}, "
+          f"heads={cfg.heads}, seq_len={cfg.seq_len}; batch={cfg.batch}, steps={cfg.steps} "
+          f"({cfg.batch * cfg.seq_len * cfg.steps / 1e6:.1f}M bytes); device={jax.devices()[0]}; "
+          f"output: {out}")
+    grad_ms = time_grad_step(cfg, data)
+    results = [run_one(name, cfg, data) for name in cfg.names]
+    written = write_outputs(out, cfg, info, results, grad_ms)
+    print(written["table"])
+    return dict(results=results, grad_ms=grad_ms, out=out, data=info, params=n_params, **written)
 
 
 def main(argv: list[str] | None = None) -> dict:

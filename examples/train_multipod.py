@@ -5,7 +5,8 @@ The mesh has a slow axis ``dcn`` (pods, linked by the data-centre network) and a
 ``fsdp`` (devices of one pod). Parameters are sharded over ``fsdp`` and replicated over ``dcn``;
 the batch is split over both. The training step runs inside ``jax.shard_map(...,
 axis_names={"dcn"})``, so each pod computes the gradient of its own half of the batch and the
-gradients of the Dion3 matrices are NOT all-reduced over ``dcn``: Dion3 (``replica_axis="dcn"``)
+gradients of the Dion3 matrices are NOT all-reduced over ``dcn``: Dion3
+(``mesh_options=dion3_jax.MeshOptions(shard_axis="fsdp", replica_axis="dcn")``)
 averages only the selected rows ``M[I, :]`` of the momentum across pods, a ``1/f`` saving of DCN
 bytes. The row set ``I`` is drawn from a key shared by the pods (``replica_selection="random"``), so
 the update equals the fully synchronised one; ``"norms"`` all-reduces the row norms instead. The
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -38,11 +40,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-try:
-    import dion3_jax
-except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import dion3_jax
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+if importlib.util.find_spec("dion3_jax") is None:  # a source checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(_HERE))
+
+import dion3_jax  # noqa: E402
+import _common  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -66,33 +71,53 @@ class Config:
     distributed: bool = False
 
 
-def parse_args(argv=None) -> Config:
-    c = Config()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mesh", default="x".join(map(str, c.mesh)), help="DCNxFSDP, e.g. 2x4")
-    p.add_argument("--cpu-devices", type=int, default=c.cpu_devices,
-                   help="simulated CPU devices when running on CPU")
-    for name in ("d_in", "hidden", "layers", "d_out", "batch", "steps", "log_every", "seed"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(c, name))
-    for name in ("lr", "adam_lr", "fraction"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(c, name))
-    p.add_argument("--selection-scope", choices=("local", "global"), default=c.selection_scope)
-    p.add_argument("--replica-selection", choices=("random", "norms"),
-                   default=c.replica_selection)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
-    a = p.parse_args(argv)
+def _mesh(text: str) -> tuple[int, int]:
     try:
-        mesh = tuple(int(s) for s in a.mesh.lower().split("x"))
-        assert len(mesh) == 2
-    except (ValueError, AssertionError):
-        p.error(f"--mesh must look like 2x4, got {a.mesh!r}")
-    return Config(mesh=mesh, cpu_devices=a.cpu_devices, d_in=a.d_in, hidden=a.hidden,
-                  layers=a.layers, d_out=a.d_out, batch=a.batch, steps=a.steps, lr=a.lr,
-                  adam_lr=a.adam_lr, fraction=a.fraction, selection_scope=a.selection_scope,
-                  replica_selection=a.replica_selection, log_every=a.log_every, seed=a.seed,
-                  progress=not a.no_progress, distributed=a.distributed)
+        dcn, fsdp = (int(t) for t in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must look like 2x4 (DCN x FSDP), got {text!r}") from None
+    if dcn < 1 or fsdp < 1:
+        raise argparse.ArgumentTypeError(f"both sizes must be >= 1, got {text!r}")
+    return dcn, fsdp
+
+
+def parse_args(argv=None) -> Config:
+    """Parses and validates the flags (argparse errors, before any device is touched)."""
+    c = Config()
+    p = _common.make_parser(__doc__)
+    p.add_argument("--mesh", type=_mesh, default="x".join(map(str, c.mesh)),
+                   help="mesh shape DCNxFSDP (pods x devices per pod)")
+    p.add_argument("--cpu-devices", type=_common.positive_int, default=c.cpu_devices,
+                   help="simulated CPU devices when running on CPU")
+    sizes = {"d_in": "input width of the teacher-student task", "hidden": "hidden width",
+             "layers": "hidden layers", "d_out": "output width",
+             "batch": "global batch (divisible by the number of devices)",
+             "steps": "training steps", "log_every": "steps between logged losses"}
+    for name, text in sizes.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_common.positive_int,
+                       default=getattr(c, name), help=text)
+    p.add_argument("--seed", type=_common.nonnegative_int, default=c.seed,
+                   help="seed of the model, the teacher and the replica selection")
+    p.add_argument("--lr", type=_common.positive_float, default=c.lr,
+                   help="Dion3 learning rate (matrices)")
+    p.add_argument("--adam-lr", type=_common.positive_float, default=c.adam_lr,
+                   help="learning rate of the AdamW branch (biases, head)")
+    p.add_argument("--fraction", type=_common.fraction, default=c.fraction,
+                   help="Dion3 row fraction f, in (0, 1]")
+    p.add_argument("--selection-scope", choices=("local", "global"), default=c.selection_scope,
+                   help="row selection on row-sharded matrices: per shard or exact global top-k")
+    p.add_argument("--replica-selection", choices=("random", "norms"),
+                   default=c.replica_selection,
+                   help="how the pods agree on the rows: a shared random key, or summed norms")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=c.progress,
+                   help="progress bar on a terminal, plain lines otherwise")
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (several hosts)")
+    a = p.parse_args(argv)
+    if a.batch % (a.mesh[0] * a.mesh[1]):
+        p.error(f"--batch {a.batch} must be divisible by the {a.mesh[0] * a.mesh[1]} devices "
+                f"of --mesh {a.mesh[0]}x{a.mesh[1]}")
+    return Config(**vars(a))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,16 +200,6 @@ def make_train_step(graphdef, tx, labels, mesh):
                                  check_vma=False), donate_argnums=(0, 1))
 
 
-def _progress(total: int, enabled: bool):
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-            return tqdm(total=total, desc="train", leave=False)
-        except ImportError:  # pragma: no cover - tqdm is in the examples/test extras
-            pass
-    return None
-
-
 def setup(cfg: Config) -> dict:
     """Mesh, sharded params, optimizer state and the jitted step (``jax.set_mesh`` is the
     caller's)."""
@@ -201,10 +216,11 @@ def setup(cfg: Config) -> dict:
     specs = param_specs(params, cfg)
     params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
     labels = dion3_jax.default_param_labels(params)
+    mesh_options = dion3_jax.MeshOptions(
+        shard_axis="fsdp", replica_axis="dcn", selection_scope=cfg.selection_scope,
+        replica_selection=cfg.replica_selection, seed=cfg.seed)
     tx = dion3_jax.dion3(cfg.lr, cfg.fraction, adam_learning_rate=cfg.adam_lr,
-                         shard_axis="fsdp", replica_axis="dcn",
-                         selection_scope=cfg.selection_scope,
-                         replica_selection=cfg.replica_selection, seed=cfg.seed)
+                         mesh_options=mesh_options)
     with jax.set_mesh(mesh):
         opt_state = tx.init(params)
     return {"mesh": mesh, "params": params, "opt_state": opt_state, "labels": labels,
@@ -218,19 +234,16 @@ def train(cfg: Config) -> dict:
     s = setup(cfg)
     params, opt_state, train_step = s["params"], s["opt_state"], s["train_step"]
     with jax.set_mesh(s["mesh"]):
-        bar = _progress(cfg.steps, cfg.progress)
+        bar = _common.Progress(cfg.steps, "train", cfg.progress)
         losses, t0 = [], time.perf_counter()
         for step in range(cfg.steps):
             x, y = (jax.device_put(a, s["data_sharding"]) for a in s["batch"](step))
             params, opt_state, loss = train_step(params, opt_state, x, y)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 losses.append((step, float(loss)))
-                if bar is not None:
-                    bar.set_postfix(loss=f"{float(loss):.4f}")
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+                bar.set_postfix(loss=f"{float(loss):.4f}")
+            bar.update(1)
+        bar.close()
         seconds = time.perf_counter() - t0
         # Before a checkpoint: make every pod hold the same (averaged) momentum.
         opt_state = dion3_jax.synchronize_momentum(opt_state, "dcn")

@@ -23,7 +23,8 @@ def test_tiny_run_learns(train_lm, tmp_path):
     cfg = train_lm.Config(
         d_model=32, layers=1, heads=2, seq_len=32, batch=8, steps=60, warmup=5,
         data_mb=1.0, optimizers="dion3,adamw", dion3_lr=0.04, adamw_lr=4e-3,
-        eval_every=20, eval_batches=2, final_eval_batches=4, out=str(tmp_path), progress=False,
+        eval_every=20, eval_batches=2, final_eval_batches=4, timing_reps=2, out=str(tmp_path),
+        progress=False,
     )
     out = train_lm.train(cfg)
 
@@ -52,7 +53,10 @@ def test_tiny_run_learns(train_lm, tmp_path):
     # Artefacts: the PNG, the table (on disk and returned), the JSON summary.
     with open(out["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert "held-out loss" in out["table"] and "dion3" in out["table"] and "adamw" in out["table"]
+    assert "held-out" in out["table"] and "dion3" in out["table"] and "adamw" in out["table"]
+    assert "step ms" in out["table"] and "optimizer %" in out["table"]
+    # Step times: a full step costs at least a little more than its forward + backward part.
+    assert out["grad_ms"] > 0 and all(r["step_ms"] > 0 for r in out["results"])
     with open(os.path.join(str(tmp_path), "table.txt")) as f:
         assert f.read().strip() == out["table"]
     assert os.path.getsize(out["json"]) > 0
@@ -75,9 +79,10 @@ def test_parse_args_round_trip(train_lm):
     assert cfg.d_model == 64 and cfg.optimizers == "adamw"
     assert cfg.dion3_adam_lr == 0.001 and cfg.progress is False
     assert train_lm.parse_args([]) == train_lm.Config()
+    assert train_lm.parse_args(["--optimizers", "dion3,adamw"]).names == ["dion3", "adamw"]
     with pytest.raises(ValueError, match="optimizer"):
         train_lm.make_optimizer("sgd", cfg)
-    with pytest.raises(ValueError, match="d_model"):
+    with pytest.raises(ValueError, match="--d-model"):
         train_lm.train(train_lm.Config(d_model=30, heads=4))
 
 
@@ -97,3 +102,15 @@ def test_normuon_and_muon_take_a_step(train_lm):
         loss = train_lm.train_step(model, optimizer, batch)
         assert np.isfinite(float(loss)), name
         assert not np.allclose(kernel_before, model.blocks[0].fc.kernel[...]), name
+
+
+def test_dion3_defaults_follow_the_transfer_rules(train_lm):
+    """Dion3's lr and μ come from NorMuon's: lr·√f and μ^(1/f) kept unless set explicitly."""
+    cfg = train_lm.Config(normuon_lr=0.02, mu=0.95, fraction=0.25)
+    assert cfg.matrix_lr("dion3") == pytest.approx(0.04)
+    assert cfg.matrix_mu("dion3") == pytest.approx(0.95**4)
+    assert cfg.matrix_lr("normuon") == 0.02 and cfg.matrix_mu("normuon") == 0.95
+    cfg = train_lm.Config(dion3_lr=0.1, dion3_mu=0.5)
+    assert cfg.matrix_lr("dion3") == 0.1 and cfg.matrix_mu("dion3") == 0.5
+    _, hp = train_lm.make_optimizer("dion3", train_lm.Config(fraction=0.125))
+    assert hp["fraction"] == 0.125 and hp["mu"] == pytest.approx(0.95**8)
