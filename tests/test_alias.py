@@ -54,6 +54,7 @@ def test_default_labels_route_embeddings_and_non_matrices_to_scalar():
         "stack": "dion3"}
 
 
+@pytest.mark.slow
 def test_matrix_branch_is_dion3_and_rest_is_adamw():
     params = _params()
     tx = dion3_jax.dion3(0.01, 0.5, weight_decay=0.0, adam_learning_rate=1e-3)
@@ -69,6 +70,7 @@ def test_matrix_branch_is_dion3_and_rest_is_adamw():
     np.testing.assert_allclose(upd["dense"]["kernel"], -0.01 * dupd["k"], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ALIASES))
 def test_inject_hyperparams_equals_plain(name):
     params, grads = _params(), _grads(_params())
@@ -97,6 +99,7 @@ def test_injected_fraction_must_be_static():
     jax.jit(tx.update)(grads, tx.init(params), params)
 
 
+@pytest.mark.slow
 def test_learning_rate_schedule_and_injected_lr_change():
     params, grads = _params(), _grads(_params())
     sched = optax.linear_schedule(0.0, 0.1, 10)
@@ -115,6 +118,7 @@ def test_learning_rate_schedule_and_injected_lr_change():
     np.testing.assert_allclose(ub["dense"]["kernel"], 2 * ua["dense"]["kernel"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_multisteps_accumulates():
     params, grads = _params(), _grads(_params())
     tx = optax.MultiSteps(dion3_jax.dion3(0.02, 0.5), every_k_schedule=3)
@@ -202,6 +206,7 @@ class _Tiny(nnx.Module):
         return self.lm_head(h)
 
 
+@pytest.mark.slow
 def test_flax_nnx_optimizer_trains():
     model = _Tiny(nnx.Rngs(0))
     opt = nnx.Optimizer(model, dion3_jax.dion3(0.05, 0.25, adam_learning_rate=1e-2),

@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["benchmarks/bench_polar.py", "--small", "--reps", "1"],
     ["benchmarks/bench_step.py", "--small", "--reps", "1", "--compile-workers", "2"],
@@ -30,6 +31,7 @@ def test_benchmark_script_runs(args):
     assert "ms" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_commits_against_head():
     """bench_commits.py imports HEAD's packages under other names next to the working tree's and
     prints one table row per fraction (both versions the same code here, so only the table is

@@ -130,6 +130,7 @@ def meshes():
 MESHES = meshes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("scope,fraction", [("global", 0.25), ("local", 1.0)])
 def test_sharded_equals_single_device(mesh_shape, scope, fraction):
@@ -154,6 +155,7 @@ def test_sharded_equals_single_device(mesh_shape, scope, fraction):
     assert_close(state.variance, ref_state.variance, 2e-5, "variance ")
 
 
+@pytest.mark.slow
 def test_bfloat16_sharded_equals_single_device():
     """bf16 parameters, momentum and Newton-Schulz: the sharded update is as close to the exact
     update as the single-device one is.
@@ -199,6 +201,7 @@ def test_bfloat16_sharded_equals_single_device():
                                                                           d_si.mean())
 
 
+@pytest.mark.slow
 def test_auto_axes_equal_single_device_and_keep_shardings():
     mesh = make_mesh(need_2d(), AxisType.Auto)
     leaves = model(mesh)
@@ -294,6 +297,7 @@ def test_polar_factors_travel_back_in_the_compute_dtype():
     assert sorted(shapes["f32"]) == sorted(shapes["f16"]), shapes   # one of each per group
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     mesh = make_mesh(need_2d())
@@ -321,6 +325,7 @@ def per_leaf_transform(leaves, **kw):
                            lambda tree: {k: k for k in tree})
 
 
+@pytest.mark.slow
 def test_megabatching_one_collective_pair_per_shape_not_per_leaf():
     """Megabatched: 2 all-to-alls per shape group; one transform per leaf: 2 per parameter;
     the same update."""

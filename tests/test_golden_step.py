@@ -85,6 +85,7 @@ def _compute(f: float, sharded: bool) -> dict[str, np.ndarray]:
         return _run(f, mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices("cpu")) < 8,
                     reason="bitwise reference recorded on 8 CPU devices")
 @pytest.mark.parametrize("case,f,sharded", list(_cases()), ids=[c[0] for c in _cases()])

@@ -225,6 +225,7 @@ class _OrderedMatmulNumpy:
         return np.einsum("...ik,...kj->...ij", a.astype(dtype), b.astype(dtype))
 
 
+@pytest.mark.slow
 class TestMosaicInterpret(KernelSuite):
     IMPLEMENTATION = "mosaic"
     INTERPRET = True

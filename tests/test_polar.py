@@ -165,6 +165,7 @@ def test_padding_multiples_follow_the_backend(monkeypatch):
         assert (config.tile, config.tile_k) == pallas_kernels.TILE_MULTIPLES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gram", "standard"])
 @pytest.mark.parametrize("shape", [(24, 64), (64, 24)])
 def test_stacked_parts_equal_polar_of_the_concatenation(method, shape):

@@ -68,6 +68,7 @@ def compressed_update(tx, m):
                                  check_vma=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope,axis_type", [("local", AxisType.Explicit),
                                               ("global", AxisType.Explicit),
                                               ("local", AxisType.Auto)])
@@ -101,6 +102,7 @@ def test_random_compressed_sync_equals_fully_synchronised(scope, axis_type):
         assert jax.tree.map(jax.typeof, synced) == types
 
 
+@pytest.mark.slow
 def test_norms_selection_keeps_replicas_identical():
     m = mesh()
     params = trees(0)
@@ -126,6 +128,7 @@ def dcn_all_reduce_elements(hlo: str) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_bytes_over_replica_axis_scale_with_fraction():
     m = mesh()
     params = trees(0)

@@ -225,6 +225,7 @@ def test_cli_prints_table_and_choice():
     assert "84.57" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_user_coefficients(tmp_path):
     coeffs = [list(t) for t in PRESETS["jordan"]]
     result = _run_cli("--coefficients", json.dumps(coeffs), "--steps", "6")

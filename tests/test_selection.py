@@ -85,6 +85,7 @@ def test_selected_sq_norm_is_the_payload_frobenius_norm():
         np.testing.assert_allclose(np.asarray(got), np.sum(sel ** 2, axis=(1, 2)), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected

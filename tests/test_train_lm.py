@@ -19,6 +19,7 @@ def train_lm():
     return module
 
 
+@pytest.mark.slow
 def test_tiny_run_learns(train_lm, tmp_path):
     cfg = train_lm.Config(
         d_model=32, layers=1, heads=2, seq_len=32, batch=8, steps=60, warmup=5,
@@ -86,6 +87,7 @@ def test_parse_args_round_trip(train_lm):
         train_lm.train(train_lm.Config(d_model=30, heads=4))
 
 
+@pytest.mark.slow
 def test_normuon_and_muon_take_a_step(train_lm):
     """The other two choices of --optimizers (dion3 and adamw are covered above)."""
     import jax.numpy as jnp

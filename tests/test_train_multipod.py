@@ -16,6 +16,7 @@ import train_multipod  # noqa: E402
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 
+@pytest.mark.slow
 def test_short_run_loss_goes_down():
     out = train_multipod.main(["--steps", "40", "--log-every", "10", "--no-progress"])
     losses = [l for _, l in out["losses"]]
@@ -32,6 +33,7 @@ def test_short_run_loss_goes_down():
             shards[key] = np.asarray(s.data)
 
 
+@pytest.mark.slow
 def test_dion3_gradients_are_not_all_reduced_over_dcn():
     cfg = train_multipod.parse_args(["--steps", "1", "--fraction", "0.125"])
     s = train_multipod.setup(cfg)
