@@ -93,6 +93,8 @@ def export_old(commit: str, dest: pathlib.Path) -> str:
 
 def working_tree_version() -> str:
     """``HEAD``'s short hash, with ``+changes`` when the packages differ from it."""
+    if not (ROOT / ".git").exists():
+        return "(no git history here)"
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True, check=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", *PACKAGES],
@@ -133,7 +135,18 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25])
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10; 3 small)")
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
+    p.add_argument("--export-to", default=None,
+                   help="only export the old commit's renamed packages into this directory and "
+                        "exit (for a machine whose copy of the repository has no git history)")
+    p.add_argument("--old-dir", default=None,
+                   help="import the old version from a directory made by --export-to instead of "
+                        "exporting --commit")
     a = p.parse_args(argv)
+    if a.export_to:
+        dest = pathlib.Path(a.export_to)
+        dest.mkdir(parents=True, exist_ok=False)
+        (dest / "COMMIT").write_text(export_old(a.commit, dest))
+        return []
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     reps = a.reps or (3 if a.small else 10)
     shapes = bench_step.model_shapes(**cfg)
@@ -142,7 +155,11 @@ def main(argv=None) -> list[dict]:
     # The old version's modules are imported lazily too (at trace time): keep its files until
     # the end.
     with tempfile.TemporaryDirectory(prefix="dion3_old_") as tmp:
-        old_commit = export_old(a.commit, pathlib.Path(tmp))
+        if a.old_dir:
+            tmp = os.path.abspath(a.old_dir)
+            old_commit = (pathlib.Path(tmp) / "COMMIT").read_text().strip()
+        else:
+            old_commit = export_old(a.commit, pathlib.Path(tmp))
         sys.path.insert(0, tmp)
         versions = {"old": importlib.import_module(f"dion3_jax{SUFFIX}"),
                     "new": importlib.import_module("dion3_jax")}

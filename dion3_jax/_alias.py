@@ -10,60 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import math
-import re
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from dion3_jax import _layout
 from dion3_jax._config import AdjustLR, Flavour, check_range
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._orthogonalizer import Orthogonalizer
+from dion3_jax._routing import (  # noqa: F401  (re-exported)
+    DEFAULT_SCALAR_PATTERN,
+    DION3_LABEL,
+    SCALAR_LABEL,
+    default_param_labels,
+)
 from dion3_jax._transform import scale_by_dion3
-
-DION3_LABEL = "dion3"
-SCALAR_LABEL = "scalar"
-#: Path components (lower-cased) that mark a 2-D leaf as an embedding or output head.
-DEFAULT_SCALAR_PATTERN = r"embed|^wte$|^wpe$|^lm_head$|^head$|^unembed|^classifier$"
-
-
-def default_param_labels(params: Any, dimension_numbers: Any = None,
-                         scalar_pattern: str = DEFAULT_SCALAR_PATTERN) -> Any:
-    """Labels each leaf ``"dion3"`` or ``"scalar"``.
-
-    Rules: with ``dimension_numbers`` given as a tree or callable, a leaf with a
-    ``DimensionNumbers`` is ``"dion3"`` and a leaf with ``None`` is ``"scalar"``. Otherwise a leaf
-    is ``"dion3"`` when it is 2-D (any rank ≥ 2 if one ``DimensionNumbers`` is given for all)
-    and no component of its key path matches ``scalar_pattern`` (embeddings, LM heads).
-
-    Args:
-      params: the parameter tree (dicts, ``nnx.State``, any pytree).
-      dimension_numbers: as in :func:`dion3`.
-      scalar_pattern: regular expression searched in each lower-cased path component.
-
-    Returns:
-      A tree of labels with the structure of ``params``.
-    """
-    pattern = re.compile(scalar_pattern)
-    explicit = dimension_numbers is not None and (
-        callable(dimension_numbers) or not _layout.is_single_value(dimension_numbers))
-    lookup = _layout.per_leaf(dimension_numbers, params) if explicit else None
-
-    def label(path, leaf):
-        if explicit:
-            return DION3_LABEL if lookup(path) is not None else SCALAR_LABEL
-        ndim = jnp.ndim(leaf)
-        is_matrix = ndim == 2 or (dimension_numbers is not None and ndim >= 2)
-        names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))).lower()
-                 for k in path]
-        if is_matrix and not any(pattern.search(n) for n in names):
-            return DION3_LABEL
-        return SCALAR_LABEL
-
-    return jax.tree_util.tree_map_with_path(label, params)
-
 
 def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fraction: float
                            ) -> float:
@@ -183,7 +144,40 @@ def dion3(
     if param_labels is None:
         def param_labels(params):
             return default_param_labels(params, dimension_numbers)
-    return optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels)
+    return _committed_counts(
+        optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels))
+
+
+def _replicated_like(params):
+    """A sharding that puts a scalar where the params live (None when they are not placed)."""
+    for x in jax.tree.leaves(params):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.core.Tracer) or sharding is None:
+            continue
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.P())
+        if len(sharding.device_set) == 1:
+            return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+    return None
+
+
+def _committed_counts(tx: optax.GradientTransformationExtraArgs
+                      ) -> optax.GradientTransformationExtraArgs:
+    """``tx`` whose ``init`` places its scalar state (optax's step counts) like the params.
+
+    optax creates counts uncommitted; the first jitted ``update`` then sees other argument
+    placements than the second (whose state came out of jit) and compiles twice.
+    """
+    def init_fn(params):
+        state = tx.init(params)
+        place = _replicated_like(params)
+        if place is None:
+            return state
+        return jax.tree.map(lambda x: jax.device_put(x, place) if (
+            isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.ndim == 0)
+            else x, state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
 def _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,

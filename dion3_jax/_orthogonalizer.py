@@ -5,9 +5,9 @@ compute dtype, kernel backend). A plain callable ``(batch, rows, cols) -> polar 
 wrapped by :func:`as_orthogonalizer` into the same protocol, so the step has a single code path:
 
 * ``orth(x)``: the polar factors of a batch;
-* ``orth.stacked(parts, sq_norms)``: the polar factors of ``concatenate(parts)``. The built-in
+* ``orth.stacked(parts, norms)``: the polar factors of ``concatenate(parts)``. The built-in
   orthogonalizer normalises each part before the concatenation (the batch is then written once,
-  in the compute dtype) and can take each matrix's squared Frobenius norm from the caller
+  in the compute dtype) and can take each matrix's Frobenius norm from the caller
   (``takes_norms``); a wrapped callable concatenates and calls.
 """
 
@@ -28,7 +28,7 @@ _POLAR_DEFAULTS = {name: p.default for name, p in inspect.signature(polar).param
 class Orthogonalizer:
     """``f(batch) = polar(batch, **polar_kwargs)``; see :func:`make_orthogonalizer`."""
 
-    #: ``stacked`` uses the squared norms it is given (so the caller may compute them cheaply).
+    #: ``stacked`` uses the norms it is given (so the caller may compute them cheaply).
     takes_norms = True
 
     def __init__(self, **polar_kwargs):
@@ -38,24 +38,24 @@ class Orthogonalizer:
         return polar(x, **self.polar_kwargs)
 
     def stacked(self, parts: Sequence[jax.Array],
-                sq_norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
+                norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
         """``self(jnp.concatenate(parts))`` for ``(b_i, rows, cols)`` parts of one shape and dtype,
         with each part normalised and cast to the compute dtype before the concatenation (so
         the batch is written once, in that dtype; the per-matrix norms are the same).
 
         Args:
           parts: arrays of one matrix shape and dtype; leading axes are a batch.
-          sq_norms: optional, one entry per part: None (the norms are computed from the part), or
-            ``‖X‖_F²`` of each of the part's matrices, shape ``part.shape[:-2]``, when the caller
+          norms: optional, one entry per part: None (the norms are computed from the part), or
+            ``‖X‖_F`` of each of the part's matrices, shape ``part.shape[:-2]``, when the caller
             has them already (Dion3 sums them from row statistics of the whole matrix, so the
             gathered rows are read once, for the stack).
 
         Raises:
-          ValueError: parts of different shapes or dtypes, or ``sq_norms`` of the wrong length
+          ValueError: parts of different shapes or dtypes, or ``norms`` of the wrong length
             or shape.
         """
         return _polar_parts(list(parts), **{**_POLAR_DEFAULTS, **self.polar_kwargs},
-                            sq_norms=None if sq_norms is None else list(sq_norms))
+                            norms=None if norms is None else list(norms))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.polar_kwargs.items())
@@ -74,8 +74,8 @@ class CallableOrthogonalizer(Orthogonalizer):
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.fn(x)
 
-    def stacked(self, parts, sq_norms=None) -> jax.Array:
-        del sq_norms  # the callable normalises its input itself
+    def stacked(self, parts, norms=None) -> jax.Array:
+        del norms  # the callable normalises its input itself
         return self.fn(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
 
     def __repr__(self) -> str:

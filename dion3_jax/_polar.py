@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from dion3_jax import _norms
 from dion3_jax._coefficients import Coefficients, get_coefficients
 
 Method = Literal["gram", "standard"]
@@ -190,26 +191,26 @@ def resolved_compute_dtype(method: str, compute_dtype=None):
     return _DEFAULT_COMPUTE_DTYPE.get(method)
 
 
-def _normalized(x: jax.Array, eps: float, compute_dtype, sq_norm=None) -> jax.Array:
+def _normalized(x: jax.Array, eps: float, compute_dtype, norm=None) -> jax.Array:
     """``(B, n, m)`` → wide ``X / (‖X‖_F + eps)`` per matrix, normalised in float32 (at least),
-    transposed when ``n > m``, cast to ``compute_dtype``. ``sq_norm``: ``‖X‖_F²`` per matrix,
-    ``(B,)``, when the caller has it already (else computed from ``x``)."""
+    transposed when ``n > m``, cast to ``compute_dtype``. ``norm``: ``‖X‖_F`` per matrix,
+    ``(B,)``, when the caller has it already (else computed from ``x``, overflow-safe)."""
     y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     if x.shape[-2] > x.shape[-1]:
         y = jnp.swapaxes(y, -1, -2)
-    if sq_norm is None:
-        norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=(-2, -1), keepdims=True))
+    if norm is None:
+        norm = _norms.norm(y, axis=(-2, -1), keepdims=True)
     else:
-        norm = jnp.sqrt(sq_norm.astype(y.dtype))[:, None, None]
+        norm = norm.astype(y.dtype)[:, None, None]
     return (y / (norm + eps)).astype(compute_dtype)
 
 
 def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
-                 compute_dtype, backend, eps, out_dtype=None, sq_norms=None) -> jax.Array:
+                 compute_dtype, backend, eps, out_dtype=None, norms=None) -> jax.Array:
     """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are
     a batch), with each part normalised and cast on its own before the concatenation: the batch
     is assembled once, in the compute dtype (half the bytes of a float32 stack for float16).
-    ``sq_norms``: None, or per part None or the squared Frobenius norm of each of its matrices
+    ``norms``: None, or per part None or the Frobenius norm of each of its matrices
     (shape: the part's batch shape)."""
     coeffs = get_coefficients(coefficients, steps)
     _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs))
@@ -230,18 +231,18 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
     if sum(p.size for p in parts) == 0:
         y = jnp.concatenate([p.reshape((-1, n, m)) for p in parts]) if len(parts) > 1 else x
         return y.astype(out_dtype)
-    if sq_norms is None:
-        sq_norms = [None] * len(parts)
-    if len(sq_norms) != len(parts):
-        raise ValueError(f"sq_norms needs one entry per part: {len(sq_norms)} for "
+    if norms is None:
+        norms = [None] * len(parts)
+    if len(norms) != len(parts):
+        raise ValueError(f"norms needs one entry per part: {len(norms)} for "
                          f"{len(parts)} parts")
-    for p, q in zip(parts, sq_norms):
+    for p, q in zip(parts, norms):
         if q is not None and jnp.shape(q) != p.shape[:-2]:
-            raise ValueError(f"sq_norms: a part of shape {p.shape} needs squared norms of shape "
+            raise ValueError(f"norms: a part of shape {p.shape} needs norms of shape "
                              f"{p.shape[:-2]}, got {jnp.shape(q)}")
     ys = [_normalized(p.reshape((-1, n, m)), eps, compute_dtype,
                       None if q is None else jnp.reshape(q, (-1,)))
-          for p, q in zip(parts, sq_norms)]
+          for p, q in zip(parts, norms)]
     y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
     y = _iterate(y, coeffs, method, restarts, backend,
                  pallas_kernels.padding_multiples(y.shape, y.dtype, backend))

@@ -16,6 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dion3_jax import _norms
+
 
 def num_selected(fraction: float, n: int) -> int:
     """``k = max(1, ceil(fraction · n))``, computed in float64 (``0.07 · 100 → 8``).
@@ -36,16 +38,18 @@ def row_l1_norms(m: jax.Array, row_axis: int) -> jax.Array:
     return jnp.sum(jnp.abs(m.astype(jnp.float32)), axis=col_axis)
 
 
-def row_sq_norms(m: jax.Array, row_axis: int) -> jax.Array:
-    """Squared ℓ2 norm of each row, ``(batch, n)``, accumulated in float32 (computed beside
-    :func:`row_l1_norms`, over the same read of ``m``)."""
-    return jnp.sum(jnp.square(m.astype(jnp.float32)), axis=3 - row_axis)
+def row_sq_sums(m: jax.Array, row_axis: int) -> jax.Array:
+    """Squared ℓ2 norm of each row scaled by 2⁻⁶⁴, ``(batch, n)``, in float32
+    (:func:`dion3_jax._norms.sq_sum`: no overflow; computed beside :func:`row_l1_norms`, over
+    the same read of ``m``)."""
+    return _norms.sq_sum(m.astype(jnp.float32), 3 - row_axis)
 
 
-def selected_sq_norm(row_sq: jax.Array, rows: jax.Array) -> jax.Array:
-    """``‖M[I]‖_F²`` per batch element, ``(batch,)``: the selected rows' squared norms summed
-    (``rows``: ``(batch, k)`` indices into ``row_sq``'s ``(batch, n)``)."""
-    return jnp.sum(jnp.take_along_axis(row_sq, rows, axis=1), axis=1)
+def selected_norm(row_sums: jax.Array, rows: jax.Array) -> jax.Array:
+    """``‖M[I]‖_F`` per batch element, ``(batch,)``, from :func:`row_sq_sums` of ``M``
+    (``rows``: ``(batch, k)`` indices): the selected rows' squared norms summed."""
+    return _norms.norm_from_sq_sum(jnp.sum(jnp.take_along_axis(row_sums, rows, axis=1),
+                                           axis=1))
 
 
 def random_scores(seed: int, count: jax.Array, uid: int, shape: tuple[int, ...],

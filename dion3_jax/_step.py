@@ -33,7 +33,7 @@ class Accumulated(NamedTuple):
     variance: Blocks | None                # NorMuon second moments (None for Muon)
     scores: tuple[jax.Array | None, ...]   # (batch, candidate rows); None when every row goes
     positions: tuple[tuple | None, ...]    # "rows" units: this device's (start, count) rows
-    row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → squared row norms
+    row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → _selection.row_sq_sums
 
 
 class Pick(NamedTuple):
@@ -41,7 +41,7 @@ class Pick(NamedTuple):
 
     rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
     payload: jax.Array          # S = M[I], (batch, pick, C) in the block's orientation
-    sq_norm: jax.Array | None   # ‖S‖_F² per matrix, from row statistics
+    norm: jax.Array | None      # ‖S‖_F per matrix, from row statistics
 
 
 class Polar(NamedTuple):
@@ -103,8 +103,8 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
     for uid in sorted(plan.row_norm_uids):
         u = plan.units[uid]
         if (u.leaf, u.block) not in row_sq:
-            row_sq[(u.leaf, u.block)] = _selection.row_sq_norms(momentum[u.leaf][u.block],
-                                                                u.layout.row_axis)
+            row_sq[(u.leaf, u.block)] = _selection.row_sq_sums(momentum[u.leaf][u.block],
+                                                               u.layout.row_axis)
     raw = {} if plan.random_selection else _l1_scores(plan, momentum)
     scores, positions = [], []
     for u in plan.units:
@@ -189,9 +189,9 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> tuple[Pick, ...]:
         else:
             i = jnp.sort(tops[u.uid], axis=1)   # ascending rows: local gathers (polar is
             key = (u.leaf, u.block)             # row-permutation equivariant)
-            sq = (_selection.selected_sq_norm(acc.row_sq[key], i) if key in acc.row_sq
-                  else None)
-            picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), sq))
+            norm = (_selection.selected_norm(acc.row_sq[key], i) if key in acc.row_sq
+                    else None)
+            picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), norm))
     return tuple(picks)
 
 
@@ -201,7 +201,7 @@ class GroupBatch(NamedTuple):
     key: _megabatch.GroupKey
     uids: tuple[int, ...]
     parts: list[jax.Array]           # per member, (batch, a, b)
-    sq_norms: list[jax.Array | None]
+    norms: list[jax.Array | None]
     stacked: jax.Array | None        # the concatenated (replica-averaged) batch, if stacked
 
 
@@ -212,7 +212,7 @@ def gather_and_send(plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
     batches = []
     for key, uids in plan.groups:
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
-        norms = [picks[i].sq_norm for i in uids]
+        norms = [picks[i].norm for i in uids]
         stacked = None
         if not (key.route == "on_device" and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
@@ -230,7 +230,7 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
     for b in batches:
         sizes = [plan.units[i].layout.batch for i in b.uids]
         if b.stacked is None:
-            o = _megabatch.checked(lambda ps: orth.stacked(ps, b.sq_norms), b.parts)
+            o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
             selected = b.parts
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)

@@ -68,7 +68,35 @@ def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
     return jax.sharding.reshard(z, spec)
 
 
+def _check_floating(tree, what: str) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise ValueError(f"Dion3 needs real floating {what}; {jax.tree_util.keystr(path)} has "
+                             f"dtype {jnp.result_type(x)}")
+
+
+def _check_like_state(updates, momentum) -> None:
+    """The gradient tree must match the state's: else a ValueError naming the first bad leaf."""
+    got = jax.tree_util.tree_flatten_with_path(updates)[0]
+    want = jax.tree_util.tree_flatten_with_path(momentum)[0]
+    for (gp, g), (mp, m) in zip(got, want):
+        if gp != mp:
+            raise ValueError(f"the gradient tree does not match the optimizer state: gradient leaf "
+                             f"{jax.tree_util.keystr(gp)} where the state has "
+                             f"{jax.tree_util.keystr(mp)}")
+        if jnp.shape(g) != jnp.shape(m):
+            raise ValueError(f"gradient {jax.tree_util.keystr(gp)} has shape {jnp.shape(g)}; the "
+                             f"optimizer state was built for {jnp.shape(m)}")
+    if len(got) != len(want) or jax.tree.structure(updates) != jax.tree.structure(momentum):
+        extra = got[len(want):] or want[len(got):]
+        where = jax.tree_util.keystr(extra[0][0]) if extra else "a container node"
+        raise ValueError(f"the gradient tree does not match the optimizer state: {len(got)} "
+                         f"gradient leaves, {len(want)} in the state (first difference: {where})")
+    _check_floating(updates, "gradients")
+
+
 def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
+    _check_floating(params, "parameters")
     ctx, plans = _plan.leaf_plans(cfg, params)
     leaves, treedef = jax.tree.flatten(params)
     normuon = cfg.flavour == "normuon"
@@ -77,9 +105,11 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
         mom.append(_zeros(p.shape, cfg.mu_dtype or p.dtype, p, pl.spec, ctx))
         if normuon:
             var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx))
-    return ScaleByDion3State(
-        count=jnp.zeros([], jnp.int32), momentum=treedef.unflatten(mom),
-        variance=treedef.unflatten(var) if normuon else None)
+    # Placed like the momentum (committed), so the first jitted update compiles once.
+    count = (_zeros((), jnp.int32, leaves[0], jax.P(), ctx) if leaves
+             else jnp.zeros([], jnp.int32))
+    return ScaleByDion3State(count=count, momentum=treedef.unflatten(mom),
+                             variance=treedef.unflatten(var) if normuon else None)
 
 
 def _plan_key(grads, moms) -> tuple:
@@ -97,6 +127,7 @@ def _plan_key(grads, moms) -> tuple:
 
 
 def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
+    _check_like_state(updates, state.momentum)
     treedef = jax.tree.structure(updates)
     grads = treedef.flatten_up_to(updates)
     moms = treedef.flatten_up_to(state.momentum)

@@ -195,26 +195,26 @@ def test_stacked_parts_must_match():
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((1, 4, 8), jnp.bfloat16)])
     with pytest.raises(ValueError, match="one entry per part"):
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((2, 4, 8))], [None])
-    with pytest.raises(ValueError, match=r"squared norms of shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"norms of shape \(2,\)"):
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((2, 4, 8))], [None, jnp.ones((3,))])
 
 
-def test_stacked_with_given_squared_norms():
-    """``stacked(parts, sq_norms)`` uses the given ‖X‖_F² instead of computing it: with the true
-    values it equals ``stacked(parts)`` (float64, 1e-12); a part given 9‖X‖² starts from
-    X / (3‖X‖), exactly what ``X / 3`` with its own ‖X‖² gives, and not what ``stacked`` gives."""
+def test_stacked_with_given_norms():
+    """``stacked(parts, norms)`` uses the given ‖X‖_F instead of computing it: with the true
+    values it equals ``stacked(parts)`` (float64, 1e-12); a part given 3‖X‖ starts from
+    X / (3‖X‖), exactly what ``X / 3`` with its own ‖X‖ gives, and not what ``stacked`` gives."""
     keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 2)
     with jax.enable_x64(True):
         parts = [jax.random.normal(k, (b, 24, 64), jnp.float64) * s
                  for k, b, s in zip(keys, (3, 2), (1e-3, 40.0))]
-        sq = [jnp.sum(p ** 2, axis=(1, 2)) for p in parts]
+        sq = [jnp.sqrt(jnp.sum(p ** 2, axis=(1, 2))) for p in parts]
         f = dion3_jax.make_orthogonalizer(method="gram", compute_dtype=jnp.float64, backend="xla")
         want = np.asarray(f.stacked(parts))
         got = np.asarray(jax.jit(f.stacked)(parts, [sq[0], sq[1]]))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
         np.testing.assert_allclose(np.asarray(f.stacked(parts, [None, sq[1]])), want, rtol=0,
                                    atol=1e-12)
-        off = np.asarray(f.stacked(parts, [sq[0], 9.0 * sq[1]]))
+        off = np.asarray(f.stacked(parts, [sq[0], 3.0 * sq[1]]))
         np.testing.assert_allclose(off[:3], want[:3], rtol=0, atol=1e-12)
         third = np.asarray(f.stacked([parts[1] / 3.0], [sq[1]]))
         # (equal up to where eps enters: X/(3‖X‖ + eps) against (X/3)/(‖X‖ + eps))
@@ -251,3 +251,36 @@ def test_plain_product_writes_16_bits_rounded_once(dtype):
     assert out.dtype == dtype
     ulp = np.abs(np.asarray(jnp.asarray(want, dtype), np.float64)) * float(jnp.finfo(dtype).eps)
     assert np.all(np.abs(np.asarray(out, np.float64) - want) <= ulp + 1e-6)
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+@pytest.mark.parametrize("scale", [2.0 ** 66, 2.0 ** 90])
+def test_polar_of_huge_finite_input_equals_polar_of_the_unscaled(method, scale):
+    """‖X‖_F² overflows float32 once entries pass ~1.8e19 (2⁶⁶ ≈ 7e19, 2⁹⁰ ≈ 1e27); the norm must
+    not (else X/inf = 0 and the polar factor is silently zero). A power-of-two scale leaves every
+    rounding unchanged, so polar(s·X) = polar(X) to float32 rounding of the cast, on fresh
+    inputs and in the default float16/bfloat16 iteration."""
+    x = np.random.default_rng().standard_normal((2, 16, 48)).astype(np.float32)
+    want = np.asarray(polar(jnp.asarray(x), method=method, backend="xla"), np.float32)
+    got = np.asarray(polar(jnp.asarray(x) * scale, method=method, backend="xla"), np.float32)
+    assert np.all(np.isfinite(got)) and np.abs(got).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+def test_polar_of_1e20_times_x_in_float32():
+    """The issue's case, ×1e20 (not a power of two), in a float32 iteration: the same factor to
+    float32 rounding."""
+    x = np.random.default_rng().standard_normal((2, 16, 48)).astype(np.float32)
+    kw = dict(method="standard", compute_dtype=jnp.float32, backend="xla")
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(polar(jnp.asarray(x), **kw))
+        got = np.asarray(polar(jnp.asarray(x) * 1e20, **kw))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_polar_beyond_the_norm_range_is_nan_not_zero():
+    """Past ~7e28 the Frobenius norm overflows even scaled: the result is NaN (detectable, e.g.
+    by optax.apply_if_finite), never a silent zero."""
+    x = np.random.default_rng().standard_normal((1, 8, 24)).astype(np.float32) * 1e36
+    got = np.asarray(polar(jnp.asarray(x), backend="xla"), np.float32)
+    assert np.all(np.isnan(got))

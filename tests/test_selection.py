@@ -72,30 +72,33 @@ def test_batched_top_rows_traces_one_top_k_per_shape():
     assert str(jaxpr).count("top_k") == 2
 
 
-def test_selected_sq_norm_is_the_payload_frobenius_norm():
-    """Σ_{i∈I} ‖M_i‖² (row statistics) = ‖M[I]‖_F² (the gathered rows), either row axis."""
+@pytest.mark.parametrize("scale", [1.0, 1e25])
+def test_selected_norm_is_the_payload_frobenius_norm(scale):
+    """√(Σ_{i∈I} ‖M_i‖²) (row statistics) = ‖M[I]‖_F (the gathered rows), either row axis,
+    also where the squares overflow float32."""
     rng = np.random.default_rng()
     for row_axis in (1, 2):
-        m = rng.standard_normal((3, 7, 11)).astype(np.float32)
+        m = (rng.standard_normal((3, 7, 11)) * scale).astype(np.float32)
         rows = np.sort(rng.permutation(m.shape[row_axis])[:4])[None].repeat(3, 0)
-        got = _selection.selected_sq_norm(_selection.row_sq_norms(jnp.asarray(m), row_axis),
-                                          jnp.asarray(rows))
+        got = _selection.selected_norm(_selection.row_sq_sums(jnp.asarray(m), row_axis),
+                                       jnp.asarray(rows))
         sel = np.take_along_axis(m.astype(np.float64), np.expand_dims(rows, 3 - row_axis),
                                  axis=row_axis)
-        np.testing.assert_allclose(np.asarray(got), np.sum(sel ** 2, axis=(1, 2)), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.sqrt(np.sum(sel ** 2, axis=(1, 2))),
+                                   rtol=1e-6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected
-    payload's Frobenius norm from row statistics (one call of selected_sq_norm per selected
+    payload's Frobenius norm from row statistics (one call of selected_norm per selected
     matrix block); a plain callable doing the same polar normalises the payload itself (no call),
     and the update is the same to float32 rounding."""
     import dion3_jax
     calls = []
-    real = _selection.selected_sq_norm
-    monkeypatch.setattr(_selection, "selected_sq_norm",
+    real = _selection.selected_norm
+    monkeypatch.setattr(_selection, "selected_norm",
                         lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng()
     shapes = {"a": (16, 40), "b": (16, 40), "c": (40, 16), "heads": (16, 24), "d": (8, 4)}

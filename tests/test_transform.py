@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -389,3 +391,82 @@ def test_default_orthogonalizer_returns_the_compute_dtype_same_update():
     for k in params:
         assert u1[k].dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(u1[k]), np.asarray(u2[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_huge_finite_gradients_give_the_unscaled_update(fraction):
+    """Gradients ×2⁶⁶ (≈ 7e19) square to inf in float32; the update must still be the ×1 one
+    (the polar and NorMuon are scale-invariant), not silently zero. A power of two keeps every
+    rounding of the two runs the same, so the tolerance is tight; two steps, fresh inputs."""
+    rng = np.random.default_rng()
+    shapes = {"a": (24, 40), "b": (24, 40), "c": (40, 24), "heads": (16, 32)}
+    params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
+    grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+             for _ in range(2)]
+    tx = dion3_jax.scale_by_dion3(fraction, num_heads={"heads": 2})
+    out = {}
+    for scale in (1.0, 2.0 ** 66):
+        state, out[scale] = tx.init(params), []
+        for g in grads:
+            u, state = jax.jit(tx.update)(jax.tree.map(lambda x: jnp.asarray(x * scale), g),
+                                          state)
+            out[scale].append(u)
+    for step, (u1, u20) in enumerate(zip(out[1.0], out[2.0 ** 66])):
+        for k in shapes:
+            big = np.asarray(u20[k])
+            assert np.all(np.isfinite(big)) and np.abs(big).max() > 0.1, (step, k)
+            np.testing.assert_allclose(big, np.asarray(u1[k]), rtol=0, atol=1e-6,
+                                       err_msg=f"step {step} {k}")
+
+
+@pytest.mark.parametrize("with_mesh", [False, True])
+def test_jitted_update_compiles_once(with_mesh):
+    """init's state (every leaf committed, the scalar branch's count too) and update's output
+    state hit the same compiled update."""
+    params = {"w": jnp.ones((16, 32)), "v": jnp.ones((32, 16)), "b": jnp.zeros((16,))}
+    tx = dion3_jax.dion3(0.02, 0.5)
+    grad = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.1 + 1.0, p))
+    mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+    ctx = jax.set_mesh(mesh) if with_mesh else contextlib.nullcontext()
+    params = {k: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.P(*[None] * x.ndim))
+                                if with_mesh else jax.devices()[0]) for k, x in params.items()}
+    with ctx:
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for _ in range(3):
+            u, state = update(grad(params), state, params)
+            params = optax.apply_updates(params, u)
+        assert update._cache_size() == 1
+
+
+def test_python_scalar_leaves_are_scalars_as_in_adamw():
+    params = {"w": jnp.ones((8, 16)), "t": 1.0}
+    tx = dion3_jax.dion3(0.02, 0.5, adam_learning_rate=0.1)
+    state = tx.init(params)
+    grads = {"w": jnp.full((8, 16), 0.5), "t": 2.0}
+    u, _ = jax.jit(tx.update)(grads, state, params)
+    ua, _ = optax.adamw(0.1, b1=0.9, b2=0.95, weight_decay=0.0).update(
+        {"t": 2.0}, optax.adamw(0.1, b1=0.9, b2=0.95, weight_decay=0.0).init({"t": 1.0}),
+        {"t": 1.0})
+    np.testing.assert_allclose(np.asarray(u["t"]), np.asarray(ua["t"]), rtol=1e-6)
+    assert np.abs(np.asarray(u["w"])).max() > 0
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"a": jnp.ones((8, 12)), "b": jnp.ones((8, 13))}, r"\['b'\] has shape \(8, 13\)"),
+    ({"a": jnp.ones((8, 12)), "c": jnp.ones((8, 12))}, r"\['c'\]"),
+    ({"a": jnp.ones((8, 12))}, "1 gradient leaves, 2 in the state"),
+    ({"a": jnp.ones((8, 12)), "b": jnp.ones((8, 12), jnp.int32)}, r"\['b'\] has dtype int32"),
+])
+def test_mismatched_gradients_name_the_first_bad_leaf(bad, match):
+    tx = dion3_jax.scale_by_dion3(0.5)
+    state = tx.init({"a": jnp.ones((8, 12)), "b": jnp.ones((8, 12))})
+    with pytest.raises(ValueError, match=match):
+        tx.update(bad, state)
+
+
+def test_integer_or_complex_params_name_the_leaf():
+    tx = dion3_jax.scale_by_dion3(0.5)
+    for dtype in (jnp.int32, jnp.complex64):
+        with pytest.raises(ValueError, match=r"\['layer'\]\['kernel'\]"):
+            tx.init({"layer": {"kernel": jnp.ones((8, 12), dtype)}})

@@ -1,0 +1,36 @@
+"""Overflow-safe Euclidean norms at the cost of one multiply per entry.
+
+Squaring a float32 above about 1.8e19 overflows, so a plain ``√(Σ x²)`` of a large but finite
+gradient is ``inf`` and the normalised polar input ``X / ‖X‖`` becomes exactly zero: a silently
+zero update. Here the squares are taken of ``x · 2⁻³²`` and the root is scaled back by ``2³²``.
+A power of two changes no rounding, so the norm is bitwise the plain one unless some entry is
+below ``2⁻³¹`` (≈ 4.7e-10) in magnitude; such entries are then dropped from the sum, which only
+matters for a whole matrix (or row) whose norm is itself tiny, below the ``1e-7`` the polar adds
+to its norm anyway. Norms up to about 7e28 are finite; beyond that the norm is NaN, never
+``inf``, so the update turns NaN (detectable, e.g. by ``optax.apply_if_finite``) instead of zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_DOWN = 2.0 ** -32
+_UP = 2.0 ** 32
+
+
+def sq_sum(x: jax.Array, axis) -> jax.Array:
+    """``Σ (x·2⁻³²)²`` over ``axis``, in ``x``'s dtype (float32 or wider)."""
+    return jnp.sum(jnp.square(x * jnp.asarray(_DOWN, x.dtype)), axis=axis)
+
+
+def norm_from_sq_sum(s: jax.Array) -> jax.Array:
+    """The norm from :func:`sq_sum`; NaN where it overflows."""
+    n = jnp.sqrt(s) * jnp.asarray(_UP, s.dtype)
+    return jnp.where(jnp.isinf(n), jnp.nan, n)
+
+
+def norm(x: jax.Array, axis, keepdims: bool = False) -> jax.Array:
+    """Euclidean norm of ``x`` over ``axis`` without overflow (see the module docstring)."""
+    out = norm_from_sq_sum(sq_sum(x, axis))
+    return jnp.expand_dims(out, axis) if keepdims else out
