@@ -95,7 +95,8 @@ def dion3(
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
       flavour, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options: the matrix transform's options, see :func:`scale_by_dion3`.
+        mesh_options: the matrix transform's options, see :func:`scale_by_dion3` (``mu_dtype``
+        defaults to float32 for 16-bit parameters).
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
       scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.

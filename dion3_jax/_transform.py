@@ -43,7 +43,7 @@ class ScaleByDion3State(NamedTuple):
     """State of :func:`scale_by_dion3`."""
 
     count: jax.Array  # shape=(), dtype=int32: number of updates applied.
-    momentum: optax.Updates  # like params; dtype mu_dtype (default: each param's dtype).
+    momentum: optax.Updates  # like params; dtype mu_dtype (default: param dtype, ≥ float32).
     # Per-row second moments: each param's shape with its reduction axes of size 1, float32.
     # None for flavour="muon".
     variance: optax.Updates | None
@@ -66,6 +66,20 @@ def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
     if ctx.auto():
         return jax.lax.with_sharding_constraint(z, spec)
     return jax.sharding.reshard(z, spec)
+
+
+def momentum_dtype(mu_dtype, param_dtype) -> jnp.dtype:
+    """``mu_dtype`` if given, else float32 for 16-bit parameters and the parameter's own dtype
+    otherwise.
+
+    Dion3's momentum sums the gradients of a row until the row is selected, so a rarely selected
+    row accumulates many of them: in float16 it overflows, and in either 16-bit type the
+    accumulation error changes which rows are selected (``benchmarks/momentum_dtype.py``;
+    the README's "Momentum dtype").
+    """
+    if mu_dtype is not None:
+        return jnp.dtype(mu_dtype)
+    return jnp.promote_types(param_dtype, jnp.float32)
 
 
 def _check_floating(tree, what: str) -> None:
@@ -102,7 +116,7 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     normuon = cfg.flavour == "normuon"
     mom, var = [], []
     for p, pl in zip(leaves, plans):
-        mom.append(_zeros(p.shape, cfg.mu_dtype or p.dtype, p, pl.spec, ctx))
+        mom.append(_zeros(p.shape, momentum_dtype(cfg.mu_dtype, p.dtype), p, pl.spec, ctx))
         if normuon:
             var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx))
     # Placed like the momentum (committed), so the first jitted update compiles once.
@@ -192,7 +206,9 @@ def scale_by_dion3(
       num_heads: per-head matrices (one int, a tree or a callable, like ``dimension_numbers``).
       split_sizes: independent row blocks of the output axis, e.g. fused QKV (a tuple of ints,
         a tree or a callable).
-      mu_dtype: dtype of the momentum (default: each param's dtype).
+      mu_dtype: dtype of the momentum. Default: float32 for 16-bit parameters (a rarely
+        selected row sums many gradients: float16 overflows and 16-bit rounding changes which
+        rows are selected), else each parameter's dtype.
       orthogonalizer: the polar operator: ``None`` (Gram Newton-Schulz, Polar Express
         coefficients, restart at step 2, float16, fastest kernel backend), an
         :class:`dion3_jax.Orthogonalizer` from :func:`dion3_jax.make_orthogonalizer`, or any

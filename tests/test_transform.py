@@ -208,7 +208,7 @@ def test_fraction_one_is_muon_momentum(flavour):
 def test_state_stable_and_no_recompile():
     params = {"a": jnp.ones((32, 16)), "b": jnp.ones((16, 48), jnp.bfloat16),
               "s": jnp.ones((2, 8, 12)), "bias": jnp.zeros((16,))}
-    tx = dion3_jax.dion3(0.01, 0.25, dimension_numbers=None)
+    tx = dion3_jax.dion3(0.01, 0.25, dimension_numbers=DimensionNumbers(-2, -1))  # "s": 2 matrices
     state = tx.init(params)
     traces = []
 
@@ -238,10 +238,29 @@ def test_bfloat16_params_stay_bfloat16():
     assert upd["w"].dtype == jnp.bfloat16
     assert bool(jnp.all(jnp.isfinite(new["w"].astype(jnp.float32))))
     inner = state.inner_states["dion3"].inner_state[0]
-    assert inner.momentum["w"].dtype == jnp.bfloat16
+    assert inner.momentum["w"].dtype == jnp.float32     # the 16-bit default: float32 momentum
     assert inner.variance["w"].dtype == jnp.float32
-    tx32 = dion3_jax.dion3(0.02, 0.5, mu_dtype=jnp.float32)
-    assert tx32.init(params).inner_states["dion3"].inner_state[0].momentum["w"].dtype == \
+    tx16 = dion3_jax.dion3(0.02, 0.5, mu_dtype=jnp.bfloat16)
+    assert tx16.init(params).inner_states["dion3"].inner_state[0].momentum["w"].dtype == \
+        jnp.bfloat16
+
+
+def test_float16_momentum_default_does_not_overflow():
+    """float16 parameters: a row that is never selected sums every gradient; in a float16
+    momentum it overflows to inf within 40 steps of gradients ~3000 (max 65504), in the default
+    float32 momentum it does not. The momentum dtype is the parameter's for float32."""
+    params = {"w": jnp.zeros((16, 64), jnp.float16)}
+    g = np.ones((16, 64), np.float16) * 3000
+    g[:, 0] *= 2                                 # row 0 is always the one selected at f = 1/64
+    g = {"w": jnp.asarray(g)}
+    for mu_dtype, finite in ((None, True), (jnp.float16, False)):
+        tx = dion3_jax.scale_by_dion3(1 / 64, mu_dtype=mu_dtype)
+        state = tx.init(params)
+        for _ in range(40):
+            u, state = jax.jit(tx.update)(g, state)
+        assert u["w"].dtype == jnp.float16
+        assert bool(jnp.all(jnp.isfinite(state.momentum["w"]))) == finite, mu_dtype
+    assert dion3_jax.scale_by_dion3().init({"w": jnp.zeros((4, 8))}).momentum["w"].dtype == \
         jnp.float32
 
 
