@@ -1,4 +1,5 @@
-"""scale_by_dion3 / dion3 against the float64 NumPy rendering of DESIGN §2 (tests/dion3_reference.py)."""
+"""scale_by_dion3 / dion3 against the float64 NumPy rendering of the update rule
+(tests/dion3_reference.py; docs/ARCHITECTURE.md states the rule)."""
 
 from __future__ import annotations
 
