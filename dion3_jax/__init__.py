@@ -10,8 +10,6 @@ References:
 """
 
 from dion3_jax._alias import (
-    DEFAULT_SCALAR_PATTERN,
-    default_param_labels,
     dion3,
     muon,
     normuon,
@@ -25,6 +23,13 @@ from dion3_jax._orthogonalizer import Orthogonalizer, make_orthogonalizer
 from dion3_jax._polar import gram_newton_schulz, polar, standard_newton_schulz
 from dion3_jax._replica_sync import synchronize_momentum
 from dion3_jax._restarts import autotune_restarts, restart_growth
+from dion3_jax._routing import (
+    DEFAULT_HEAD_PATTERN,
+    DEFAULT_SCALAR_PATTERN,
+    DEFAULT_VECTOR_PATTERN,
+    default_param_labels,
+    routing_table,
+)
 from dion3_jax._rules import lr_scale
 from dion3_jax._selection import num_selected
 from dion3_jax._transform import ScaleByDion3State, scale_by_dion3
@@ -33,7 +38,9 @@ __version__ = "0.1.0"
 
 __all__ = (
     "COEFFICIENT_PRESETS",
+    "DEFAULT_HEAD_PATTERN",
     "DEFAULT_SCALAR_PATTERN",
+    "DEFAULT_VECTOR_PATTERN",
     "DimensionNumbers",
     "MeshOptions",
     "Orthogonalizer",
@@ -50,6 +57,7 @@ __all__ = (
     "num_selected",
     "polar",
     "restart_growth",
+    "routing_table",
     "scale_by_dion3",
     "standard_newton_schulz",
     "synchronize_momentum",

@@ -26,6 +26,7 @@ from dion3_jax._routing import (  # noqa: F401  (re-exported)
 )
 from dion3_jax._transform import scale_by_dion3
 
+
 def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fraction: float
                            ) -> float:
     """Moves a tuned learning rate to another fraction with the paper's rule ``lr ∝ 1/√f``.

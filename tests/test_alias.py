@@ -39,19 +39,28 @@ def test_default_labels_route_embeddings_and_non_matrices_to_scalar():
     assert labels == {"dense": {"kernel": "dion3", "bias": "scalar"},
                       "embed": {"embedding": "scalar"}, "out": {"kernel": "dion3"}}
     p = {"lm_head": {"kernel": jnp.ones((4, 4))}, "wte": jnp.ones((4, 4)),
-         "blocks": {"0": {"mlp": jnp.ones((4, 4))}}, "stack": jnp.ones((2, 4, 4))}
-    assert dion3_jax.default_param_labels(p) == {
+         "blocks": {"0": {"mlp": jnp.ones((4, 4))}}, "stack": jnp.ones((2, 4, 4)),
+         "stack_bias": jnp.ones((2, 4)), "ln_f": {"scale": jnp.ones((2, 4))}}
+    # a rank-3 leaf whose axes nobody gave is refused, naming it (it was silently AdamW)
+    with pytest.raises(ValueError, match=r"\['stack'\]  shape=\(2, 4, 4\)"):
+        dion3_jax.default_param_labels(p)
+    no_stack = {k: v for k, v in p.items() if k != "stack"}
+    assert dion3_jax.default_param_labels(no_stack) == {
         "lm_head": {"kernel": "scalar"}, "wte": "scalar", "blocks": {"0": {"mlp": "dion3"}},
-        "stack": "scalar"}
-    # one DimensionNumbers for all: every rank ≥ 2 non-embedding leaf is a matrix
-    assert dion3_jax.default_param_labels(p, dion3_jax.DimensionNumbers(1, 2) if False else
-                                          dion3_jax.DimensionNumbers(-2, -1))["stack"] == "dion3"
-    # an explicit tree decides alone
-    tree = {"lm_head": {"kernel": None}, "wte": dion3_jax.DimensionNumbers(0, 1),
-            "blocks": None, "stack": dion3_jax.DimensionNumbers(1, 2)}
+        "stack_bias": "scalar", "ln_f": {"scale": "scalar"}}
+    # one DimensionNumbers for all: every rank ≥ 2 leaf that is not an embedding, head or
+    # vector (bias, norm scale: any rank) is a matrix
+    one = dion3_jax.default_param_labels(p, dion3_jax.DimensionNumbers(-2, -1))
+    assert one["stack"] == "dion3" and one["blocks"]["0"]["mlp"] == "dion3"
+    assert one["stack_bias"] == one["ln_f"]["scale"] == one["wte"] == "scalar"
+    # an explicit tree decides between the rest: it says how to view a leaf, never overriding
+    # the vector and embedding/head names (param_labels does that)
+    dn = dion3_jax.DimensionNumbers(0, 1)
+    tree = {"lm_head": {"kernel": None}, "wte": dn, "blocks": None,
+            "stack": dion3_jax.DimensionNumbers(1, 2), "stack_bias": dn, "ln_f": dn}
     assert dion3_jax.default_param_labels(p, tree) == {
-        "lm_head": {"kernel": "scalar"}, "wte": "dion3", "blocks": {"0": {"mlp": "scalar"}},
-        "stack": "dion3"}
+        "lm_head": {"kernel": "scalar"}, "wte": "scalar", "blocks": {"0": {"mlp": "scalar"}},
+        "stack": "dion3", "stack_bias": "scalar", "ln_f": {"scale": "scalar"}}
 
 
 @pytest.mark.slow

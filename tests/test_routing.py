@@ -1,0 +1,317 @@
+"""Routing of real Flax layouts: stacked (nnx.vmap / nnx.scan / nn.scan) blocks, Linen default
+names, MoE expert stacks, multi-axis attention kernels; the routing table; Python float leaves.
+
+Each test fails on the old rule (2-D and not an embedding/head name: Dion3; anything else:
+AdamW, silently).
+"""
+
+from __future__ import annotations
+
+import re
+
+from flax import linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dion3_jax
+
+STACKED = dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)
+FIX = re.escape("dimension_numbers=dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)")
+
+
+def _like(tree, seed):
+    """Random normal arrays shaped like ``tree``'s leaves."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return treedef.unflatten([jax.random.normal(k, jnp.shape(x)) for k, x in zip(keys, leaves)])
+
+
+def _adamw_update(grads, params, lr=1e-2):
+    adam = optax.adamw(lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
+    return adam.update(grads, adam.init(params), params)[0]
+
+
+def _table_rows(table: str) -> dict[str, list[str]]:
+    """``path -> [shape, optimizer, matrices, rule]`` parsed from :func:`routing_table`."""
+    rows = {}
+    for line in table.splitlines()[2:-1]:
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# NNX: blocks stacked with nnx.vmap, run with nnx.scan
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+        self.mlp = nnx.Linear(8, 16, rngs=rngs)
+        self.proj = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.proj(jax.nn.gelu(self.mlp(self.norm(x))))
+
+
+class StackedLM(nnx.Module):
+    def __init__(self, rngs, layers=3):
+        self.embed = nnx.Embed(32, 8, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.blocks = make(rngs)
+        self.lm_head = nnx.Linear(8, 32, rngs=rngs)
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block, h):
+            return block(h)
+
+        return self.lm_head(body(self.blocks, self.embed(tokens)))
+
+
+@pytest.fixture(scope="module")
+def stacked_model():
+    """One model for the NNX tests (building it is the slow part); only the last one updates it."""
+    return StackedLM(nnx.Rngs(0))
+
+
+def test_nnx_stacked_kernels_are_refused_naming_the_leaf(stacked_model):
+    with pytest.raises(ValueError) as err:
+        nnx.Optimizer(stacked_model, dion3_jax.dion3(0.02), wrt=nnx.Param)
+    msg = str(err.value)
+    assert "['blocks']['mlp']['kernel']  shape=(3, 8, 16)" in msg
+    assert "['blocks']['proj']['kernel']  shape=(3, 16, 8)" in msg
+    assert re.search(FIX, msg) and "bias" not in msg and "norm" not in msg
+
+
+def test_nnx_stacked_model_routes_per_layer_and_round_trips(stacked_model):
+    model = stacked_model
+    labels = dion3_jax.default_param_labels(nnx.state(model, nnx.Param), STACKED)
+    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(labels)[0]}
+    dion = sorted(p for p, v in flat.items() if v == "dion3")
+    assert dion == ["['blocks']['mlp']['kernel'].value", "['blocks']['proj']['kernel'].value"]
+    rows = _table_rows(dion3_jax.routing_table(nnx.state(model, nnx.Param),
+                                               dimension_numbers=STACKED))
+    assert rows["['blocks']['mlp']['kernel']"][:3] == ["(3, 8, 16)", "dion3", "3 × 16×8"]
+    assert rows["['blocks']['norm']['scale']"][1] == "scalar"
+    assert rows["['blocks']['mlp']['bias']"][:2] == ["(3, 16)", "scalar"]
+
+    tx = dion3_jax.dion3(0.02, 0.5, weight_decay=0.0, dimension_numbers=STACKED,
+                         adam_learning_rate=1e-2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 32)
+
+    @nnx.jit
+    def step(model, optimizer):
+        grads = nnx.grad(lambda m: optax.softmax_cross_entropy_with_integer_labels(
+            m(tokens[:, :-1]), tokens[:, 1:]).mean())(model)
+        optimizer.update(model, grads)
+        return grads
+
+    grads = step(model, optimizer)
+    after = nnx.state(model, nnx.Param)
+    # AdamW's first step moves each entry by lr·g/(|g|+eps): the stacked biases went to AdamW
+    delta = after["blocks"]["mlp"]["bias"][...] - before["blocks"]["mlp"]["bias"][...]
+    g = grads["blocks"]["mlp"]["bias"][...]
+    np.testing.assert_allclose(delta, -1e-2 * g / (jnp.abs(g) + 1e-8), rtol=1e-4, atol=1e-7)
+    moved = after["blocks"]["mlp"]["kernel"][...] - before["blocks"]["mlp"]["kernel"][...]
+    assert bool(jnp.all(jnp.abs(moved).reshape(3, -1).max(axis=1) > 0))  # every layer moved
+
+
+# ------------------------------------------------------------------------------------------
+# Linen: nn.scan over blocks; default names
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(8)(nn.LayerNorm()(x))
+        return x + h, None
+
+
+class LinenScanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=3)
+        x, _ = scan(name="blocks")(x, None)
+        return nn.Dense(5, name="head")(x)
+
+
+def test_linen_scan_stacked_biases_go_to_adamw():
+    params = LinenScanned().init(jax.random.key(0), jnp.ones((2, 8)))
+    with pytest.raises(ValueError, match=r"\['params'\]\['blocks'\]\['Dense_0'\]\['kernel'\]"
+                                         r"  shape=\(3, 8, 8\)"):
+        dion3_jax.dion3(0.02).init(params)
+    labels = dion3_jax.default_param_labels(params, STACKED)["params"]
+    assert labels["blocks"]["Dense_0"] == {"kernel": "dion3", "bias": "scalar"}
+    assert labels["blocks"]["LayerNorm_0"] == {"scale": "scalar", "bias": "scalar"}
+    assert labels["head"] == {"kernel": "scalar", "bias": "scalar"}
+    state = dion3_jax.dion3(0.02, 0.5, dimension_numbers=STACKED).init(params)
+    held = [jax.tree_util.keystr(p) for p, _ in
+            jax.tree_util.tree_flatten_with_path(state.inner_states["dion3"])[0]]
+    assert any("['Dense_0']['kernel']" in p for p in held)   # Dion3 holds the kernels only
+    assert not any("bias" in p or "LayerNorm" in p or "head" in p for p in held)
+
+
+class LinenMLP(nn.Module):
+    head_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = jax.nn.gelu(nn.Dense(16)(x))
+        x = jax.nn.gelu(nn.Dense(16)(x))
+        return nn.Dense(4, name=self.head_name)(x)
+
+
+def test_linen_default_names_are_refused_until_the_head_is_known():
+    params = LinenMLP().init(jax.random.key(0), jnp.ones((2, 8)))
+    with pytest.raises(ValueError) as err:
+        dion3_jax.dion3(0.02).init(params)
+    msg = str(err.value)
+    assert "Dense_0, Dense_1, Dense_2" in msg and 'name="head"' in msg
+    assert "['params']['Dense_2']['kernel']  shape=(16, 4)" in msg
+    assert 'head_pattern="^Dense_2$"' in msg and "head_pattern=None" in msg
+    named = LinenMLP(head_name="head").init(jax.random.key(0), jnp.ones((2, 8)))
+    labels = dion3_jax.default_param_labels(named)["params"]
+    assert [labels[k]["kernel"] for k in ("Dense_0", "Dense_1", "head")] == [
+        "dion3", "dion3", "scalar"]
+    said = dion3_jax.default_param_labels(params, head_pattern="^Dense_2$")["params"]
+    assert [said[k]["kernel"] for k in ("Dense_0", "Dense_1", "Dense_2")] == [
+        "dion3", "dion3", "scalar"]
+    tx = dion3_jax.dion3(0.02, param_labels=lambda p: dion3_jax.default_param_labels(
+        p, head_pattern="^Dense_2$"))
+    tx.init(params)   # the one-line fix of the message works
+
+
+# ------------------------------------------------------------------------------------------
+# Recipes: MoE expert stacks, multi-axis attention kernels
+
+
+def test_moe_expert_stack_is_one_matrix_per_expert():
+    k = jax.random.split(jax.random.key(0), 2)
+    params = {"router": {"kernel": jax.random.normal(k[0], (8, 4))},
+              "experts": {"kernel": jax.random.normal(k[1], (3, 8, 16)),
+                          "bias": jnp.zeros((3, 16))}}
+    grads = [_like(params, s) for s in (1, 2)]
+    tx = dion3_jax.dion3(0.02, 0.5, dimension_numbers=STACKED, adam_learning_rate=1e-2)
+    rows = _table_rows(dion3_jax.routing_table(params, dimension_numbers=STACKED))
+    assert rows["['experts']['kernel']"][1:3] == ["dion3", "3 × 16×8"]
+    assert rows["['experts']['bias']"][1] == "scalar"
+    step = jax.jit(tx.update)
+    state, got = tx.init(params), []
+    for g in grads:
+        u, state = step(g, state, params)
+        got.append(u["experts"])
+    one = dion3_jax.dion3(0.02, 0.5, adam_learning_rate=1e-2)
+    step1 = jax.jit(one.update)
+    for e in range(3):
+        pe = jax.tree.map(lambda x, e=e: x[e], params["experts"])
+        s = one.init(pe)
+        for g, want in zip(grads, got):
+            u, s = step1(jax.tree.map(lambda x, e=e: x[e], g["experts"]), s, pe)
+            for name in ("kernel", "bias"):
+                np.testing.assert_allclose(want[name][e], u[name], rtol=2e-5, atol=1e-7)
+
+
+def attention_dims(params):
+    """The docs/ROUTING.md recipe: attention kernels span several axes; the rest (..., in, out)."""
+    def one(path, leaf):
+        names = {str(getattr(k, "key", k)) for k in path}
+        if "attn" in names and "out" in names:                     # (..., heads, hd, embed)
+            return dion3_jax.DimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
+        if "attn" in names and names & {"query", "key", "value"}:  # (..., embed, heads, hd)
+            return dion3_jax.DimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))
+        return dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def test_attention_kernel_recipe_matches_the_2d_matrix():
+    k = jax.random.split(jax.random.key(0), 2)
+    attn = {"query": {"kernel": jax.random.normal(k[0], (8, 2, 4)), "bias": jnp.zeros((2, 4))},
+            "out": {"kernel": jax.random.normal(k[1], (2, 4, 8))}}
+    with pytest.raises(ValueError, match=r"\['attn'\]\['query'\]\['kernel'\]  shape=\(8, 2, 4\)"):
+        dion3_jax.default_param_labels({"attn": attn})
+    flat = {"query": {"kernel": attn["query"]["kernel"].reshape(8, 8)},
+            "out": {"kernel": attn["out"]["kernel"].reshape(8, 8)}}
+    params = {"attn": attn, "flat": flat}
+    grads = _like(params, 1)
+    grads["flat"] = {"query": {"kernel": grads["attn"]["query"]["kernel"].reshape(8, 8)},
+                     "out": {"kernel": grads["attn"]["out"]["kernel"].reshape(8, 8)}}
+    rows = _table_rows(dion3_jax.routing_table(params, dimension_numbers=attention_dims))
+    assert rows["['attn']['query']['kernel']"][1:3] == ["dion3", "1 × 8×8"]
+    assert rows["['attn']['query']['bias']"][1] == "scalar"
+    heads = _table_rows(dion3_jax.routing_table(params, dimension_numbers=attention_dims,
+                                                num_heads={"attn": {"query": 2}}))
+    assert heads["['attn']['query']['kernel']"][2] == "2 × 4×8"
+    tx = dion3_jax.dion3(0.02, 0.5, dimension_numbers=attention_dims)
+    u = jax.jit(tx.update)(grads, tx.init(params), params)[0]
+    for name in ("query", "out"):
+        np.testing.assert_allclose(u["attn"][name]["kernel"].reshape(8, 8),
+                                   u["flat"][name]["kernel"], rtol=2e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------
+# The routing table; Python float leaves
+
+
+def _mixed():
+    return {"embed": {"embedding": jnp.ones((16, 8))},
+            "blocks": {"qkv": {"kernel": jnp.ones((2, 8, 24))},
+                       "o": {"kernel": jnp.ones((2, 8, 8))},
+                       "norm": {"scale": jnp.ones((2, 8))}},
+            "lm_head": {"kernel": jnp.ones((8, 16))}, "t": 1.0}
+
+
+def test_routing_table_contents():
+    table = dion3_jax.routing_table(
+        _mixed(), dimension_numbers=STACKED, num_heads={"blocks": {"o": 2}},
+        split_sizes={"blocks": {"qkv": (8, 8, 8)}})
+    rows = _table_rows(table)
+    assert table.splitlines()[0].split()[:3] == ["path", "shape", "optimizer"]
+    assert rows["['blocks']['qkv']['kernel']"] == [
+        "(2, 8, 24)", "dion3", "2 × 8×8 + 2 × 8×8 + 2 × 8×8", "dimension_numbers"]
+    assert rows["['blocks']['o']['kernel']"][:3] == ["(2, 8, 8)", "dion3", "4 × 4×8"]
+    assert rows["['blocks']['norm']['scale']"] == ["(2, 8)", "scalar", "-", "vector name 'norm'"]
+    assert rows["['embed']['embedding']"][1] == rows["['lm_head']['kernel']"][1] == "scalar"
+    assert rows["['t']"] == ["()", "scalar", "-", "rank 0"]
+    assert table.splitlines()[-1] == (
+        "dion3: 2 leaves, 512 parameters; scalar: 4 leaves, 273 parameters")
+
+
+def test_routing_table_applies_the_optimizers_rules():
+    params = _mixed()
+    with pytest.raises(ValueError, match=FIX) as table_err:
+        dion3_jax.routing_table(params)
+    with pytest.raises(ValueError) as init_err:
+        dion3_jax.dion3(0.02).init(params)
+    assert str(table_err.value) == str(init_err.value)
+    labels = dion3_jax.default_param_labels(params, STACKED)
+    rows = _table_rows(dion3_jax.routing_table(params, dimension_numbers=STACKED))
+    flat = jax.tree_util.tree_flatten_with_path(labels)[0]
+    assert {jax.tree_util.keystr(p): v for p, v in flat} == {p: r[1] for p, r in rows.items()}
+    mine = {"embed": "dion3", "blocks": "scalar", "lm_head": "scalar", "t": "scalar"}
+    rows = _table_rows(dion3_jax.routing_table(params, param_labels=mine))
+    assert rows["['embed']['embedding']"] == ["(16, 8)", "dion3", "1 × 8×16", "param_labels"]
+    with pytest.raises(ValueError, match=r"\['t'\] the label 'adam'"):
+        dion3_jax.routing_table(params, param_labels={**mine, "t": "adam"})
+
+
+def test_python_float_leaf_goes_to_adamw():
+    params = {"w": jnp.ones((8, 16)), "t": 1.0}
+    assert dion3_jax.default_param_labels(params) == {"w": "dion3", "t": "scalar"}
+    assert _table_rows(dion3_jax.routing_table(params))["['t']"][:2] == ["()", "scalar"]
+    tx = dion3_jax.dion3(0.02, adam_learning_rate=1e-2)
+    grads = {"w": jnp.ones((8, 16)), "t": 0.5}
+    upd = tx.update(grads, tx.init(params), params)[0]
+    np.testing.assert_allclose(upd["t"], _adamw_update(grads, params)["t"], rtol=1e-6)
