@@ -93,6 +93,7 @@ def test_nnx_stacked_kernels_are_refused_naming_the_leaf(stacked_model):
     assert re.search(FIX, msg) and "bias" not in msg and "norm" not in msg
 
 
+@pytest.mark.slow
 def test_nnx_stacked_model_routes_per_layer_and_round_trips(stacked_model):
     model = stacked_model
     labels = dion3_jax.default_param_labels(nnx.state(model, nnx.Param), STACKED)
@@ -148,6 +149,7 @@ class LinenScanned(nn.Module):
         return nn.Dense(5, name="head")(x)
 
 
+@pytest.mark.slow
 def test_linen_scan_stacked_biases_go_to_adamw():
     params = LinenScanned().init(jax.random.key(0), jnp.ones((2, 8)))
     with pytest.raises(ValueError, match=r"\['params'\]\['blocks'\]\['Dense_0'\]\['kernel'\]"
@@ -198,6 +200,7 @@ def test_linen_default_names_are_refused_until_the_head_is_known():
 # Recipes: MoE expert stacks, multi-axis attention kernels
 
 
+@pytest.mark.slow
 def test_moe_expert_stack_is_one_matrix_per_expert():
     k = jax.random.split(jax.random.key(0), 2)
     params = {"router": {"kernel": jax.random.normal(k[0], (8, 4))},
@@ -236,6 +239,7 @@ def attention_dims(params):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
+@pytest.mark.slow
 def test_attention_kernel_recipe_matches_the_2d_matrix():
     k = jax.random.split(jax.random.key(0), 2)
     attn = {"query": {"kernel": jax.random.normal(k[0], (8, 2, 4)), "bias": jnp.zeros((2, 4))},

@@ -348,6 +348,7 @@ def test_leaf_errors_at_init_name_the_leaf(shape, opts, match):
     assert "kernel" in str(e.value) or "num_heads" in str(e.value)
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_is_detectable_and_skippable():
     """A NaN gradient makes the update non-finite (detectable); optax.apply_if_finite skips it
     and leaves the Dion3 state bit-for-bit unchanged, so training continues unpoisoned."""
@@ -381,6 +382,7 @@ def test_nonfinite_gradient_is_detectable_and_skippable():
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u2))
 
 
+@pytest.mark.slow
 def test_custom_orthogonalizer_gets_batches():
     seen = []
 
@@ -396,6 +398,7 @@ def test_custom_orthogonalizer_gets_batches():
     assert sorted(seen) == sorted([(2, 8, 16), (1, 8, 8)])
 
 
+@pytest.mark.slow
 def test_default_orthogonalizer_returns_the_compute_dtype_same_update():
     """scale_by_dion3 takes the polar factors in the compute dtype (no float32 copy); for float32
     parameters the update is bitwise the one with factors cast to float32 by the polar."""
