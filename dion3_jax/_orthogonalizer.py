@@ -37,6 +37,17 @@ class Orthogonalizer:
     def __call__(self, x: jax.Array) -> jax.Array:
         return polar(x, **self.polar_kwargs)
 
+    @property
+    def input_dtype(self):
+        """The dtype the iteration runs in: a payload normalised by the caller may be sent in it."""
+        return jnp.dtype(resolved_compute_dtype(self.polar_kwargs.get("method", "gram"),
+                                                self.polar_kwargs.get("compute_dtype")))
+
+    @property
+    def eps(self) -> float:
+        """Added to the Frobenius norm before dividing (``polar``'s ``eps``)."""
+        return self.polar_kwargs.get("eps", _POLAR_DEFAULTS["eps"])
+
     def stacked(self, parts: Sequence[jax.Array],
                 norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
         """``self(jnp.concatenate(parts))`` for ``(b_i, rows, cols)`` parts of one shape and dtype,

@@ -70,6 +70,9 @@ class Plan(NamedTuple):
       norms_over_replicas: row scores are summed over the replica axis ("norms" sync).
       stack_on_device: on-device groups are normalised per matrix before stacking (no replica
         averaging in between).
+      send_normalized: all-to-all payloads travel normalised, in the orthogonalizer's input
+        dtype (the built-in orthogonalizer, no replica averaging in between); their norms are
+        all-reduced first, a float per matrix.
       row_norm_uids: units whose polar norm comes from row statistics taken beside the scores.
     """
 
@@ -80,6 +83,7 @@ class Plan(NamedTuple):
     random_selection: bool
     norms_over_replicas: bool
     stack_on_device: bool
+    send_normalized: bool
     row_norm_uids: frozenset[int]
 
 
@@ -166,11 +170,12 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
         groups.setdefault(u.group, []).append(u.uid)
     replica = ctx.replica_axis is not None
     stack = not ctx.compressed
+    norms = stack and cfg.orthogonalizer.takes_norms
     row_norms = frozenset(
-        u.uid for u in units if stack and cfg.orthogonalizer.takes_norms
-        and u.shard == "whole" and not u.split and not u.full)
+        u.uid for u in units if norms and not u.full and (
+            u.group.route == "all_to_all" or (u.shard == "whole" and not u.split)))
     return Plan(ctx, tuple(leaves), tuple(units),
                 tuple((k, tuple(v)) for k, v in groups.items()),
                 replica and cfg.mesh_options.replica_selection == "random",
                 ctx.compressed and cfg.mesh_options.replica_selection == "norms",
-                stack, row_norms)
+                stack, norms, row_norms)

@@ -45,11 +45,15 @@ def row_sq_sums(m: jax.Array, row_axis: int) -> jax.Array:
     return _norms.sq_sum(m.astype(jnp.float32), 3 - row_axis)
 
 
-def selected_norm(row_sums: jax.Array, rows: jax.Array) -> jax.Array:
-    """``‖M[I]‖_F`` per batch element, ``(batch,)``, from :func:`row_sq_sums` of ``M``
-    (``rows``: ``(batch, k)`` indices): the selected rows' squared norms summed."""
-    return _norms.norm_from_sq_sum(jnp.sum(jnp.take_along_axis(row_sums, rows, axis=1),
-                                           axis=1))
+def selected_sq_sum(row_sums: jax.Array, rows: jax.Array,
+                    valid: jax.Array | None = None) -> jax.Array:
+    """The selected rows' :func:`row_sq_sums` summed per batch element, ``(batch,)``: the
+    (scaled) ``‖M[I]‖_F²`` of the rows ``rows`` (``(batch, k)`` indices; ``valid`` masks out
+    padding rows). :func:`dion3_jax._norms.norm_from_sq_sum` turns it into the norm."""
+    picked = jnp.take_along_axis(row_sums, rows, axis=1)
+    if valid is not None:
+        picked = jnp.where(valid, picked, 0.0)
+    return jnp.sum(picked, axis=1)
 
 
 def random_scores(seed: int, count: jax.Array, uid: int, shape: tuple[int, ...],

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dion3_jax import _megabatch, _rules, _selection
+from dion3_jax import _megabatch, _norms, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum
 from dion3_jax._config import Dion3Config
 from dion3_jax._plan import Plan, Unit
@@ -41,7 +41,7 @@ class Pick(NamedTuple):
 
     rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
     payload: jax.Array          # S = M[I], (batch, pick, C) in the block's orientation
-    norm: jax.Array | None      # ‖S‖_F per matrix, from row statistics
+    sq_sum: jax.Array | None    # this device's part of Σ (S·2⁻³²)² per matrix (_norms)
 
 
 class Polar(NamedTuple):
@@ -158,7 +158,8 @@ def _mine_of_global(u: Unit, top: jax.Array, devices: int):
     return li, jnp.take_along_axis(mine, li, axis=1)
 
 
-def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, start) -> Pick:
+def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, start,
+                       row_sums) -> Pick:
     """A "rows" unit's payload: its picked local rows, padding rows zeroed."""
     ra = u.layout.row_axis
     if cfg.mesh_options.selection_scope == "global":
@@ -170,8 +171,10 @@ def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, st
     rows = jnp.where(valid, start + li, n_local + jnp.arange(u.pick))   # distinct, dropped
     rows = jnp.sort(rows, axis=1)               # ascending; the padding rows come last
     valid = rows < n_local
-    s = _selection.gather_rows(m, jnp.minimum(rows, n_local - 1), ra)
-    return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), None)
+    clamped = jnp.minimum(rows, n_local - 1)
+    s = _selection.gather_rows(m, clamped, ra)
+    sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, clamped, valid)
+    return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), sq)
 
 
 def select(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> tuple[Pick, ...]:
@@ -181,18 +184,19 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> tuple[Pick, ...]:
     picks = []
     for u in plan.units:
         m = acc.momentum[u.leaf][u.block]
+        row_sums = acc.row_sq.get((u.leaf, u.block))
         if u.full:
-            picks.append(Pick(None, m, None))
+            sent = plan.send_normalized and u.group.route == "all_to_all"
+            sq = _norms.sq_sum(m.astype(jnp.float32), (1, 2)) if sent else None
+            picks.append(Pick(None, m, sq))
         elif u.shard == "rows":
             picks.append(_pick_segment_rows(cfg, plan, u, m, tops[u.uid], acc.scores[u.uid],
-                                            acc.positions[u.uid][0]))
+                                            acc.positions[u.uid][0], row_sums))
         else:
             i = jnp.sort(tops[u.uid], axis=1)   # ascending rows: local gathers (polar is
-            key = (u.leaf, u.block)             # row-permutation equivariant)
-            norm = (_selection.selected_norm(acc.row_sq[key], i) if key in acc.row_sq
-                    else None)
-            picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), norm))
-    return tuple(picks)
+            sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, i)
+            picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), sq))
+    return tuple(picks)         # (row-permutation equivariant)
 
 
 class GroupBatch(NamedTuple):
@@ -200,25 +204,43 @@ class GroupBatch(NamedTuple):
 
     key: _megabatch.GroupKey
     uids: tuple[int, ...]
-    parts: list[jax.Array]           # per member, (batch, a, b)
-    norms: list[jax.Array | None]
-    stacked: jax.Array | None        # the concatenated (replica-averaged) batch, if stacked
+    parts: list[jax.Array]           # per member, (batch, a, b): the payloads S
+    norms: list[jax.Array | None]    # ‖S‖_F per matrix, when known without reading S again
+    stacked: jax.Array | None        # what the collective sends: None for on-device groups
+    normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
 
 
-def gather_and_send(plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
+def _sent_norms(plan: Plan, picks: tuple[Pick, ...]) -> dict[int, jax.Array]:
+    """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
+    all-reduced (one float per matrix; one collective per mesh-axes tuple)."""
+    uids = [i for key, uids in plan.groups if key.route == "all_to_all" for i in uids]
+    totals = batched_psum([(picks[i].sq_sum, plan.units[i].comm) for i in uids])
+    return {i: _norms.norm_from_sq_sum(t) for i, t in zip(uids, totals)}
+
+
+def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
     """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
-    part by the orthogonalizer); the others are stacked (and averaged over the replicas under
-    compressed sync) for their collective."""
+    part by the orthogonalizer). All-to-all groups are normalised by their whole matrices'
+    norms and cast to the orthogonalizer's input dtype before they are stacked for the
+    collective (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then
+    averaged over the replicas first) the raw payloads are stacked."""
+    orth = cfg.orthogonalizer
+    sent = _sent_norms(plan, picks) if plan.send_normalized else {}
     batches = []
     for key, uids in plan.groups:
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
-        norms = [picks[i].norm for i in uids]
-        stacked = None
-        if not (key.route == "on_device" and plan.stack_on_device):
+        norms = [None if picks[i].sq_sum is None else _norms.norm_from_sq_sum(picks[i].sq_sum)
+                 for i in uids]
+        stacked, normalized = None, key.route == "all_to_all" and plan.send_normalized
+        if normalized:
+            stacked = _megabatch.stack([
+                (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
+                    orth.input_dtype) for i, p in zip(uids, parts)])
+        elif not (key.route == "on_device" and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
             if plan.ctx.compressed:
                 stacked = jax.lax.pmean(stacked, plan.ctx.replica_axis)
-        batches.append(GroupBatch(key, uids, parts, norms, stacked))
+        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized))
     return batches
 
 
@@ -231,6 +253,11 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         sizes = [plan.units[i].layout.batch for i in b.uids]
         if b.stacked is None:
             o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
+            selected = b.parts
+        elif b.normalized:          # unit norms: the polar only guards against ε there
+            o = _megabatch.orthogonalize_group(
+                b.stacked, b.key, plan.ctx.size(b.key.axes),
+                lambda x: orth.stacked([x], [jnp.ones(x.shape[0], jnp.float32)]))
             selected = b.parts
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
@@ -311,7 +338,7 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks = select(cfg, plan, acc)
-    polars = megabatched_polar(cfg, plan, gather_and_send(plan, picks))
+    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
     momentum, row_pos = error_feedback(cfg, plan, acc, picks, polars)
     dirs, variance = normalise(cfg, plan, acc, picks, polars)
     return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_pos, momentum, variance)

@@ -278,26 +278,38 @@ def fsdp_model(layers: int, mesh):
     return leaves
 
 
-def test_polar_factors_travel_back_in_the_compute_dtype():
-    """The payload goes out in float32 and the polar factors come back in the polar's compute
-    dtype (float16 for Gram NS): per shape group one float32 and one float16 all-to-all of the
-    same shape, so the step moves 3/4 of the bytes of an all-float32 exchange."""
+def all_to_all_dtypes(hlo: str) -> dict[str, list[str]]:
+    """The compiled all-to-alls' result shapes, by element type."""
+    shapes: dict[str, list[str]] = {}
+    for line in hlo.splitlines():
+        m = re.search(r"= \(*([a-z]+[0-9]+)(\[[0-9,]*\])", line)   # (GPU: async tuples)
+        if m and re.search(r" all-to-all(?:-start)?\(", line):
+            shapes.setdefault(m.group(1), []).append(m.group(2))
+    return shapes
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_payload_travels_normalised_in_the_compute_dtype_both_ways(fraction):
+    """With the built-in orthogonalizer (Gram NS in float16) no all-to-all moves 32-bit data:
+    the payload is normalised by its whole matrix's norm (all-reduced as one float per matrix)
+    and cast to float16 before it leaves the device, and the factors come back in float16. A
+    user's callable gets the raw float32 payload (what it would see on one device)."""
     mesh = make_mesh((N,))
     leaves = fsdp_model(2, mesh)
-    with jax.set_mesh(mesh):
-        tx = dion3_jax.scale_by_dion3(1.0)
-        params = put(random_tree(leaves, 0), leaves, mesh)
-        hlo = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
-    shapes = {"f32": [], "f16": []}
-    for line in hlo.splitlines():
-        m = re.search(r"= \(*(f32|f16)(\[[0-9,]*\])", line)   # (GPU: async tuples)
-        if m and re.search(r" all-to-all(?:-start)?\(", line):
-            shapes[m.group(1)].append(m.group(2))
-    assert len(shapes["f32"]) + len(shapes["f16"]) == count_op(hlo, "all-to-all") >= 4, shapes
-    assert sorted(shapes["f32"]) == sorted(shapes["f16"]), shapes   # one of each per group
+    for orth, want in ((None, {"f16"}), (lambda x: dion3_jax.polar(x), {"f32"})):
+        with jax.set_mesh(mesh):
+            tx = dion3_jax.scale_by_dion3(fraction, orthogonalizer=orth)
+            params = put(random_tree(leaves, 0), leaves, mesh)
+            hlo = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
+        shapes = all_to_all_dtypes(hlo)
+        n = count_op(hlo, "all-to-all")
+        assert n >= 4 and sum(len(v) for v in shapes.values()) == n, shapes
+        if want == {"f16"}:
+            assert set(shapes) == {"f16"}, shapes
+        else:   # raw float32 out, the callable's float32 factors back
+            assert "f32" in shapes, shapes
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     mesh = make_mesh(need_2d())
