@@ -288,6 +288,7 @@ def all_to_all_dtypes(hlo: str) -> dict[str, list[str]]:
     return shapes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
 def test_payload_travels_normalised_in_the_compute_dtype_both_ways(fraction):
     """With the built-in orthogonalizer (Gram NS in float16) no all-to-all moves 32-bit data:
@@ -310,6 +311,7 @@ def test_payload_travels_normalised_in_the_compute_dtype_both_ways(fraction):
             assert "f32" in shapes, shapes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scope", ["local", "global"])
 def test_two_all_to_alls_per_shape_group_at_any_depth(scope):
     mesh = make_mesh(need_2d())
