@@ -188,8 +188,8 @@ def test_write_outputs_without_matplotlib(tmp_path, monkeypatch):
     cfg = train_lm.Config(steps=2)
     record = dict(optimizer="adamw", hyperparameters=dict(lr=1e-3, b1=0.9), train_losses=[5.0, 4.0],
                   heldout_curve=[(2, 4.5)], train_loss=4.1, heldout_loss=4.5, seconds=1.0,
-                  step_ms=10.0)
-    written = train_lm.write_outputs(str(tmp_path), cfg, {}, [record], grad_ms=8.0)
+                  step_ms=10.0, grad_ms=8.0)
+    written = train_lm.write_outputs(str(tmp_path), cfg, {}, [record])
     assert written["plot"] is None
     assert "20%" in written["table"]  # (10 - 8) / 10 of the step is the optimizer
     assert (tmp_path / "table.txt").exists() and (tmp_path / "results.json").exists()

@@ -56,8 +56,8 @@ def test_tiny_run_learns(train_lm, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "held-out" in out["table"] and "dion3" in out["table"] and "adamw" in out["table"]
     assert "step ms" in out["table"] and "optimizer %" in out["table"]
-    # Step times: a full step costs at least a little more than its forward + backward part.
-    assert out["grad_ms"] > 0 and all(r["step_ms"] > 0 for r in out["results"])
+    # Step times of the full step and of forward + backward alone, per optimizer.
+    assert all(r["step_ms"] > 0 and r["grad_ms"] > 0 for r in out["results"])
     with open(os.path.join(str(tmp_path), "table.txt")) as f:
         assert f.read().strip() == out["table"]
     assert os.path.getsize(out["json"]) > 0
