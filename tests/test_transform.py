@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -493,3 +494,33 @@ def test_integer_or_complex_params_name_the_leaf():
     for dtype in (jnp.int32, jnp.complex64):
         with pytest.raises(ValueError, match=r"\['layer'\]\['kernel'\]"):
             tx.init({"layer": {"kernel": jnp.ones((8, 12), dtype)}})
+
+
+def _jaxpr_size(jaxpr) -> int:
+    """Equations of a jaxpr, nested sub-jaxprs included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += _jaxpr_size(sub)
+    return total
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_stacked_layers_trace_independent_of_depth(fraction):
+    """Stacked blocks (one (layers, in, out) leaf per weight) are one batch each: the traced
+    step has the same number of operations for 2 and for 16 layers, so compile time does not
+    grow with depth (an unrolled model's grows linearly)."""
+    sizes = {}
+    for layers in (2, 16):
+        params = {"q": jnp.ones((layers, 32, 32)), "up": jnp.ones((layers, 32, 64)),
+                  "down": jnp.ones((layers, 64, 32))}
+        tx = dion3_jax.scale_by_dion3(fraction)
+        jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params))
+        sizes[layers] = _jaxpr_size(jaxpr.jaxpr)
+    assert sizes[2] == sizes[16], sizes
+    unrolled = {f"{k}{i}": jnp.ones((32, 32)) for i in range(4) for k in "ab"}
+    tx = dion3_jax.scale_by_dion3(fraction)
+    four = _jaxpr_size(jax.make_jaxpr(tx.update)(unrolled, tx.init(unrolled)).jaxpr)
+    two = {k: v for k, v in unrolled.items() if k[1] in "01"}
+    assert four > _jaxpr_size(jax.make_jaxpr(tx.update)(two, tx.init(two)).jaxpr)
