@@ -20,6 +20,7 @@ def train_lm():
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # ~30 s on the 2-core machine: two optimizers compile and train
 def test_tiny_run_learns(train_lm, tmp_path):
     cfg = train_lm.Config(
         d_model=32, layers=1, heads=2, seq_len=32, batch=8, steps=60, warmup=5,
