@@ -17,6 +17,7 @@ from dion3_jax._alias import (
 )
 from dion3_jax._coefficients import PRESETS as COEFFICIENT_PRESETS
 from dion3_jax._coefficients import get_coefficients
+from dion3_jax._config import momentum_for_fraction
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer, make_orthogonalizer
@@ -52,6 +53,7 @@ __all__ = (
     "gram_newton_schulz",
     "lr_scale",
     "make_orthogonalizer",
+    "momentum_for_fraction",
     "muon",
     "normuon",
     "num_selected",

@@ -53,7 +53,7 @@ def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fracti
 def dion3(
     learning_rate: optax.ScalarOrSchedule,
     fraction: float = 0.25,
-    mu: jax.typing.ArrayLike = 0.95,
+    mu: jax.typing.ArrayLike | None = None,
     beta2: jax.typing.ArrayLike = 0.95,
     weight_decay: optax.ScalarOrSchedule = 0.01,
     weight_decay_mask: Any = None,
@@ -91,7 +91,8 @@ def dion3(
       learning_rate: base learning rate or schedule (Dion3 default in the reference: 0.01–0.02).
       fraction: static fraction of rows orthogonalized per step, in ``(0, 1]``; see
         :func:`transfer_learning_rate` to move a learning rate between fractions.
-      mu: error-feedback decay (momentum at ``f = 1``).
+      mu: error-feedback decay (momentum at ``f = 1``); default ``0.95^(1/f)``, see
+        :func:`dion3_jax.momentum_for_fraction` (``mu=0.95`` is the reference's default).
       beta2: NorMuon second-moment EMA coefficient.
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.

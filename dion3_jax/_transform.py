@@ -169,7 +169,7 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
 
 def scale_by_dion3(
     fraction: float = 0.25,
-    mu: jax.typing.ArrayLike = 0.95,
+    mu: jax.typing.ArrayLike | None = None,
     beta2: jax.typing.ArrayLike = 0.95,
     *,
     flavour: Flavour = "normuon",
@@ -193,6 +193,9 @@ def scale_by_dion3(
         selects ``k = max(1, ceil(f·n))`` of its ``n`` output rows. Not injectable (it fixes
         shapes): with ``optax.inject_hyperparams`` list it in ``static_args``.
       mu: error-feedback decay of the selected rows (the momentum coefficient at ``f = 1``).
+        Default ``None``: ``0.95^(1/f)`` (:func:`dion3_jax.momentum_for_fraction`: the same
+        memory per row as momentum 0.95 at ``f = 1``; 0.8145 at ``f = 1/4``). Pass ``mu=0.95``
+        for the reference's constant default.
       beta2: EMA coefficient of the NorMuon per-row second moment.
       flavour: ``"normuon"`` (row-normalised, the Dion3 default) or ``"muon"`` (plain polar).
       adjust_lr: per-matrix shape factor: ``"spectral_norm"`` (√(fan_out/fan_in)),

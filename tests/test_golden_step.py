@@ -58,7 +58,7 @@ def _run(fraction: float, mesh) -> dict[str, np.ndarray]:
         put = lambda t: {k: jax.device_put(v, NamedSharding(mesh, LEAVES[k][1]))  # noqa: E731
                          for k, v in t.items()}
         params, grads = put(params), [put(g) for g in grads]
-    tx = dion3_jax.scale_by_dion3(fraction)
+    tx = dion3_jax.scale_by_dion3(fraction, mu=0.95)   # the recorded (reference) default
     state = tx.init(params)
     update = jax.jit(tx.update)
     out = {}

@@ -136,10 +136,10 @@ def test_default_precision_close_to_reference():
     shape, f = (64, 48), 0.25
     w0 = rng.standard_normal(shape).astype(np.float32)
     grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(STEPS)]
-    want, _, _ = _reference_run(w0, grads, "flax", f, lr=0.02, mu=0.95, beta2=0.95, wd=0.01,
-                                flavour="normuon", adjust="spectral_norm", num_heads=None,
-                                splits=None)
-    tx = dion3_jax.dion3(0.02, f)
+    want, _, _ = _reference_run(w0, grads, "flax", f, lr=0.02, mu=0.95 ** (1 / f), beta2=0.95,
+                                wd=0.01, flavour="normuon", adjust="spectral_norm",
+                                num_heads=None, splits=None)
+    tx = dion3_jax.dion3(0.02, f)    # default mu: 0.95^(1/f)
     params = {"w": jnp.asarray(w0)}
     state = tx.init(params)
     for g in grads:
@@ -524,3 +524,19 @@ def test_stacked_layers_trace_independent_of_depth(fraction):
     four = _jaxpr_size(jax.make_jaxpr(tx.update)(unrolled, tx.init(unrolled)).jaxpr)
     two = {k: v for k, v in unrolled.items() if k[1] in "01"}
     assert four > _jaxpr_size(jax.make_jaxpr(tx.update)(two, tx.init(two)).jaxpr)
+
+
+def test_default_mu_follows_the_fraction_and_the_reference_default_stays_reachable():
+    """mu=None (default) is 0.95^(1/f); mu=0.95 is the reference's constant. Checked on the
+    momentum after one step: unselected rows keep G, selected rows decay by the chosen mu."""
+    g = np.zeros((8, 16), np.float32)
+    g[:, :4] = 2.0                               # rows 0..3 (outputs) are the top-4 at f = 1/4
+    g[:, 4:] = 1.0
+    for mu, want in ((None, 0.95 ** 4), (0.95, 0.95)):
+        tx = dion3_jax.scale_by_dion3(0.25, mu=mu)
+        _, state = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros((8, 16))}))
+        m = np.asarray(state.momentum["w"])
+        np.testing.assert_allclose(m[:, :4], want * 2.0, rtol=1e-6)
+        np.testing.assert_array_equal(m[:, 4:], 1.0)
+    assert dion3_jax.momentum_for_fraction(1.0) == 0.95
+    assert abs(dion3_jax.momentum_for_fraction(0.125, 0.9) - 0.9 ** 8) < 1e-15
