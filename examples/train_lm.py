@@ -21,14 +21,26 @@ Data split: every file goes to the held-out set or to the training set by a hash
 relative to the stdlib root, so the split is the same on every machine and held-out files are
 never trained on. Loss is the mean cross-entropy per byte in nats.
 
-Each run writes ``table.txt``, ``results.json`` and ``loss.png`` into a new folder
-``runs/train_lm/<YYYYmmdd-HHMMSS>/`` (or ``--out``; an earlier run there is never overwritten
-unless ``--overwrite`` is given).
+Each run writes ``config.json`` at the start and ``table.txt``, ``results.json`` and ``loss.png``
+at the end into a new folder ``runs/train_lm/<YYYYmmdd-HHMMSS>/`` (or ``--out``; an earlier run
+there is never overwritten unless ``--overwrite`` is given).
+
+Checkpoints: ``--checkpoint-every N`` saves, every N steps and at the last step, an orbax
+checkpoint per optimizer under ``<run>/checkpoints/<optimizer>/<step>/``: the model's and the
+``nnx.Optimizer``'s state, and a JSON record of the step reached, the seed (the batch of step s
+is a function of the seed and s only, so the step is the data position) and the losses and step
+times so far. ``--resume <run>`` continues every optimizer from its latest checkpoint with the
+run's settings (``<run>/config.json``) and writes the outputs into the same folder; earlier
+outputs there are kept and the new ones get a ``-resumed<k>`` suffix. The continued run is
+bitwise the uninterrupted one on the CPU (``tests/test_train_lm.py``). ``--stop-after S`` stops
+every optimizer after step S with a checkpoint, e.g. to fit a time limit.
 
 Usage::
 
     python examples/train_lm.py                       # Dion3, NorMuon and AdamW, CPU defaults
     python examples/train_lm.py --optimizers dion3 --steps 200
+    python examples/train_lm.py --checkpoint-every 100 --out runs/mine   # then, if stopped:
+    python examples/train_lm.py --resume runs/mine
     python examples/train_lm.py --help
 """
 
@@ -42,6 +54,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -111,6 +124,10 @@ class Config:
     out: str | None = None  # None: a new folder runs/train_lm/<YYYYmmdd-HHMMSS>.
     overwrite: bool = False
     progress: bool = True
+    # Checkpoints (run control: they never change the trajectory).
+    checkpoint_every: int = 0  # 0: no checkpoints; else every N steps and at the last step.
+    stop_after: int | None = None  # stop every optimizer after this step (with a checkpoint).
+    resume: str | None = None  # a run folder to continue from its latest checkpoints.
 
     @property
     def names(self) -> list[str]:
@@ -168,7 +185,18 @@ _FLAGS = {
     "out": (str, "output folder; default a new runs/train_lm/<YYYYmmdd-HHMMSS>"),
     "overwrite": (None, "allow --out to be a folder that already holds a run"),
     "progress": (None, "progress bar on a terminal, plain lines otherwise"),
+    "checkpoint_every": (_common.nonnegative_int, "save an orbax checkpoint per optimizer every "
+                         "N steps and at the last step, under <run>/checkpoints/; 0: never"),
+    "stop_after": (_common.positive_int, "stop every optimizer after this step, with a "
+                   "checkpoint, to continue later with --resume; default: run to --steps"),
+    "resume": (str, "continue the run in this folder from its latest checkpoints, with its "
+               "settings (config.json); new outputs get a -resumed<k> suffix"),
 }
+
+# Fields that steer a run without changing what it computes: --resume may set them anew. Every
+# other field of a resumed run comes from the run's config.json and may not differ.
+RUN_CONTROL = ("out", "overwrite", "progress", "checkpoint_every", "stop_after", "resume")
+_UNSET = object()
 
 
 def build_parser():
@@ -187,17 +215,69 @@ def build_parser():
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Parses and validates the flags; every error exits through argparse before data loads."""
-    parser = build_parser()
+def _parsed(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict:
     args = vars(parser.parse_args(argv))
     if isinstance(args["optimizers"], list):
         args["optimizers"] = ",".join(args["optimizers"])
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parses and validates the flags; every error exits through argparse before data loads.
+
+    With ``--resume DIR`` the settings come from ``DIR/config.json``; a flag given on the command
+    line must agree with it, except the run-control flags (``RUN_CONTROL``).
+    """
+    parser = build_parser()
+    args = _parsed(parser, argv)
+    if args["resume"] is not None:
+        saved = saved_config(args["resume"])
+        if isinstance(saved, str):
+            parser.error(saved)
+        explicit = build_parser()
+        explicit.set_defaults(**{k: _UNSET for k in args})
+        given = {k: v for k, v in _parsed(explicit, argv).items() if v is not _UNSET}
+        run = {k: v for k, v in saved.items() if k not in RUN_CONTROL}
+        clash = [k for k in run if k in given and given[k] != run[k]]
+        if clash:
+            parser.error(f"--resume {args['resume']}: the run was started with "
+                         + ", ".join(f"--{k.replace('_', '-')} {run[k]}" for k in clash)
+                         + "; leave these flags out (a resumed run keeps its settings)")
+        args |= run
+        if "checkpoint_every" not in given:
+            args["checkpoint_every"] = saved.get("checkpoint_every", 0)
     cfg = Config(**args)
     problem = check_config(cfg)
     if problem:
         parser.error(problem)
     return cfg
+
+
+def saved_config(run_dir: str) -> dict | str:
+    """The settings a run in ``run_dir`` was started with, or what is wrong (a sentence)."""
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(path):
+        return f"--resume {run_dir}: no config.json there (not a folder of train_lm.py runs)"
+    with open(path) as f:
+        saved = json.load(f)
+    unknown = set(saved) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        return f"--resume {run_dir}: config.json has unknown settings {sorted(unknown)}"
+    return saved
+
+
+def _check_resume(cfg: Config) -> str | None:
+    saved = saved_config(cfg.resume)
+    if isinstance(saved, str):
+        return saved
+    if cfg.out is not None and os.path.abspath(cfg.out) != os.path.abspath(cfg.resume):
+        return f"--out {cfg.out}: a resumed run writes into its own folder {cfg.resume}"
+    mine = dataclasses.asdict(cfg)
+    clash = [k for k in saved if k not in RUN_CONTROL and saved[k] != mine[k]]
+    if clash:
+        return (f"--resume {cfg.resume}: settings differ from the run's config.json: "
+                + ", ".join(f"{k} {mine[k]!r} (run: {saved[k]!r})" for k in clash))
+    return None
 
 
 def check_config(cfg: Config) -> str | None:
@@ -209,7 +289,10 @@ def check_config(cfg: Config) -> str | None:
         return f"--d-model must be --heads × an even head size, got {cfg.d_model}, {cfg.heads}"
     if not 0 < cfg.fraction <= 1:
         return f"--fraction must be in (0, 1], got {cfg.fraction}"
-    if cfg.out and not cfg.overwrite and os.path.exists(os.path.join(cfg.out, "results.json")):
+    if cfg.resume is not None:
+        return _check_resume(cfg)
+    if cfg.out and not cfg.overwrite and any(
+            os.path.exists(os.path.join(cfg.out, f)) for f in ("results.json", "config.json")):
         return f"--out {cfg.out} already holds a run; pass --overwrite or another folder"
     return None
 
@@ -427,41 +510,134 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def run_one(name: str, cfg: Config, data: dict) -> dict:
-    """Trains one model with optimizer ``name`` on the shared batch order; returns its record."""
-    model = ByteLM(cfg, nnx.Rngs(cfg.seed))  # the same initialisation for every optimizer
-    tx, hp = make_optimizer(name, cfg)
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    losses, evals, step_s, grad_s = [], [], [], []
+class Checkpoints:
+    """The orbax checkpoints of one optimizer's run, in ``<run>/checkpoints/<name>/<step>/``.
+
+    Each holds ``state`` (the model's and the ``nnx.Optimizer``'s state as pure dicts of arrays,
+    restored onto the shardings of the live objects) and ``record`` (JSON: the step reached, the
+    seed and the losses and step times so far). The batch of step s is a function of the seed and
+    s alone, so the step is the whole data position; the model has no other randomness.
+    """
+
+    def __init__(self, run_dir: str, name: str):
+        import orbax.checkpoint as ocp  # only runs that checkpoint need orbax
+
+        self.ocp = ocp
+        path = os.path.abspath(os.path.join(run_dir, "checkpoints", name))
+        self.manager = ocp.CheckpointManager(
+            path, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, model: ByteLM, optimizer: nnx.Optimizer, record: dict) -> None:
+        """Saves the state after ``step`` steps (asynchronously; ``close`` waits)."""
+        ocp = self.ocp
+        state = {"model": nnx.to_pure_dict(nnx.state(model)),
+                 "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
+
+    def restore(self, model: ByteLM, optimizer: nnx.Optimizer) -> dict:
+        """Loads the latest checkpoint into ``model`` and ``optimizer``; returns its record."""
+        ocp = self.ocp
+        live = {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                              {k: nnx.to_pure_dict(v) for k, v in live.items()})
+        step = self.manager.latest_step()
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
+        for key, obj in (("model", model), ("optimizer", optimizer)):
+            nnx.replace_by_pure_dict(live[key], out["state"][key])
+            nnx.update(obj, live[key])
+        return out["record"]
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _new_record(cfg: Config) -> dict:
+    return dict(step=0, seed=cfg.seed, train_losses=[], heldout_curve=[], step_s=[], grad_s=[],
+                seconds=0.0)
+
+
+def _train_steps(name: str, cfg: Config, data: dict, model, optimizer, rec: dict,
+                 ckpt: Checkpoints | None) -> None:
+    """Trains from ``rec["step"]`` to ``--steps`` (or ``--stop-after``), updating ``rec``."""
+    last = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
     # Forward + backward alone is timed between training steps, under the same load as they are.
     time_at = set(np.linspace(1, cfg.steps - 1, cfg.timing_reps).astype(int)) if cfg.steps > 1 \
         else set()
     first = jnp.asarray(windows(data["train"], data["train_starts"][0], cfg.seq_len))
     jax.block_until_ready(grad_step(model, first))  # compiled (once for all runs) before timing
-    bar = _common.Progress(cfg.steps, name, cfg.progress)
-    t0 = time.perf_counter()
-    for step in range(cfg.steps):
+    bar = _common.Progress(last - rec["step"], name, cfg.progress)
+    losses, t0 = [], time.perf_counter()
+    for step in range(rec["step"], last):
         batch = jnp.asarray(windows(data["train"], data["train_starts"][step], cfg.seq_len))
         if step in time_at:
-            grad_s.append(_timed(grad_step, model, batch))
+            rec["grad_s"].append(_timed(grad_step, model, batch))
         t = time.perf_counter()
         losses.append(jax.block_until_ready(train_step(model, optimizer, batch)))
-        step_s.append(time.perf_counter() - t)
+        rec["step_s"].append(time.perf_counter() - t)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            evals.append((step + 1, evaluate(model, data["heldout_eval"][: cfg.eval_batches])))
-            bar.set_postfix(loss=f"{float(losses[-1]):.3f}", heldout=f"{evals[-1][1]:.3f}")
+            rec["heldout_curve"].append(
+                (step + 1, evaluate(model, data["heldout_eval"][: cfg.eval_batches])))
+            bar.set_postfix(loss=f"{float(losses[-1]):.3f}",
+                            heldout=f"{rec['heldout_curve'][-1][1]:.3f}")
         elif step % 10 == 0:
             bar.set_postfix(loss=f"{float(losses[-1]):.3f}")
         bar.update(1)
-    seconds = time.perf_counter() - t0
+        if ckpt is not None and ((step + 1) % max(cfg.checkpoint_every, 1) == 0
+                                 or step + 1 == last):
+            _sync_record(rec, step + 1, losses, t0)
+            losses, t0 = [], time.perf_counter()
+            ckpt.save(step + 1, model, optimizer, rec)
+    _sync_record(rec, last, losses, t0)
     bar.close()
-    losses = [float(x) for x in jax.device_get(losses)]
+
+
+def _sync_record(rec: dict, step: int, losses: list, t0: float) -> None:
+    rec["train_losses"] += [float(x) for x in jax.device_get(losses)]
+    rec["seconds"] += time.perf_counter() - t0
+    rec["step"] = step
+
+
+def run_one(name: str, cfg: Config, data: dict, run_dir: str | None = None):
+    """Trains one model with optimizer ``name`` on the shared batch order.
+
+    Returns ``(record, model)``; the record is ``None`` when ``--stop-after`` stopped the run
+    before ``--steps``. With ``--checkpoint-every`` or ``--stop-after`` checkpoints are saved
+    under ``run_dir``; with ``--resume`` training continues from the latest one there.
+    """
+    model = ByteLM(cfg, nnx.Rngs(cfg.seed))  # the same initialisation for every optimizer
+    tx, hp = make_optimizer(name, cfg)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    saving = cfg.checkpoint_every > 0 or cfg.stop_after is not None
+    ckpt = Checkpoints(run_dir, name) if run_dir and (saving or cfg.resume) else None
+    rec = _new_record(cfg)
+    if cfg.resume and ckpt.latest_step() is not None:
+        rec = ckpt.restore(model, optimizer)
+        print(f"{name}: resumed at step {rec['step']} from {cfg.resume}")
+    try:
+        _train_steps(name, cfg, data, model, optimizer, rec, ckpt if saving else None)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    if rec["step"] < cfg.steps:
+        return None, model
+    return _finish_record(name, hp, rec, model, data), model
+
+
+def _finish_record(name: str, hp: dict, rec: dict, model, data: dict) -> dict:
+    losses, step_s, grad_s = rec["train_losses"], rec["step_s"], rec["grad_s"]
     if not all(math.isfinite(x) for x in losses):
         print(f"warning: {name} produced a non-finite training loss")
     return dict(
-        optimizer=name, hyperparameters=hp, train_losses=losses, heldout_curve=evals,
+        optimizer=name, hyperparameters=hp, train_losses=losses,
+        heldout_curve=[tuple(e) for e in rec["heldout_curve"]],
         train_loss=evaluate(model, data["train_eval"]),
-        heldout_loss=evaluate(model, data["heldout_final"]), seconds=seconds,
+        heldout_loss=evaluate(model, data["heldout_final"]), seconds=rec["seconds"],
         # The first step compiles; the median of the others is the steady-state step time.
         step_ms=1e3 * float(np.median(step_s[1:] or step_s)),
         grad_ms=1e3 * float(np.median(grad_s)) if grad_s else float("nan"),
@@ -471,7 +647,6 @@ def run_one(name: str, cfg: Config, data: dict) -> dict:
 def prepare_data(cfg: Config) -> dict:
     """Loads the text; fixes the batch order (one start per step and row) and the eval windows."""
     train, heldout, info = load_stdlib_bytes(cfg.data_mb, cfg.heldout_percent)
-    rng = np.random.default_rng(cfg.seed)
     high = train.size - cfg.seq_len - 1
     n_final = cfg.final_eval_batches * cfg.batch
     held = windows(heldout, fixed_eval_starts(heldout.size, n_final, cfg.seq_len), cfg.seq_len)
@@ -481,11 +656,20 @@ def prepare_data(cfg: Config) -> dict:
     return dict(
         train=train,
         info=info,
-        train_starts=rng.integers(0, high, size=(cfg.steps, cfg.batch)),
+        train_starts=train_starts(cfg.seed, cfg.steps, cfg.batch, high),
         train_eval=tr.reshape(cfg.final_eval_batches, cfg.batch, -1),
         heldout_final=held.reshape(cfg.final_eval_batches, cfg.batch, -1),
         heldout_eval=sub.reshape(cfg.eval_batches, cfg.batch, -1),
     )
+
+
+def train_starts(seed: int, steps: int, batch: int, high: int) -> np.ndarray:
+    """The window starts of every training batch, (steps, batch), uniform in [0, high).
+
+    Row s depends on ``seed`` and s only (numpy draws the rows in order), not on ``steps`` nor on
+    anything that happened in training: a resumed run sees the batches of the uninterrupted one.
+    """
+    return np.random.default_rng(seed).integers(0, high, size=(steps, batch))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,32 +728,56 @@ def plot_curves(results: list[dict], path: str, cfg: Config) -> None:
     plt.close(fig)
 
 
-def write_outputs(out: str, cfg: Config, info: dict, results: list[dict]) -> dict:
-    """Writes ``table.txt`` and ``results.json`` first, then ``loss.png`` if matplotlib exists."""
+OUTPUTS = ("table", ".txt"), ("results", ".json"), ("loss", ".png")
+
+
+def output_suffix(out: str) -> str:
+    """``""``, or ``-resumed<k>`` (the first free k) when ``out`` already holds outputs."""
+    for k in range(1000):
+        suffix = f"-resumed{k}" if k else ""
+        if not any(os.path.exists(os.path.join(out, n + suffix + e)) for n, e in OUTPUTS):
+            return suffix
+    raise RuntimeError(f"no free output name in {out}")
+
+
+def write_outputs(out: str, cfg: Config, info: dict, results: list[dict],
+                  suffix: str = "") -> dict:
+    """Writes ``table.txt`` and ``results.json`` first, then ``loss.png`` if matplotlib exists
+    (each name with ``suffix`` before the extension)."""
     table = format_table(results)
-    with open(os.path.join(out, "table.txt"), "w") as f:
+    table_path = os.path.join(out, f"table{suffix}.txt")
+    with open(table_path, "w") as f:
         f.write(table + "\n")
-    summary = os.path.join(out, "results.json")
+    summary = os.path.join(out, f"results{suffix}.json")
     with open(summary, "w") as f:
         json.dump(dict(config=dataclasses.asdict(cfg), out=out, data=info, results=results), f,
                   indent=1)
-    plot = os.path.join(out, "loss.png")
+    plot = os.path.join(out, f"loss{suffix}.png")
     try:
         plot_curves(results, plot, cfg)
     except ImportError as e:
         print(f"note: no plot ({e}); install matplotlib for {plot}. The table and the results "
               f"are written.")
         plot = None
-    print(f"wrote {', '.join(p for p in (os.path.join(out, 'table.txt'), summary, plot) if p)}")
+    print(f"wrote {', '.join(p for p in (table_path, summary, plot) if p)}")
     return dict(table=table, plot=plot, json=summary)
 
 
 def output_dir(cfg: Config) -> str:
-    """``cfg.out`` (created if needed), or a new ``runs/train_lm/<YYYYmmdd-HHMMSS>`` folder."""
+    """The run folder: ``--resume``'s, ``cfg.out`` (created if needed), or a new
+    ``runs/train_lm/<YYYYmmdd-HHMMSS>``. A new run writes its ``config.json`` there (and, with
+    ``--overwrite``, first removes the checkpoints of the run it replaces)."""
+    if cfg.resume is not None:
+        return cfg.resume
     if cfg.out is None:
-        return _common.new_run_dir(os.path.join("runs", "train_lm"))
-    os.makedirs(cfg.out, exist_ok=True)
-    return cfg.out
+        out = _common.new_run_dir(os.path.join("runs", "train_lm"))
+    else:
+        out = cfg.out
+        os.makedirs(out, exist_ok=True)
+        shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    return out
 
 
 def train(cfg: Config) -> dict:
@@ -578,7 +786,9 @@ def train(cfg: Config) -> dict:
     Returns a dict with ``results`` (one record per optimizer: hyperparameters, per-step train
     losses, held-out curve, final train and held-out losses, seconds, step_ms, grad_ms),
     ``table`` (str), ``out``, ``plot`` (path or ``None`` without matplotlib), ``json`` (path),
-    ``data`` (a summary of the text used) and ``params``.
+    ``data`` (a summary of the text used), ``params`` (the parameter count), ``models`` (the
+    trained ``ByteLM`` per optimizer) and ``stopped``. With ``--stop-after`` before ``--steps``
+    nothing is written but the checkpoints, ``results`` is ``None`` and ``stopped`` is true.
     """
     problem = check_config(cfg)
     if problem:
@@ -594,10 +804,23 @@ def train(cfg: Config) -> dict:
           f"heads={cfg.heads}, seq_len={cfg.seq_len}; batch={cfg.batch}, steps={cfg.steps} "
           f"({cfg.batch * cfg.seq_len * cfg.steps / 1e6:.1f}M bytes); device={jax.devices()[0]}; "
           f"output: {out}")
-    results = [run_one(name, cfg, data) for name in cfg.names]
-    written = write_outputs(out, cfg, info, results)
+    runs = {name: run_one(name, cfg, data, out) for name in cfg.names}
+    models = {name: model for name, (_, model) in runs.items()}
+    results = [rec for rec, _ in runs.values()]
+    if None in results:
+        print(f"stopped after step {cfg.stop_after} of {cfg.steps}; checkpoints in "
+              f"{os.path.join(out, 'checkpoints')}; continue with: python {sys.argv[0]} "
+              f"--resume {out}")
+        return dict(results=None, out=out, data=info, params=n_params, models=models,
+                    stopped=True)
+    suffix = output_suffix(out) if cfg.resume else ""
+    if suffix:
+        print(f"note: {out} already holds outputs of an earlier run; they are kept and this "
+              f"run's are written with the suffix {suffix}")
+    written = write_outputs(out, cfg, info, results, suffix)
     print(written["table"])
-    return dict(results=results, out=out, data=info, params=n_params, **written)
+    return dict(results=results, out=out, data=info, params=n_params, models=models,
+                stopped=False, **written)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -5,6 +5,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "train_lm.py")
@@ -117,3 +118,95 @@ def test_dion3_defaults_follow_the_transfer_rules(train_lm):
     assert cfg.matrix_lr("dion3") == 0.1 and cfg.matrix_mu("dion3") == 0.5
     _, hp = train_lm.make_optimizer("dion3", train_lm.Config(fraction=0.125))
     assert hp["fraction"] == 0.125 and hp["mu"] == pytest.approx(0.95**8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint and resume: a run stopped halfway and resumed equals the uninterrupted run, bitwise.
+
+TINY = dict(d_model=16, layers=1, heads=2, seq_len=16, batch=4, steps=6, warmup=1, data_mb=0.3,
+            eval_every=2, eval_batches=1, final_eval_batches=2, timing_reps=1, progress=False,
+            optimizers="dion3")
+
+
+def _params(model):
+    import jax
+    from flax import nnx
+
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+@pytest.mark.slow  # ~XX s on the 2-core machine: four runs
+def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(train_lm, tmp_path):
+    full = train_lm.train(train_lm.Config(**TINY, out=str(tmp_path / "full")))
+    half = TINY["steps"] // 2
+    run = str(tmp_path / "run")
+    stopped = train_lm.train(train_lm.Config(**TINY, out=run, checkpoint_every=2,
+                                             stop_after=half))
+    assert stopped["stopped"] and stopped["results"] is None
+    assert not os.path.exists(os.path.join(run, "results.json"))
+    for name in TINY["optimizers"].split(","):
+        # Saved after steps 2 and 3 (every 2 steps and where it stopped), both kept.
+        assert sorted(os.listdir(os.path.join(run, "checkpoints", name))) == ["2", "3"], name
+        # The stopped model really is halfway: it differs from the finished one.
+        a, b = _params(stopped["models"][name]), _params(full["models"][name])
+        assert any(not np.array_equal(a[k], b[k]) for k in a), name
+
+    resumed = train_lm.train(train_lm.Config(**TINY, resume=run, checkpoint_every=2))
+    assert not resumed["stopped"] and resumed["out"] == run
+    for r_full, r_res in zip(full["results"], resumed["results"]):
+        name = r_full["optimizer"]
+        assert r_res["optimizer"] == name
+        # The losses of every step (the resumed ones included) and the final losses, bitwise.
+        assert len(r_res["train_losses"]) == TINY["steps"]
+        assert r_res["train_losses"] == r_full["train_losses"], name
+        assert r_res["heldout_curve"] == r_full["heldout_curve"], name
+        assert r_res["heldout_loss"] == r_full["heldout_loss"], name
+        a, b = _params(resumed["models"][name]), _params(full["models"][name])
+        assert sorted(a) == sorted(b) and len(a) > 5
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
+    assert sorted(os.listdir(os.path.join(run, "checkpoints", "dion3"))) == ["4", "6"]
+
+    # Resuming the finished run again trains nothing, gives the same results and keeps the
+    # earlier outputs: the new ones get a suffix.
+    with open(os.path.join(run, "results.json")) as f:
+        first = f.read()
+    again = train_lm.train(train_lm.Config(**TINY, resume=run))
+    assert again["json"] == os.path.join(run, "results-resumed1.json")
+    with open(os.path.join(run, "results.json")) as f:
+        assert f.read() == first
+    assert [r["train_losses"] for r in again["results"]] == \
+        [r["train_losses"] for r in full["results"]]
+
+
+def test_batch_order_depends_on_seed_and_step_only(train_lm):
+    long = train_lm.train_starts(3, 50, 4, 1000)
+    short = train_lm.train_starts(3, 20, 4, 1000)
+    np.testing.assert_array_equal(long[:20], short)
+    assert not np.array_equal(train_lm.train_starts(4, 20, 4, 1000), short)
+
+
+def test_resume_takes_the_run_settings_and_refuses_others(train_lm, tmp_path, capsys):
+    cfg = train_lm.Config(steps=7, d_model=64, checkpoint_every=3, out=str(tmp_path))
+    train_lm.output_dir(cfg)  # writes config.json, as a run does at its start
+    resumed = train_lm.parse_args(["--resume", str(tmp_path), "--no-progress"])
+    assert resumed.steps == 7 and resumed.d_model == 64 and resumed.checkpoint_every == 3
+    assert resumed.resume == str(tmp_path) and not resumed.progress
+    # The run's own values may be repeated; another value is refused before any data loads.
+    assert train_lm.parse_args(["--resume", str(tmp_path), "--steps", "7"]).steps == 7
+    for argv, message in [(["--steps", "8"], "the run was started with --steps 7"),
+                          (["--out", str(tmp_path / "x")], "writes into its own folder")]:
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(["--resume", str(tmp_path), *argv])
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--resume", str(tmp_path / "nothing")])
+    assert "no config.json" in capsys.readouterr().err
+    # train() checks a Config given directly, too.
+    with pytest.raises(ValueError, match="settings differ"):
+        train_lm.train(train_lm.Config(steps=9, d_model=64, resume=str(tmp_path)))
+    # A new run never lands in a folder that holds one (its config.json), unless --overwrite.
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--out", str(tmp_path)])
+    assert "already holds a run" in capsys.readouterr().err
