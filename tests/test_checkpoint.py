@@ -25,6 +25,7 @@ POLAR = dict(orthogonalizer=dion3_jax.make_orthogonalizer(method="standard",
                                                           compute_dtype=jnp.float32))
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_and_resume(tmp_path):
     k = jax.random.split(jax.random.key(0), 4)
     params = {"w": jax.random.normal(k[0], (16, 24)), "b": jnp.zeros((24,)),

@@ -365,6 +365,7 @@ def test_megabatching_one_collective_pair_per_shape_not_per_leaf():
                                    rtol=0, atol=1e-6 if PLATFORM else 0, err_msg=k)
 
 
+@pytest.mark.slow
 def test_replicated_params_split_the_batch_and_all_gather():
     mesh = make_mesh((N,))
     leaves = {f"w{i}": ((16, 24), P(), {}) for i in range(5)}

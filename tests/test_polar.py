@@ -199,6 +199,7 @@ def test_stacked_parts_must_match():
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((2, 4, 8))], [None, jnp.ones((3,))])
 
 
+@pytest.mark.slow
 def test_stacked_with_given_norms():
     """``stacked(parts, norms)`` uses the given ‖X‖_F instead of computing it: with the true
     values it equals ``stacked(parts)`` (float64, 1e-12); a part given 3‖X‖ starts from

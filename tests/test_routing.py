@@ -311,6 +311,7 @@ def test_routing_table_applies_the_optimizers_rules():
         dion3_jax.routing_table(params, param_labels={**mine, "t": "adam"})
 
 
+@pytest.mark.slow
 def test_python_float_leaf_goes_to_adamw():
     params = {"w": jnp.ones((8, 16)), "t": 1.0}
     assert dion3_jax.default_param_labels(params) == {"w": "dion3", "t": "scalar"}

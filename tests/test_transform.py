@@ -207,6 +207,7 @@ def test_fraction_one_is_muon_momentum(flavour):
     np.testing.assert_allclose(np.asarray(params["w"]), w.T, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_state_stable_and_no_recompile():
     params = {"a": jnp.ones((32, 16)), "b": jnp.ones((16, 48), jnp.bfloat16),
               "s": jnp.ones((2, 8, 12)), "bias": jnp.zeros((16,))}
@@ -417,6 +418,7 @@ def test_default_orthogonalizer_returns_the_compute_dtype_same_update():
         np.testing.assert_array_equal(np.asarray(u1[k]), np.asarray(u2[k]), err_msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
 def test_huge_finite_gradients_give_the_unscaled_update(fraction):
     """Gradients ×2⁶⁶ (≈ 7e19) square to inf in float32; the update must still be the ×1 one
@@ -443,6 +445,7 @@ def test_huge_finite_gradients_give_the_unscaled_update(fraction):
                                        err_msg=f"step {step} {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_mesh", [False, True])
 def test_jitted_update_compiles_once(with_mesh):
     """init's state (every leaf committed, the scalar branch's count too) and update's output
