@@ -469,8 +469,24 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+_TX_CACHE: dict = {}
+
+
 def make_optimizer(name: str, cfg: Config) -> tuple[optax.GradientTransformation, dict]:
-    """Returns the optax transformation for ``name`` and the hyperparameters it used."""
+    """Returns the optax transformation for ``name`` and the hyperparameters it used.
+
+    The same settings give the same (stateless) transformation object, so that the jitted step
+    compiled for one run serves the next one in the same process (a stopped and a resumed run).
+    """
+    key = (name, tuple((k, v) for k, v in dataclasses.asdict(cfg).items()
+                       if k not in RUN_CONTROL))
+    if key not in _TX_CACHE:
+        _TX_CACHE[key] = _make_optimizer(name, cfg)
+    tx, hp = _TX_CACHE[key]
+    return tx, dict(hp)
+
+
+def _make_optimizer(name: str, cfg: Config) -> tuple[optax.GradientTransformation, dict]:
     if name == "adamw":
         hp = dict(lr=cfg.adamw_lr, b1=cfg.adamw_b1, b2=cfg.adamw_b2, wd=cfg.adamw_weight_decay)
         tx = optax.adamw(schedule(cfg.adamw_lr, cfg), b1=cfg.adamw_b1, b2=cfg.adamw_b2,
