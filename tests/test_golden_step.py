@@ -88,10 +88,10 @@ def _compute(f: float, sharded: bool) -> dict[str, np.ndarray]:
         return _run(f, mesh)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices("cpu")) < 8,
                     reason="bitwise reference recorded on 8 CPU devices")
-@pytest.mark.parametrize("case,f,sharded", list(_cases()), ids=[c[0] for c in _cases()])
+@pytest.mark.parametrize("case,f,sharded", [
+    pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[2] else []) for c in _cases()])
 def test_step_reproduces_recorded_outputs_bitwise(case, f, sharded):
     want = np.load(DATA)
     got = _compute(f, sharded)
