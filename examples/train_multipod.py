@@ -20,8 +20,22 @@ so the script needs no data. On CPU it simulates 8 devices as a 2 × 4 mesh by d
     python examples/train_multipod.py --mesh 4x2 --fraction 0.125 --steps 300
     python examples/train_multipod.py --mesh 2x4 --replica-selection norms
 
-On several hosts, call ``jax.distributed.initialize()`` first (``--distributed``); the mesh code is
-the same.
+Several processes (hosts): ``--distributed`` calls ``jax.distributed.initialize`` first (with
+``--coordinator``, ``--num-processes`` and ``--process-id``, or the cluster's own variables when
+they are left out). The mesh is built from every process's devices, ordered by process, so with
+one process per pod ``--mesh <processes>x<devices per process>`` puts "dcn" across the processes.
+The run is the single-process run on as many devices (``tests/test_train_multipod.py``). On CPUs
+the collectives go through gloo, with ``--cpu-devices-per-process`` devices each. Only process 0
+prints and writes::
+
+    # two processes on one machine, 4 CPU devices each: the 2 x 4 run of 8 devices
+    python examples/train_multipod.py --distributed --coordinator localhost:12345 \
+        --num-processes 2 --process-id 0 &
+    python examples/train_multipod.py --distributed --coordinator localhost:12345 \
+        --num-processes 2 --process-id 1
+
+``--save DIR`` writes an orbax checkpoint at the end (every process writes its shards, after
+``synchronize_momentum``); ``--restore DIR`` continues from one, on any mesh.
 """
 
 from __future__ import annotations
@@ -29,13 +43,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 from flax import nnx
@@ -69,6 +84,13 @@ class Config:
     seed: int = 0
     progress: bool = True
     distributed: bool = False
+    coordinator: str | None = None      # host:port of process 0 (with --distributed)
+    num_processes: int | None = None
+    process_id: int | None = None
+    cpu_devices_per_process: int = 4
+    out: str | None = None              # results.json + params.npz (process 0)
+    save: str | None = None             # orbax checkpoint at the end
+    restore: str | None = None          # continue from an orbax checkpoint
 
 
 def _mesh(text: str) -> tuple[int, int]:
@@ -111,13 +133,55 @@ def parse_args(argv=None) -> Config:
                    help="how the pods agree on the rows: a shared random key, or summed norms")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=c.progress,
                    help="progress bar on a terminal, plain lines otherwise")
-    p.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (several hosts)")
+    _add_run_flags(p, c)
     a = p.parse_args(argv)
     if a.batch % (a.mesh[0] * a.mesh[1]):
         p.error(f"--batch {a.batch} must be divisible by the {a.mesh[0] * a.mesh[1]} devices "
                 f"of --mesh {a.mesh[0]}x{a.mesh[1]}")
+    problem = _check_distributed(a)
+    if problem:
+        p.error(problem)
+    if a.restore and not os.path.isdir(a.restore):
+        p.error(f"--restore {a.restore}: no such folder")
     return Config(**vars(a))
+
+
+def _add_run_flags(p: argparse.ArgumentParser, c: Config) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (several processes or hosts)")
+    p.add_argument("--coordinator", default=c.coordinator,
+                   help="HOST:PORT of process 0, with --distributed; default: from the cluster's "
+                        "environment (jax.distributed.initialize's auto-detection)")
+    p.add_argument("--num-processes", type=_common.positive_int, default=c.num_processes,
+                   help="number of processes, with --distributed; default: auto-detected")
+    p.add_argument("--process-id", type=_common.nonnegative_int, default=c.process_id,
+                   help="this process's index in [0, --num-processes), with --distributed")
+    p.add_argument("--cpu-devices-per-process", type=_common.positive_int,
+                   default=c.cpu_devices_per_process,
+                   help="CPU devices of each process with --distributed on CPUs (gloo "
+                        "collectives)")
+    p.add_argument("--out", default=c.out,
+                   help="folder for results.json and params.npz (process 0 writes); default: none")
+    p.add_argument("--save", default=c.save,
+                   help="folder for an orbax checkpoint of the params and optimizer state after "
+                        "the last step (momentum synchronised first); default: none")
+    p.add_argument("--restore", default=c.restore,
+                   help="orbax checkpoint (from --save) to continue from, on this run's mesh; "
+                        "--steps more steps follow; default: start from scratch")
+
+
+def _check_distributed(a) -> str | None:
+    """What is wrong with the multi-process flags (a sentence), or ``None``."""
+    given = [f"--{k.replace('_', '-')}" for k in ("coordinator", "num_processes", "process_id")
+             if getattr(a, k) is not None]
+    if not a.distributed:
+        return f"{', '.join(given)} only with --distributed" if given else None
+    if a.num_processes is not None and a.process_id is not None \
+            and a.process_id >= a.num_processes:
+        return f"--process-id {a.process_id} must be < --num-processes {a.num_processes}"
+    if a.coordinator is not None and ":" not in a.coordinator:
+        return f"--coordinator must look like HOST:PORT, got {a.coordinator!r}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +264,26 @@ def make_train_step(graphdef, tx, labels, mesh):
                                  check_vma=False), donate_argnums=(0, 1))
 
 
+def make_mesh(cfg: Config) -> Mesh:
+    """The ``("dcn", "fsdp")`` mesh. Over several processes: every device, ordered by process,
+    so that pod r (row r) is made of whole processes' devices (one process per pod when
+    ``--mesh`` is ``<processes>x<devices per process>``)."""
+    dcn, fsdp = cfg.mesh
+    if jax.process_count() == 1:
+        return jax.make_mesh((dcn, fsdp), ("dcn", "fsdp"), devices=jax.devices()[:dcn * fsdp])
+    if dcn * fsdp != jax.device_count():
+        raise ValueError(f"--mesh {dcn}x{fsdp} must use all {jax.device_count()} devices of the "
+                         f"{jax.process_count()} processes")
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices).reshape(dcn, fsdp), ("dcn", "fsdp"),
+                axis_types=(AxisType.Explicit,) * 2)
+
+
+def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value that every process holds whole (each places its part)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
 def setup(cfg: Config) -> dict:
     """Mesh, sharded params, optimizer state and the jitted step (``jax.set_mesh`` is the
     caller's)."""
@@ -209,12 +293,13 @@ def setup(cfg: Config) -> dict:
         raise ValueError(f"--mesh {dcn}x{fsdp} needs {n} devices, found {len(jax.devices())}")
     if cfg.batch % n:
         raise ValueError(f"--batch {cfg.batch} must be divisible by the {n} devices")
-    mesh = jax.make_mesh((dcn, fsdp), ("dcn", "fsdp"), devices=jax.devices()[:n])
+    mesh = make_mesh(cfg)
     model = MLP(cfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
     specs = param_specs(params, cfg)
-    params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    params = jax.tree.map(lambda x, s: global_array(np.asarray(x), NamedSharding(mesh, s)),
+                          params, specs)
     labels = dion3_jax.default_param_labels(params)
     mesh_options = dion3_jax.MeshOptions(
         shard_axis="fsdp", replica_axis="dcn", selection_scope=cfg.selection_scope,
@@ -230,16 +315,22 @@ def setup(cfg: Config) -> dict:
 
 
 def train(cfg: Config) -> dict:
-    """Trains and returns ``{"losses": [(step, loss)], "table": str, "seconds": float, ...}``."""
+    """Trains and returns ``{"losses": [(step, loss)], "table": str, "seconds": float, ...}``.
+
+    ``params`` and ``opt_state`` are the final global arrays (momentum synchronised over "dcn").
+    """
     s = setup(cfg)
     params, opt_state, train_step = s["params"], s["opt_state"], s["train_step"]
+    first = 0
     with jax.set_mesh(s["mesh"]):
-        bar = _common.Progress(cfg.steps, "train", cfg.progress)
+        if cfg.restore:
+            params, opt_state, first = restore(cfg.restore, params, opt_state)
+        bar = _common.Progress(cfg.steps, "train", cfg.progress and jax.process_index() == 0)
         losses, t0 = [], time.perf_counter()
-        for step in range(cfg.steps):
-            x, y = (jax.device_put(a, s["data_sharding"]) for a in s["batch"](step))
+        for step in range(first, first + cfg.steps):
+            x, y = (global_array(a, s["data_sharding"]) for a in s["batch"](step))
             params, opt_state, loss = train_step(params, opt_state, x, y)
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            if (step - first) % cfg.log_every == 0 or step == first + cfg.steps - 1:
                 losses.append((step, float(loss)))
                 bar.set_postfix(loss=f"{float(loss):.4f}")
             bar.update(1)
@@ -247,9 +338,55 @@ def train(cfg: Config) -> dict:
         seconds = time.perf_counter() - t0
         # Before a checkpoint: make every pod hold the same (averaged) momentum.
         opt_state = dion3_jax.synchronize_momentum(opt_state, "dcn")
+        if cfg.save:
+            save(cfg.save, params, opt_state, first + cfg.steps)
     table = format_table(losses, cfg, seconds)
     return {"losses": losses, "table": table, "seconds": seconds, "params": params,
             "opt_state": opt_state}
+
+
+def save(path: str, params, opt_state, step: int) -> None:
+    """An orbax checkpoint of the params, the optimizer state and the step count; every process
+    calls it and writes its own shards."""
+    import orbax.checkpoint as ocp
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(os.path.abspath(path), {"params": params, "opt_state": opt_state,
+                                      "step": np.int64(step)}, force=True)
+    ckpt.wait_until_finished()
+    ckpt.close()
+
+
+def restore(path: str, params, opt_state):
+    """Restores a ``save`` checkpoint onto the shardings of ``params`` and ``opt_state`` (this
+    run's mesh, which may differ from the one that saved it); returns them and the step."""
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                          {"params": params, "opt_state": opt_state})
+    target["step"] = np.int64(0)
+    ckpt = ocp.StandardCheckpointer()
+    out = ckpt.restore(os.path.abspath(path), target)
+    ckpt.close()
+    return out["params"], out["opt_state"], int(out["step"])
+
+
+def write_results(out: str, cfg: Config, result: dict) -> None:
+    """``results.json`` (config, losses) and ``params.npz`` (gathered); process 0 writes, every
+    process must call it (the gather is a collective)."""
+    from jax.experimental import multihost_utils
+
+    flat = {jax.tree_util.keystr(k): v
+            for k, v in jax.tree_util.tree_leaves_with_path(result["params"])}
+    gathered = multihost_utils.process_allgather(flat, tiled=True)
+    if jax.process_index() != 0:
+        return
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, "params.npz"), **{k: np.asarray(v) for k, v in gathered.items()})
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(config=dataclasses.asdict(cfg), losses=result["losses"],
+                       seconds=result["seconds"], processes=jax.process_count(),
+                       devices=jax.device_count()), f, indent=1)
 
 
 def format_table(losses, cfg: Config, seconds: float) -> str:
@@ -261,17 +398,31 @@ def format_table(losses, cfg: Config, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
-    cfg = parse_args(argv)
+def start_backend(cfg: Config) -> None:
+    """Joins the processes (``--distributed``; gloo collectives on CPUs) or sets the number of
+    simulated CPU devices; must run before any device is used."""
+    on_cpu = os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"
     if cfg.distributed:
-        jax.distributed.initialize()
-    elif cfg.cpu_devices > 1 and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
+        if on_cpu:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.config.update("jax_num_cpu_devices", cfg.cpu_devices_per_process)
+        jax.distributed.initialize(coordinator_address=cfg.coordinator,
+                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+    elif cfg.cpu_devices > 1 and on_cpu:
         try:  # only possible before the backend starts; harmless when it already has enough
             jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
         except RuntimeError:
             pass
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    start_backend(cfg)
     out = train(cfg)
-    print(out["table"])
+    if cfg.out:
+        write_results(cfg.out, cfg, out)
+    if jax.process_index() == 0:
+        print(out["table"])
     return out
 
 
