@@ -352,7 +352,7 @@ def save(path: str, params, opt_state, step: int) -> None:
 
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(os.path.abspath(path), {"params": params, "opt_state": opt_state,
-                                      "step": np.int64(step)}, force=True)
+                                      "step": np.array(step, np.int32)}, force=True)
     ckpt.wait_until_finished()
     ckpt.close()
 
@@ -364,7 +364,7 @@ def restore(path: str, params, opt_state):
 
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                           {"params": params, "opt_state": opt_state})
-    target["step"] = np.int64(0)
+    target["step"] = np.array(0, np.int32)
     ckpt = ocp.StandardCheckpointer()
     out = ckpt.restore(os.path.abspath(path), target)
     ckpt.close()

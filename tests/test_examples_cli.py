@@ -84,6 +84,7 @@ def test_train_lm_rejects_bad_values_before_loading(capsys, tmp_path):
 def test_other_examples_reject_bad_values(capsys):
     import polar_standalone
     import quality_study
+    import train_lm
     import train_multipod
 
     cases = [
@@ -91,6 +92,13 @@ def test_other_examples_reject_bad_values(capsys):
         (train_multipod.parse_args, ["--mesh", "3x3"], "divisible by the 9 devices"),
         (train_multipod.parse_args, ["--replica-selection", "x"], "invalid choice: 'x'"),
         (train_multipod.parse_args, ["--frac", "0.5"], "unrecognized arguments"),
+        (train_multipod.parse_args, ["--process-id", "1"], "--process-id only with --distributed"),
+        (train_multipod.parse_args, ["--distributed", "--num-processes", "2", "--process-id",
+                                     "2"], "--process-id 2 must be < --num-processes 2"),
+        (train_multipod.parse_args, ["--distributed", "--coordinator", "host"], "HOST:PORT"),
+        (train_multipod.parse_args, ["--restore", "no/such/ckpt"], "no such folder"),
+        (train_lm.parse_args, ["--resume", "no/such/run"], "no config.json there"),
+        (train_lm.parse_args, ["--stop-after", "0"], "--stop-after: 0 is outside"),
         (polar_standalone.parse_args, ["--shape", "2", "0", "4"], "0 is outside"),
         (polar_standalone.parse_args, ["--shape", "2", "4"], "expected 3 arguments"),
         (polar_standalone.parse_args, ["--coef", "you"], "unrecognized arguments"),
