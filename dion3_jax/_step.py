@@ -193,10 +193,11 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> tuple[Pick, ...]:
             picks.append(_pick_segment_rows(cfg, plan, u, m, tops[u.uid], acc.scores[u.uid],
                                             acc.positions[u.uid][0], row_sums))
         else:
-            i = jnp.sort(tops[u.uid], axis=1)   # ascending rows: local gathers (polar is
+            # Ascending rows: local gathers (the polar is row-permutation equivariant).
+            i = jnp.sort(tops[u.uid], axis=1)
             sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, i)
             picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), sq))
-    return tuple(picks)         # (row-permutation equivariant)
+    return tuple(picks)
 
 
 class GroupBatch(NamedTuple):
@@ -205,7 +206,7 @@ class GroupBatch(NamedTuple):
     key: _megabatch.GroupKey
     uids: tuple[int, ...]
     parts: list[jax.Array]           # per member, (batch, a, b): the payloads S
-    norms: list[jax.Array | None]    # ‖S‖_F per matrix, when known without reading S again
+    norms: list[jax.Array | None]    # on-device groups: ‖S‖_F per matrix, if known already
     stacked: jax.Array | None        # what the collective sends: None for on-device groups
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
 
@@ -229,14 +230,15 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> li
     batches = []
     for key, uids in plan.groups:
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
-        norms = [None if picks[i].sq_sum is None else _norms.norm_from_sq_sum(picks[i].sq_sum)
-                 for i in uids]
+        on_device = key.route == "on_device"
+        norms = [_norms.norm_from_sq_sum(picks[i].sq_sum)
+                 if on_device and picks[i].sq_sum is not None else None for i in uids]
         stacked, normalized = None, key.route == "all_to_all" and plan.send_normalized
         if normalized:
             stacked = _megabatch.stack([
                 (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
                     orth.input_dtype) for i, p in zip(uids, parts)])
-        elif not (key.route == "on_device" and plan.stack_on_device):
+        elif not (on_device and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
             if plan.ctx.compressed:
                 stacked = jax.lax.pmean(stacked, plan.ctx.replica_axis)
