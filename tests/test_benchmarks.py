@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ["benchmarks/bench_step.py", "--small", "--reps", "1", "--compile-workers", "2",
      "--fractions", "0.25", "--backends", "xla"],
     ["benchmarks/bench_step.py", "--small", "--reps", "1", "--fsdp", "--no-megabatch",
-     "--cpu-devices", "8", "--fractions", "1", "0.25", "--methods", "gram", "--backends", "xla"],
+     "--cpu-devices", "8", "--fractions", "0.25", "--methods", "gram", "--backends", "xla"],
     ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
     ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "1",
      "--show-hlo", "sort"],

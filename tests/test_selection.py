@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dion3_jax import _selection
+from dion3_jax import _norms, _selection
 
 
 def _random_picks(rng, batch, n, k, pad):
@@ -80,8 +80,9 @@ def test_selected_norm_is_the_payload_frobenius_norm(scale):
     for row_axis in (1, 2):
         m = (rng.standard_normal((3, 7, 11)) * scale).astype(np.float32)
         rows = np.sort(rng.permutation(m.shape[row_axis])[:4])[None].repeat(3, 0)
-        got = _selection.selected_norm(_selection.row_sq_sums(jnp.asarray(m), row_axis),
-                                       jnp.asarray(rows))
+        sq = _selection.selected_sq_sum(_selection.row_sq_sums(jnp.asarray(m), row_axis),
+                                        jnp.asarray(rows))
+        got = _norms.norm_from_sq_sum(sq)
         sel = np.take_along_axis(m.astype(np.float64), np.expand_dims(rows, 3 - row_axis),
                                  axis=row_axis)
         np.testing.assert_allclose(np.asarray(got), np.sqrt(np.sum(sel ** 2, axis=(1, 2))),
@@ -92,13 +93,13 @@ def test_selected_norm_is_the_payload_frobenius_norm(scale):
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected
-    payload's Frobenius norm from row statistics (one call of selected_norm per selected
+    payload's Frobenius norm from row statistics (one call of selected_sq_sum per selected
     matrix block); a plain callable doing the same polar normalises the payload itself (no call),
     and the update is the same to float32 rounding."""
     import dion3_jax
     calls = []
-    real = _selection.selected_norm
-    monkeypatch.setattr(_selection, "selected_norm",
+    real = _selection.selected_sq_sum
+    monkeypatch.setattr(_selection, "selected_sq_sum",
                         lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng()
     shapes = {"a": (16, 40), "b": (16, 40), "c": (40, 16), "heads": (16, 24), "d": (8, 4)}
