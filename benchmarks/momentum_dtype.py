@@ -38,9 +38,9 @@ def _grads(steps: int, shape, scale: float, seed: int) -> np.ndarray:
                      for _ in range(steps)])
 
 
-def _run(grads: np.ndarray, fraction: float, mu_dtype, polar_dtype):
+def _run(grads: np.ndarray, fraction: float, mu, mu_dtype, polar_dtype):
     tx = dion3_jax.scale_by_dion3(
-        fraction, orthogonalizer=dion3_jax.make_orthogonalizer(
+        fraction, mu, orthogonalizer=dion3_jax.make_orthogonalizer(
             method="standard", compute_dtype=polar_dtype, backend="xla"),
         mu_dtype=mu_dtype)
     params = {"w": jnp.zeros(grads.shape[1:], jnp.float64)}
@@ -59,15 +59,19 @@ def main() -> None:
     p.add_argument("--cols", type=int, default=128, help="input columns of the matrix")
     p.add_argument("--fraction", type=float, default=0.125, help="Dion3 fraction f")
     p.add_argument("--grad-scale", type=float, default=1.0, help="gradient scale")
+    p.add_argument("--mu", type=float, default=0.95,
+                   help="error-feedback decay (0.95: the reference's constant; the library's "
+                        "default is 0.95^(1/f))")
     p.add_argument("--seed", type=int, default=0, help="gradient seed")
     args = p.parse_args()
     grads = _grads(args.steps, (args.cols, args.rows), args.grad_scale, args.seed)
-    ref_m, ref_u = _run(grads, args.fraction, jnp.float64, jnp.float64)
+    ref_m, ref_u = _run(grads, args.fraction, args.mu, jnp.float64, jnp.float64)
     print(f"steps {args.steps}, matrix {args.rows}x{args.cols}, f = {args.fraction}, "
+          f"mu = {args.mu}, "
           f"gradient scale {args.grad_scale}; max |M| in float64: {np.abs(ref_m).max():.3g}")
     print(f"{'momentum':>9} | {'finite':>6} | {'rel err M':>9} | {'rel err update':>14}")
     for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
-        m, u = _run(grads, args.fraction, dtype, jnp.float64)
+        m, u = _run(grads, args.fraction, args.mu, dtype, jnp.float64)
         finite = bool(np.all(np.isfinite(m)))
         err_m = np.linalg.norm(m - ref_m) / np.linalg.norm(ref_m) if finite else float("nan")
         err_u = (np.linalg.norm(u - ref_u) / np.linalg.norm(ref_u)
