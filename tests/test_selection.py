@@ -115,7 +115,10 @@ def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
         with jax.default_matmul_precision("highest"):
             results[name], _ = jax.jit(tx.update)(grads, tx.init(params))
         assert len(calls) == (len(shapes) if name == "built-in" else 0), (name, calls)
+    # The two norms differ in float32 summation order (row sums, then their sum, against one
+    # sum over the payload); five Newton-Schulz steps amplify that ulp: up to 2.5e-5 seen on
+    # fresh inputs. A wrong norm or misplaced row is O(0.1) off.
     for k in shapes:
         np.testing.assert_allclose(np.asarray(results["built-in"][k]),
-                                   np.asarray(results["callable"][k]), rtol=0, atol=2e-5,
+                                   np.asarray(results["callable"][k]), rtol=0, atol=1e-4,
                                    err_msg=k)
