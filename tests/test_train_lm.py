@@ -210,3 +210,25 @@ def test_resume_takes_the_run_settings_and_refuses_others(train_lm, tmp_path, ca
     with pytest.raises(SystemExit):
         train_lm.parse_args(["--out", str(tmp_path)])
     assert "already holds a run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_hot_embedding_equals_the_gather_and_its_scatter_gradient(train_lm, dtype):
+    """``embed_bytes`` (a one-hot product, no scatter in its gradient) gives ``embed(tokens)``
+    exactly, and its gradient is the float64 scatter-add of the output cotangents."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    rng = np.random.default_rng()
+    embed = nnx.Embed(256, 8, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    tokens = jnp.asarray(rng.integers(0, 256, (3, 50)))  # repeats: several tokens per row
+    np.testing.assert_array_equal(train_lm.embed_bytes(embed, tokens), embed(tokens))
+
+    cot = rng.standard_normal((3, 50, 8))
+    loss = lambda t: jnp.sum(train_lm.one_hot_rows(t, tokens, embed.dtype) * cot)
+    grad = jax.grad(loss)(embed.embedding[...])
+    want = np.zeros((256, 8))
+    np.add.at(want, np.asarray(tokens).ravel(), cot.reshape(-1, 8))
+    tol = 1e-6 if dtype == "float32" else 2e-2  # bfloat16 cotangents (8 bits of mantissa)
+    np.testing.assert_allclose(grad, want, rtol=tol, atol=tol * np.abs(want).max())
