@@ -35,8 +35,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
-import glob
-import hashlib
 import importlib.util
 import json
 import math
@@ -80,10 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="JSONL", nargs="+", default=None,
                    help="results of earlier calls: their finished runs are not run again (the "
                         "plan continues from them); new runs go to --out")
-    p.add_argument("--worker", type=_worker, default=(0, 1), metavar="I/N",
-                   help="run only the planned runs assigned to worker I of N (by a hash of the "
-                        "run's configuration and seed), so that N processes can share one GPU; "
-                        "default 0/1 (every run)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny model and runs, for a CPU check of the whole pipeline")
     p.add_argument("--steps", type=_common.positive_int, default=300,
@@ -110,17 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads compiling the optimizer configs ahead of time")
     p.add_argument("--tag", default="", help="free text stored with the results (e.g. a commit)")
     return p
-
-
-def _worker(text: str) -> tuple[int, int]:
-    """``"I/N"`` → ``(I, N)`` with ``0 ≤ I < N``."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected I/N such as 0/2, got {text!r}") from None
-    if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"need 0 <= I < N, got {text!r}")
-    return i, n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -598,50 +581,21 @@ def study(args: argparse.Namespace) -> str:
         examples.update({f"dion3@{f:g}": Run("x", "dion3", 0.04, 0, args.steps, f, adam_lr=1e-3)
                          for f in FRACTIONS})
         trainer.compile_all(list(examples), examples)
-        grad_ms, step_ms = _time_alone(args, lambda: (
-            trainer.grad_ms(), {f: trainer.step_ms(f, run) for f, run in examples.items()}))
-        planner.step_ms.update(step_ms)  # equal-time runs: step times measured alone
+        grad_ms = trainer.grad_ms()
+        step_ms = {f: trainer.step_ms(f, run) for f, run in examples.items()}
+        planner.step_ms.update(step_ms)  # equal-time runs: step times measured before any run
         emit(dict(type="timing", compile_s=trainer.compile_s, grad_ms=grad_ms, step_ms=step_ms,
-                  worker=list(args.worker), elapsed_s=time.perf_counter() - start))
+                  elapsed_s=time.perf_counter() - start))
         print(f"compiled in {time.perf_counter() - start:.0f} s: {trainer.compile_s}; "
               f"forward+backward {grad_ms:.2f} ms", flush=True)
         _run_phases(args, trainer, planner, emit, start)
-    for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                                       f".*_{args.worker[0]}_of_{args.worker[1]}")):
-        os.remove(path)  # this worker's markers (see _time_alone); every worker is past them
     return args.out
-
-
-def _time_alone(args, measure):
-    """Runs ``measure()`` while no other worker of ``--worker I/N`` uses the GPU.
-
-    Workers leave marker files beside ``--out``: every worker first waits until all have
-    compiled, then they measure one after another (worker I after worker I−1), and none starts
-    training before all have measured. With one worker this is just ``measure()``.
-    """
-    i, n = args.worker
-    folder = os.path.dirname(os.path.abspath(args.out))
-    mark = lambda what, j: os.path.join(folder, f".{what}_{j}_of_{n}")
-
-    def wait_for(paths, timeout=600.0):
-        t0 = time.perf_counter()
-        while not all(os.path.exists(p) for p in paths):
-            if time.perf_counter() - t0 > timeout:
-                raise SystemExit(f"worker {i}/{n}: gave up waiting for {paths}")
-            time.sleep(0.2)
-
-    open(mark("compiled", i), "w").close()
-    wait_for([mark("compiled", j) for j in range(n)] + ([mark("timed", i - 1)] if i else []))
-    result = measure()
-    open(mark("timed", i), "w").close()
-    wait_for([mark("timed", j) for j in range(n)])
-    return result
 
 
 def _run_phases(args, trainer, planner, emit, start) -> None:
     for phase, plan in planner.phases():
         for run in plan():
-            if run.key() in planner.results or not _assigned(run, *args.worker):
+            if run.key() in planner.results:
                 continue
             guess = planner.last_ms.get(run.family, 50.0) * run.steps / 1e3 + 1.0
             left = args.time_budget - (time.perf_counter() - start)
@@ -657,12 +611,6 @@ def _run_phases(args, trainer, planner, emit, start) -> None:
             print(f"[{phase}] {rec['config']} seed {run.seed}: held-out "
                   f"{rec['final_heldout']:.4f}, {rec['step_ms']:.1f} ms/step "
                   f"(t={rec['elapsed_s']:.0f} s)", flush=True)
-
-
-def _assigned(run: Run, worker: int, workers: int) -> bool:
-    """Whether ``run`` belongs to ``worker`` of ``workers`` (a stable hash of its key)."""
-    digest = hashlib.sha256(repr(run.key()).encode()).digest()
-    return int.from_bytes(digest[:8], "little") % workers == worker
 
 
 def main(argv: list[str] | None = None) -> str:
