@@ -21,6 +21,7 @@ real results.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import itertools
 from typing import Literal, NamedTuple
 
 import jax
@@ -114,12 +115,21 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
 
 
 def stack(payloads: Sequence[jax.Array]) -> jax.Array:
+    """The arrays concatenated along axis 0 (one array: itself)."""
     return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=0)
 
 
 def unstack(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
-    out, off = [], 0
-    for s in sizes:
-        out.append(x if len(sizes) == 1 else jax.lax.slice_in_dim(x, off, off + s, axis=0))
-        off += s
-    return out
+    """The inverse of :func:`stack`: consecutive pieces of ``sizes`` along axis 0.
+
+    The offsets are runtime values (constants behind an optimization barrier), so that the
+    kernels consuming the pieces of many same-shaped members are one program compiled once
+    rather than one program per offset; each piece is a fused dynamic slice, as cheap as a
+    static one.
+    """
+    if len(sizes) == 1:
+        return [x]
+    offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+    offsets = jax.lax.optimization_barrier([jnp.int32(o) for o in offsets])
+    return [jax.lax.dynamic_slice_in_dim(x, o, s, axis=0, allow_negative_indices=False)
+            for o, s in zip(offsets, sizes)]

@@ -8,7 +8,9 @@ A *unit* is one batch of matrices the step treats alike: a canonical block of a 
 matrices when the leaf is not sharded along its rows), or one row segment of a row-sharded leaf
 (a whole matrix, a head, or a ``split_sizes`` block, seen through each device's rows). Units
 whose selected rows have the same shape, dtype and route share a *shape group*: one batched
-orthogonalizer call and one collective each way.
+orthogonalizer call and one collective each way. Within a group, consecutive units that the
+step's small per-matrix work (row positions, NorMuon) treats alike form a *batch*: that work runs
+once per batch on its members' arrays stacked along the batch axis.
 """
 
 from __future__ import annotations
@@ -58,6 +60,24 @@ class Unit(NamedTuple):
     swap: bool
 
 
+class Batch(NamedTuple):
+    """Consecutive units of one shape group that the step processes together.
+
+    The members have the same orientation, whole-matrix shape, local rows, sharding, ``k`` and
+    ``pick`` (so their small per-matrix arrays stack along the batch axis), and no two of them
+    are the same block of a leaf (so their row updates are independent).
+
+    Attributes:
+      group: index in :attr:`Plan.groups`.
+      offset: the first member's first matrix in the group's stacked polar output.
+      uids: the members, in the group's order.
+    """
+
+    group: int
+    offset: int
+    uids: tuple[int, ...]
+
+
 class Plan(NamedTuple):
     """The static plan of one step.
 
@@ -74,6 +94,7 @@ class Plan(NamedTuple):
         dtype (the built-in orthogonalizer, no replica averaging in between); their norms are
         all-reduced first, a float per matrix.
       row_norm_uids: units whose polar norm comes from row statistics taken beside the scores.
+      batches: every unit in exactly one :class:`Batch`, in group order.
     """
 
     ctx: _distributed.Context
@@ -85,6 +106,7 @@ class Plan(NamedTuple):
     stack_on_device: bool
     send_normalized: bool
     row_norm_uids: frozenset[int]
+    batches: tuple[Batch, ...]
 
 
 def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx):
@@ -132,6 +154,30 @@ def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str
     return units
 
 
+def _batch_key(u: Unit, leaf: _distributed.LeafPlan) -> tuple:
+    """What the step's per-matrix work depends on, besides the group (local rows included)."""
+    return (u.layout.row_axis, u.swap, u.layout.n, u.layout.c, leaf.local.blocks[u.block].n,
+            u.shard, u.comm, u.split, u.k, u.pick, u.full, u.seg and u.seg.width)
+
+
+def _batches(units: list[Unit], groups, leaves) -> tuple[Batch, ...]:
+    """Each group's units cut into runs of equal :func:`_batch_key` and distinct blocks."""
+    out = []
+    for g, (_, uids) in enumerate(groups):
+        offset, run = 0, [uids[0]]
+        for i in uids[1:]:
+            u, head = units[i], units[run[0]]
+            if (_batch_key(u, leaves[u.leaf]) == _batch_key(head, leaves[head.leaf])
+                    and all((units[j].leaf, units[j].block) != (u.leaf, u.block) for j in run)):
+                run.append(i)
+                continue
+            out.append(Batch(g, offset, tuple(run)))
+            offset += sum(units[j].layout.batch for j in run)
+            run = [i]
+        out.append(Batch(g, offset, tuple(run)))
+    return tuple(out)
+
+
 def _leaf_plans(cfg: Dion3Config, tree, leaves, ctx) -> list[_distributed.LeafPlan]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     dn = _layout.per_leaf(cfg.dimension_numbers, tree)
@@ -165,17 +211,18 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
             units += _row_units(li, lp, cfg.fraction, scope, dtype, ctx, len(units))
         else:
             units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units))
-    groups: dict[_megabatch.GroupKey, list[int]] = {}
-    for u in units:
-        groups.setdefault(u.group, []).append(u.uid)
+    groups: dict[_megabatch.GroupKey, dict[tuple, list[int]]] = {}
+    for u in units:   # a group's members ordered by batch key: each batch is one slice
+        groups.setdefault(u.group, {}).setdefault(_batch_key(u, leaves[u.leaf]), []).append(u.uid)
     replica = ctx.replica_axis is not None
     stack = not ctx.compressed
     norms = stack and cfg.orthogonalizer.takes_norms
     row_norms = frozenset(
         u.uid for u in units if norms and not u.full and (
             u.group.route == "all_to_all" or (u.shard == "whole" and not u.split)))
-    return Plan(ctx, tuple(leaves), tuple(units),
-                tuple((k, tuple(v)) for k, v in groups.items()),
+    group_list = tuple((k, tuple(i for run in v.values() for i in run))
+                       for k, v in groups.items())
+    return Plan(ctx, tuple(leaves), tuple(units), group_list,
                 replica and cfg.mesh_options.replica_selection == "random",
                 ctx.compressed and cfg.mesh_options.replica_selection == "norms",
-                stack, norms, row_norms)
+                stack, norms, row_norms, _batches(units, group_list, leaves))

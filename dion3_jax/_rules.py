@@ -66,9 +66,9 @@ def row_sq_norms(o: jax.Array, row_axis: int) -> jax.Array:
     return jnp.sum(jnp.square(o.astype(jnp.float32)), axis=3 - row_axis)
 
 
-def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """NorMuon's second-moment EMA of the selected rows and the Frobenius terms.
+def normuon_ema(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
+                ) -> tuple[jax.Array, jax.Array]:
+    """NorMuon's second-moment EMA of the selected rows, elementwise.
 
     Args:
       v_sel: the selected rows' second moments, ``(batch, k)`` float32.
@@ -77,14 +77,34 @@ def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
       beta2: the EMA coefficient.
 
     Returns:
-      ``(v_new, a, fro)``: ``v ← β₂·v + (1−β₂)·ν`` (no bias correction), the row divisors
-      ``a = √v_new + ε``, and ``fro = [‖O‖_F², ‖O/a‖_F²]`` per batch element, ``(2, batch)``
-      (summed over row shards when sharded).
+      ``(v_new, a)``: ``v ← β₂·v + (1−β₂)·ν`` (no bias correction) and the row divisors
+      ``a = √v_new + ε``.
     """
     v_new = beta2 * v_sel + (1.0 - beta2) * (row_sq / cols)
-    a = jnp.sqrt(v_new) + NORMUON_EPS
-    fro = jnp.stack([jnp.sum(row_sq, axis=1), jnp.sum(row_sq / jnp.square(a), axis=1)])
-    return v_new, a, fro
+    return v_new, jnp.sqrt(v_new) + NORMUON_EPS
+
+
+def normuon_fro(row_sq: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(‖O‖_F², ‖O/a‖_F²)`` per batch element, each ``(batch,)``, from :func:`row_sq_norms` and
+    the row divisors of :func:`normuon_ema` (summed over row shards when sharded)."""
+    return jnp.sum(row_sq, axis=1), jnp.sum(row_sq / jnp.square(a), axis=1)
+
+
+def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`normuon_ema` and :func:`normuon_fro` together: ``(v_new, a, fro)``.
+
+    Args:
+      v_sel: the selected rows' second moments, ``(batch, k)`` float32.
+      row_sq: :func:`row_sq_norms` of ``O`` (summed over column shards when sharded).
+      cols: the whole matrix's number of columns.
+      beta2: the EMA coefficient.
+
+    Returns:
+      The new second moments, the row divisors and the Frobenius terms ``(2, batch)``.
+    """
+    v_new, a = normuon_ema(v_sel, row_sq, cols, beta2)
+    return v_new, a, jnp.stack(normuon_fro(row_sq, a))
 
 
 def normuon_directions(o: jax.Array, a: jax.Array, fro: jax.Array, row_axis: int) -> jax.Array:

@@ -74,11 +74,22 @@ def top_rows(scores: jax.Array, k: int) -> jax.Array:
     return jax.lax.top_k(scores, k)[1]
 
 
+def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """``x[b, idx[b, j]]`` for a ``(batch, n)`` array and in-range ``(batch, k)`` indices (one
+    gather, no index wrapping: ``jnp.take_along_axis`` with ``mode="promise_in_bounds"``)."""
+    return gather_rows(x[:, :, None], idx, 1)[:, :, 0]
+
+
 def gather_rows(m: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
-    """Rows ``idx`` (``(batch, k)``) of each batch element of ``m``."""
-    if row_axis == 1:
-        return jax.vmap(lambda x, i: x[i])(m, idx)
-    return jax.vmap(lambda x, i: x[:, i])(m, idx)
+    """Rows ``idx`` (``(batch, k)``, in range) of each batch element of ``m``: one gather, with
+    no negative-index wrapping."""
+    dn = jax.lax.GatherDimensionNumbers(
+        offset_dims=(3 - row_axis,), collapsed_slice_dims=(row_axis,),
+        start_index_map=(row_axis,), operand_batching_dims=(0,), start_indices_batching_dims=(0,))
+    sizes = [1, 1, 1]
+    sizes[3 - row_axis] = m.shape[3 - row_axis]
+    return jax.lax.gather(m, idx[:, :, None], dn, tuple(sizes),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def scatter_rows(m: jax.Array, idx: jax.Array, rows: jax.Array, row_axis: int,
@@ -96,23 +107,26 @@ def scatter_rows(m: jax.Array, idx: jax.Array, rows: jax.Array, row_axis: int,
         m, idx, rows)
 
 
-def batched_top_rows(requests: list[tuple[jax.Array, int]]) -> list[jax.Array]:
+def batched_top_rows(requests: list[tuple[jax.Array, int]], ascending: bool = False
+                     ) -> list[jax.Array]:
     """:func:`top_rows` for many ``(scores, k)`` pairs, one ``lax.top_k`` per distinct
     ``(n, k, dtype)``: the scores of a group are concatenated along the batch axis.
 
     A large ``k`` makes ``top_k`` a sort on GPU, which costs about the same for one row of scores
     as for many, so a model's 56 matrices of three shapes take three sorts instead of 56.
+    With ``ascending``, each batch element's indices come sorted ascending (one sort per
+    ``top_k`` as well).
     """
     groups: dict[tuple, list[int]] = {}
     for i, (scores, k) in enumerate(requests):
         groups.setdefault((scores.shape[1], k, jnp.dtype(scores.dtype)), []).append(i)
     out: list[jax.Array | None] = [None] * len(requests)
     for (_, k, _), members in groups.items():
-        if len(members) == 1:
-            out[members[0]] = top_rows(requests[members[0]][0], k)
-            continue
         sizes = [requests[i][0].shape[0] for i in members]
-        idx = top_rows(jnp.concatenate([requests[i][0] for i in members]), k)
+        scores = [requests[i][0] for i in members]
+        idx = top_rows(scores[0] if len(members) == 1 else jnp.concatenate(scores), k)
+        if ascending:
+            idx = jnp.sort(idx, axis=1)
         for i, part in zip(members, jnp.split(idx, list(itertools.accumulate(sizes))[:-1])):
             out[i] = part
     return out
@@ -136,12 +150,11 @@ def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
     ``scatter_rows(base, idx, rows, row_axis, mode="drop")`` for ``pos = row_positions(idx, n)``.
     """
     k = rows.shape[row_axis]
-    pad = [(0, 0)] * 3
-    pad[row_axis] = (0, 1)
-    full = gather_rows(jnp.pad(rows, pad), pos, row_axis)
+    full = gather_rows(rows, jnp.minimum(pos, k - 1), row_axis)
+    keep = jnp.expand_dims(pos < k, 3 - row_axis)
     if base is None:
-        return full
-    return jnp.where(jnp.expand_dims(pos < k, 3 - row_axis), full.astype(base.dtype), base)
+        return jnp.where(keep, full, jnp.zeros((), full.dtype))
+    return jnp.where(keep, full.astype(base.dtype), base)
 
 
 def local_positions(starts, counts, width: int, shard_index) -> tuple[jax.Array, jax.Array]:

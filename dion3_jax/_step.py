@@ -3,12 +3,14 @@
 Per device (inside the transform's ``shard_map``, or directly on one device)::
 
     accumulate_and_score → select → gather_and_send → megabatched_polar
-        → error_feedback → normalise → scatter_and_apply
+        → row_positions → error_feedback → normalise → scatter_and_apply
 
 Each phase reads the :class:`dion3_jax._plan.Plan` and passes named tuples to the next; per-unit
 values are tuples indexed by ``Unit.uid``. The per-matrix maths lives in ``_rules``; the
 selection primitives in ``_selection``; the grouped collectives in ``_megabatch`` and
-``_collectives``.
+``_collectives``. The small per-matrix work (row positions, NorMuon) runs once per
+:class:`dion3_jax._plan.Batch` on its members stacked, so the traced program does not grow by
+those operations with every matrix of a shape.
 """
 
 from __future__ import annotations
@@ -177,27 +179,57 @@ def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, st
     return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), sq)
 
 
-def select(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> tuple[Pick, ...]:
-    """Top-k rows per unit (one batched ``top_k`` per shape) and the payloads ``S = M[I]``."""
+def _sizes(plan: Plan, uids) -> list[int]:
+    return [plan.units[i].layout.batch for i in uids]
+
+
+def _batch_tops(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, jax.Array]:
+    """Per batch that selects (by index in ``plan.batches``), its members' top-k rows stacked
+    along the batch axis, ascending per matrix: one ``top_k`` and one sort per distinct
+    ``(n, k)`` of the model."""
     requests = _top_k_requests(cfg, plan, acc)
-    tops = dict(zip(requests, _selection.batched_top_rows(list(requests.values()))))
-    picks = []
-    for u in plan.units:
-        m = acc.momentum[u.leaf][u.block]
-        row_sums = acc.row_sq.get((u.leaf, u.block))
-        if u.full:
-            sent = plan.send_normalized and u.group.route == "all_to_all"
-            sq = _norms.sq_sum(m.astype(jnp.float32), (1, 2)) if sent else None
-            picks.append(Pick(None, m, sq))
-        elif u.shard == "rows":
-            picks.append(_pick_segment_rows(cfg, plan, u, m, tops[u.uid], acc.scores[u.uid],
-                                            acc.positions[u.uid][0], row_sums))
-        else:
-            # Ascending rows: local gathers (the polar is row-permutation equivariant).
-            i = jnp.sort(tops[u.uid], axis=1)
-            sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, i)
-            picks.append(Pick(i, _selection.gather_rows(m, i, u.layout.row_axis), sq))
-    return tuple(picks)
+    sel = [j for j, b in enumerate(plan.batches) if b.uids[0] in requests]
+    tops = _selection.batched_top_rows(
+        [(_megabatch.stack([requests[i][0] for i in plan.batches[j].uids]),
+          requests[plan.batches[j].uids[0]][1]) for j in sel], ascending=True)
+    return dict(zip(sel, tops))
+
+
+def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
+    """One unit's payload ``S = M[I]`` from its ascending top-k rows ``top``."""
+    m = acc.momentum[u.leaf][u.block]
+    row_sums = acc.row_sq.get((u.leaf, u.block))
+    if u.full:
+        sent = plan.send_normalized and u.group.route == "all_to_all"
+        return Pick(None, m, _norms.sq_sum(m.astype(jnp.float32), (1, 2)) if sent else None)
+    if u.shard == "rows":
+        return _pick_segment_rows(cfg, plan, u, m, top, acc.scores[u.uid],
+                                  acc.positions[u.uid][0], row_sums)
+    # Ascending rows: local gathers (the polar is row-permutation equivariant).
+    sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, top)
+    return Pick(top, _selection.gather_rows(m, top, u.layout.row_axis), sq)
+
+
+def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
+           ) -> tuple[tuple[Pick, ...], tuple[jax.Array | None, ...]]:
+    """Top-k rows per batch (one batched ``top_k`` per shape) and the payloads ``S = M[I]``.
+
+    Returns:
+      Per unit its :class:`Pick`; per batch its members' selected local rows stacked
+      (``Pick.rows`` of each member), or None where every row goes.
+    """
+    tops = _batch_tops(cfg, plan, acc)
+    picks: list[Pick | None] = [None] * len(plan.units)
+    rows: list[jax.Array | None] = [None] * len(plan.batches)
+    for j, b in enumerate(plan.batches):
+        per_unit = (_megabatch.unstack(tops[j], _sizes(plan, b.uids)) if j in tops
+                    else [None] * len(b.uids))
+        for i, top in zip(b.uids, per_unit):
+            picks[i] = _pick(cfg, plan, acc, plan.units[i], top)
+        if j in tops:
+            rows[j] = (tops[j] if plan.units[b.uids[0]].shard != "rows"
+                       else _megabatch.stack([picks[i].rows for i in b.uids]))
+    return tuple(picks), tuple(rows)  # type: ignore[arg-type]
 
 
 class GroupBatch(NamedTuple):
@@ -247,10 +279,16 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> li
 
 
 def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
-                      ) -> tuple[Polar, ...]:
-    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it)."""
+                      ) -> tuple[tuple[Polar, ...], list[jax.Array]]:
+    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it).
+
+    Returns:
+      Per unit its :class:`Polar`, and per group the factors as the call returned them (this
+      device's pieces, stacked in the group's order and wide orientation).
+    """
     orth = cfg.orthogonalizer
     out: list[Polar | None] = [None] * len(plan.units)
+    stacked = []
     for b in batches:
         sizes = [plan.units[i].layout.batch for i in b.uids]
         if b.stacked is None:
@@ -264,58 +302,103 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
             selected = _megabatch.unstack(b.stacked, sizes)
+        stacked.append(o)
         for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
             swap = plan.units[i].swap
             out[i] = Polar(_orient(s, swap), _orient(f, swap))
-    return tuple(out)  # type: ignore[return-value]
+    return tuple(out), stacked  # type: ignore[return-value]
 
 
-def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks, polars
-                   ) -> tuple[Blocks, tuple]:
-    """``M[I] ← μ·S`` on every unit; returns the blocks and each unit's row positions."""
+def row_positions(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
+    """Per unit that selects, :func:`_selection.row_positions` of its rows (one scatter per
+    batch, on the batch's stacked rows ``rows`` from :func:`select`); None where every row
+    goes."""
+    out: list[jax.Array | None] = [None] * len(plan.units)
+    for b, r in zip(plan.batches, rows):
+        if r is None:
+            continue
+        u = plan.units[b.uids[0]]
+        n_local = acc.momentum[u.leaf][u.block].shape[u.layout.row_axis]
+        pos = _selection.row_positions(r, n_local)
+        for i, p in zip(b.uids, _megabatch.unstack(pos, _sizes(plan, b.uids))):
+            out[i] = p
+    return tuple(out)
+
+
+def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_pos) -> Blocks:
+    """``M[I] ← μ·S`` on every unit (``row_pos``: :func:`row_positions`); returns the blocks."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
-    row_pos = tuple(None if u.full else _selection.row_positions(
-        picks[u.uid].rows, momentum[u.leaf][u.block].shape[u.layout.row_axis])
-        for u in plan.units)
     for u in plan.units:
         momentum[u.leaf][u.block] = _rules.error_feedback(
             momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_pos[u.uid],
             u.layout.row_axis)
-    return momentum, row_pos
+    return momentum
 
 
-def _selected_variance(u: Unit, v: jax.Array, pick: Pick) -> jax.Array:
-    ra = u.layout.row_axis
-    v_sel = v if u.full else _selection.gather_rows(v, jnp.minimum(pick.rows, v.shape[ra] - 1),
-                                                    ra)
-    return jnp.squeeze(v_sel.astype(jnp.float32), 3 - ra)
+def _batch_factors(plan: Plan, b, stacked: list[jax.Array]) -> jax.Array:
+    """A batch's polar factors, sliced from its group's stacked output, in the members'
+    orientation."""
+    o = stacked[b.group]
+    size = sum(_sizes(plan, b.uids))
+    if size != o.shape[0]:
+        o = jax.lax.slice_in_dim(o, b.offset, b.offset + size, axis=0)
+    return _orient(o, plan.units[b.uids[0]].swap)
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks, polars
+def _selected_variance(plan: Plan, b, variance: Blocks, rows) -> jax.Array:
+    """The batch's selected rows' second moments, ``(batch, pick)`` float32 (``rows``: the
+    batch's stacked local rows, None when every row is selected)."""
+    u = plan.units[b.uids[0]]
+    v = _megabatch.stack([jnp.squeeze(variance[plan.units[i].leaf][plan.units[i].block],
+                                      3 - u.layout.row_axis) for i in b.uids])
+    if rows is not None:
+        v = _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
+    return v.astype(jnp.float32)
+
+
+def _batch_moments(plan: Plan, cfg: Dion3Config, acc: Accumulated, rows, row_sq: list
+                   ) -> list[tuple[jax.Array, jax.Array]]:
+    """Per batch, NorMuon's ``(v_new, a)`` (elementwise: once per batch, on its members'
+    stacked rows)."""
+    beta2 = jnp.asarray(cfg.beta2, jnp.float32)
+    return [_rules.normuon_ema(_selected_variance(plan, b, acc.variance, r),
+                               _megabatch.stack([row_sq[i] for i in b.uids]),
+                               plan.units[b.uids[0]].layout.c, beta2)
+            for b, r in zip(plan.batches, rows)]
+
+
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, stacked, row_pos
               ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
-    returns the float32 directions and the new second-moment blocks."""
+    returns the float32 directions and the new second-moment blocks. The sums run per unit (on
+    the shapes they always had: a reduction's rounding may depend on its shape); the elementwise
+    work, gathers and row writes once per batch."""
     if cfg.flavour != "normuon":
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
-    beta2 = jnp.asarray(cfg.beta2, jnp.float32)
     units = plan.units
     row_sq = batched_psum([(_rules.row_sq_norms(polars[u.uid].factors, u.layout.row_axis),
                             u.comm if u.shard == "cols" else ()) for u in units])
-    moments = [_rules.normuon_moments(
-        _selected_variance(u, acc.variance[u.leaf][u.block], picks[u.uid]), rs, u.layout.c,
-        beta2) for u, rs in zip(units, row_sq)]
-    fros = batched_psum([(fro, u.comm if u.shard == "rows" else ())
-                         for u, (_, _, fro) in zip(units, moments)])
+    moments = _batch_moments(plan, cfg, acc, rows, row_sq)
+    a_unit = {i: a for b, (_, a_b) in zip(plan.batches, moments)
+              for i, a in zip(b.uids, _megabatch.unstack(a_b, _sizes(plan, b.uids)))}
+    terms = [_rules.normuon_fro(row_sq[u.uid], a_unit[u.uid]) for u in units]
+    fros = batched_psum([(jnp.stack([_megabatch.stack([terms[i][j] for i in b.uids])
+                                     for j in (0, 1)]),
+                          units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
+                         for b in plan.batches])
     variance = [list(b) for b in acc.variance]
-    dirs = []
-    for u, (v_new, a, _), fro in zip(units, moments, fros):
-        ra = u.layout.row_axis
-        dirs.append(_rules.normuon_directions(polars[u.uid].factors, a, fro, ra))
-        v = variance[u.leaf][u.block]
-        v_new = jnp.expand_dims(v_new, 3 - ra)
-        variance[u.leaf][u.block] = (v_new.astype(v.dtype) if u.full else _selection.scatter_rows(
-            v, picks[u.uid].rows, v_new, ra, mode="drop"))
+    dirs: list[jax.Array | None] = [None] * len(units)
+    for b, (v_new, a), fro in zip(plan.batches, moments, fros):
+        ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
+        d = _rules.normuon_directions(_batch_factors(plan, b, stacked), a, fro, ra)
+        for i, di, vi in zip(b.uids, _megabatch.unstack(d, sizes),
+                             _megabatch.unstack(jnp.expand_dims(v_new, 3 - ra), sizes)):
+            dirs[i] = di
+            v = variance[units[i].leaf][units[i].block]
+            variance[units[i].leaf][units[i].block] = (
+                vi.astype(v.dtype) if units[i].full
+                else _selection.expand_rows(vi, row_pos[i], ra, base=v))
     return tuple(dirs), variance
 
 
@@ -339,8 +422,9 @@ def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, ro
 def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
-    picks = select(cfg, plan, acc)
-    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
-    momentum, row_pos = error_feedback(cfg, plan, acc, picks, polars)
-    dirs, variance = normalise(cfg, plan, acc, picks, polars)
+    picks, rows = select(cfg, plan, acc)
+    polars, stacked = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
+    row_pos = row_positions(plan, acc, rows)
+    momentum = error_feedback(cfg, plan, acc, polars, row_pos)
+    dirs, variance = normalise(cfg, plan, acc, rows, polars, stacked, row_pos)
     return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_pos, momentum, variance)
