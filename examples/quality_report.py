@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import shlex
 import statistics
 
 import numpy as np
@@ -357,24 +358,51 @@ def section_time(data: dict, groups: dict, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def section_grid(groups: dict, plots: str) -> str:
-    grid = {}
+def grid_cells(groups: dict) -> dict[tuple[float, float], float]:
+    """(f, lr multiplier of the transferred lr) → seed-0 held-out loss at weight decay 0.01.
+
+    Dion3 cells take the better μ rule; NorMuon's sweep is the row f = 1, its multipliers
+    relative to its best lr.
+    """
+    grid, normuon = {}, {}
     for g in groups.values():
         r = next((r for r in g if r["seed"] == 0), None)
-        if r and r["opt"] == "dion3" and r["phase"] in ("dion3", "grid") and r["wd_rule"] == \
-                "const" and math.isclose(r["wd"], 0.01):
-            grid.setdefault((r["fraction"], r["lr_mult"]), {})[r["mu_rule"]] = r["final_heldout"]
-    cells = {k: min(v.values()) for k, v in grid.items()}
-    multipliers = {m for _, m in cells}
+        if not r or r["wd_rule"] != "const" or not math.isclose(r["wd"], 0.01) or \
+                r["phase"] == "time":
+            continue
+        if r["opt"] == "dion3" and r["phase"] in ("dion3", "grid"):
+            grid.setdefault((r["fraction"], r["lr_mult"]), []).append(r["final_heldout"])
+        elif r["opt"] == "normuon":
+            normuon[r["lr"]] = r["final_heldout"]
+    cells = {k: min(v) for k, v in grid.items()}
+    if normuon:
+        best = min(normuon, key=normuon.get)
+        cells.update({(1.0, round(lr / best, 6)): x for lr, x in normuon.items()})
+    return cells
+
+
+def section_grid(groups: dict, plots: str) -> str:
+    cells = grid_cells(groups)
+    fs = sorted({f for f, _ in cells}, reverse=True)
+    ms = sorted({m for _, m in cells})
     head = "## Learning rate × f: does lr·√f transfer?"
-    if len(multipliers) < 2:
+    if len({m for f, m in cells if f < 1}) < 2:
         return "\n".join([head, "", "**Not run**: the time budget ended before the grid phase "
                           "(learning-rate multipliers 1/4, 1/2, 2, 4 of the transferred rate at "
                           "f = 1/2, 1/4, 1/8). The only evidence here is the lr plot above: one "
                           "Dion3 point per f at the transferred rate."])
     plot_heatmap(cells, os.path.join(plots, "heatmap.png"))
-    return "\n".join([head, "", "Seed 0, best μ rule per cell; the column 1× is the transfer "
-                      "rule's prediction.", "", "![lr × f heat map](quality/heatmap.png)"])
+    name = lambda f: "1 (NorMuon)" if f == 1 else f"1/{round(1 / f)}"
+    rows = [[name(f)] + [f"{cells[(f, m)]:.4f}" if (f, m) in cells else "–" for m in ms]
+            + [f"{min((m for g, m in cells if g == f), key=lambda m: cells[(f, m)]):g}×"]
+            for f in fs]
+    return "\n".join([
+        head, "",
+        "Held-out loss of seed 0 at learning rate = multiplier × NorMuon's best lr / √f "
+        "(weight decay 0.01; Dion3 with the better μ rule, which was 0.95^(1/f) in every "
+        "cell run with both). If lr·√f transfers, every row is best at 1×.", "",
+        _table(["f"] + [f"{m:g}×" for m in ms] + ["best"], rows), "",
+        "![lr × f heat map](quality/heatmap.png)"])
 
 
 def section_wd(groups: dict) -> str:
@@ -419,7 +447,7 @@ def write_report(paths: list[str] | str, doc: str, plots: str, command: str | No
     groups = group(data["runs"])
     meta = data["meta"][0]
     if command is None:
-        command = "python3 examples/quality_study.py " + " ".join(meta["argv"])
+        command = shlex.join(["python3", "examples/quality_study.py", *meta["argv"]])
     headline, names = section_headline(groups)
     plot_curves(groups, names, os.path.join(plots, "curves.png"))
     plot_lr(groups, os.path.join(plots, "lr.png"))

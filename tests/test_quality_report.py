@@ -1,0 +1,57 @@
+"""``docs/QUALITY.md`` is what ``examples/quality_study.py --report`` makes of the committed
+results, and the report's tables are computed from the runs (not typed in)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+RESULTS = "docs/quality/h200_results.jsonl"
+NOTES = "docs/quality/notes.md"
+#: The command docs/QUALITY.md quotes (the GPU call's, with the library copy on PYTHONPATH).
+COMMAND = ("PYTHONPATH=runs/quality_lib python3 examples/quality_study.py --out $OUT/study.jsonl "
+           "--time-budget 550 --compile-workers 8")
+
+
+@pytest.fixture(scope="module")
+def study():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import quality_report
+    import quality_study
+
+    return quality_study, quality_report
+
+
+def test_committed_report_is_regenerated_from_the_committed_results(study, tmp_path,
+                                                                    monkeypatch):
+    quality_study, _ = study
+    monkeypatch.chdir(ROOT)
+    doc = tmp_path / "QUALITY.md"
+    quality_study.main(["--report", RESULTS, "--notes", NOTES, "--doc", str(doc),
+                        "--plots", str(tmp_path), "--command", COMMAND])
+    with open("docs/QUALITY.md") as f:
+        assert doc.read_text() == f.read(), (
+            "docs/QUALITY.md is stale: regenerate it with quality_study.py --report "
+            f"{RESULTS} --notes {NOTES} --command '{COMMAND}'")
+    assert {p.name for p in tmp_path.glob("*.png")} >= {"curves.png", "lr.png", "heatmap.png"}
+
+
+def test_grid_cells_are_the_seed_0_runs(study, tmp_path):
+    """Cells are read from the runs: shuffle the losses and the table follows them."""
+    _, quality_report = study
+    runs = quality_report.load([os.path.join(ROOT, RESULTS)])["runs"]
+    rng = np.random.default_rng()
+    for r in runs:
+        r["final_heldout"] = float(rng.uniform(1, 2))
+    cells = quality_report.grid_cells(quality_report.group(runs))
+    for r in runs:
+        if r["opt"] == "dion3" and r["seed"] == 0 and r["phase"] == "grid":
+            assert cells[(r["fraction"], r["lr_mult"])] <= r["final_heldout"]
+    normuon = {r["lr"]: r["final_heldout"] for r in runs if r["opt"] == "normuon" and
+               r["seed"] == 0 and r["phase"] != "time" and r["wd"] == 0.01}
+    best = min(normuon, key=normuon.get)
+    assert cells[(1.0, 1.0)] == normuon[best]
