@@ -59,3 +59,24 @@ def test_polar_standalone_example():
     for method in ("gram", "standard"):
         assert 0.7 < res[method]["sv_min"] and res[method]["sv_max"] < 1.25
         assert res[method]["rel_err"] < 0.2
+
+
+def test_replica_sync_dtype_ring_mean_and_table():
+    """The emulated 16-bit ring all-reduce rounds like one float16 per addition (scaled: no
+    overflow even for entries far above float16's range), and the script prints its table."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jax.numpy as jnp
+    import numpy as np
+    import replica_sync_dtype as rsd
+
+    rng = np.random.default_rng()
+    parts = 1e6 * rng.standard_normal((8, 16, 32))  # ≫ 65504: only the shared scale saves it
+    exact = parts.mean(0)
+    assert rsd.rel(rsd.ring_mean(parts, jnp.float32), exact) < 1e-6
+    err16 = rsd.rel(rsd.ring_mean(parts, jnp.float16), exact)
+    assert 1e-5 < err16 < 8 * 2.0 ** -11  # rounded, by at most a few float16 ulps
+    out = subprocess.run([sys.executable, "benchmarks/replica_sync_dtype.py", "--rows", "32",
+                          "--cols", "64", "--replicas", "2", "--trials", "1", "--steps", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("| 2 |") == 3
