@@ -69,12 +69,10 @@ class Batch(NamedTuple):
 
     Attributes:
       group: index in :attr:`Plan.groups`.
-      offset: the first member's first matrix in the group's stacked polar output.
       uids: the members, in the group's order.
     """
 
     group: int
-    offset: int
     uids: tuple[int, ...]
 
 
@@ -164,17 +162,16 @@ def _batches(units: list[Unit], groups, leaves) -> tuple[Batch, ...]:
     """Each group's units cut into runs of equal :func:`_batch_key` and distinct blocks."""
     out = []
     for g, (_, uids) in enumerate(groups):
-        offset, run = 0, [uids[0]]
+        run = [uids[0]]
         for i in uids[1:]:
             u, head = units[i], units[run[0]]
             if (_batch_key(u, leaves[u.leaf]) == _batch_key(head, leaves[head.leaf])
                     and all((units[j].leaf, units[j].block) != (u.leaf, u.block) for j in run)):
                 run.append(i)
                 continue
-            out.append(Batch(g, offset, tuple(run)))
-            offset += sum(units[j].layout.batch for j in run)
+            out.append(Batch(g, tuple(run)))
             run = [i]
-        out.append(Batch(g, offset, tuple(run)))
+        out.append(Batch(g, tuple(run)))
     return tuple(out)
 
 
@@ -212,7 +209,7 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
         else:
             units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units))
     groups: dict[_megabatch.GroupKey, dict[tuple, list[int]]] = {}
-    for u in units:   # a group's members ordered by batch key: each batch is one slice
+    for u in units:   # a group's members ordered by batch key: fewer, larger batches
         groups.setdefault(u.group, {}).setdefault(_batch_key(u, leaves[u.leaf]), []).append(u.uid)
     replica = ctx.replica_axis is not None
     stack = not ctx.compressed

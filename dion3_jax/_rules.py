@@ -107,11 +107,21 @@ def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
     return v_new, a, jnp.stack(normuon_fro(row_sq, a))
 
 
+def normuon_scales(a: jax.Array, fro: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The row and matrix factors of :func:`normuon_directions`: ``(1/a, ‖O‖_F / max(‖O/a‖_F,
+    ε))``, shapes ``(batch, k)`` and ``(batch,)``."""
+    return 1.0 / a, jnp.sqrt(fro[0]) / jnp.maximum(jnp.sqrt(fro[1]), NORMUON_EPS)
+
+
+def scale_rows(o: jax.Array, inv_a: jax.Array, factor: jax.Array, row_axis: int) -> jax.Array:
+    """``O · (1/a) · factor`` in float32, from :func:`normuon_scales`."""
+    return o.astype(jnp.float32) * (jnp.expand_dims(inv_a, 3 - row_axis)
+                                    * factor[:, None, None])
+
+
 def normuon_directions(o: jax.Array, a: jax.Array, fro: jax.Array, row_axis: int) -> jax.Array:
     """``D = O / a``, rescaled to ``‖O‖_F``: ``D · ‖O‖_F / max(‖O/a‖_F, ε)``, float32."""
-    factor = jnp.sqrt(fro[0]) / jnp.maximum(jnp.sqrt(fro[1]), NORMUON_EPS)
-    return o.astype(jnp.float32) * (jnp.expand_dims(1.0 / a, 3 - row_axis)
-                                    * factor[:, None, None])
+    return scale_rows(o, *normuon_scales(a, fro), row_axis)
 
 
 def normuon(o: jax.Array, v_sel: jax.Array, beta2, row_axis: int = 1

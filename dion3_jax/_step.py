@@ -279,16 +279,10 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> li
 
 
 def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
-                      ) -> tuple[tuple[Polar, ...], list[jax.Array]]:
-    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it).
-
-    Returns:
-      Per unit its :class:`Polar`, and per group the factors as the call returned them (this
-      device's pieces, stacked in the group's order and wide orientation).
-    """
+                      ) -> tuple[Polar, ...]:
+    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it)."""
     orth = cfg.orthogonalizer
     out: list[Polar | None] = [None] * len(plan.units)
-    stacked = []
     for b in batches:
         sizes = [plan.units[i].layout.batch for i in b.uids]
         if b.stacked is None:
@@ -302,11 +296,10 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
             selected = _megabatch.unstack(b.stacked, sizes)
-        stacked.append(o)
         for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
             swap = plan.units[i].swap
             out[i] = Polar(_orient(s, swap), _orient(f, swap))
-    return tuple(out), stacked  # type: ignore[return-value]
+    return tuple(out)  # type: ignore[return-value]
 
 
 def row_positions(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
@@ -336,16 +329,6 @@ def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_p
     return momentum
 
 
-def _batch_factors(plan: Plan, b, stacked: list[jax.Array]) -> jax.Array:
-    """A batch's polar factors, sliced from its group's stacked output, in the members'
-    orientation."""
-    o = stacked[b.group]
-    size = sum(_sizes(plan, b.uids))
-    if size != o.shape[0]:
-        o = jax.lax.slice_in_dim(o, b.offset, b.offset + size, axis=0)
-    return _orient(o, plan.units[b.uids[0]].swap)
-
-
 def _selected_variance(plan: Plan, b, variance: Blocks, rows) -> jax.Array:
     """The batch's selected rows' second moments, ``(batch, pick)`` float32 (``rows``: the
     batch's stacked local rows, None when every row is selected)."""
@@ -368,12 +351,12 @@ def _batch_moments(plan: Plan, cfg: Dion3Config, acc: Accumulated, rows, row_sq:
             for b, r in zip(plan.batches, rows)]
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, stacked, row_pos
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, row_pos
               ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
-    returns the float32 directions and the new second-moment blocks. The sums run per unit (on
-    the shapes they always had: a reduction's rounding may depend on its shape); the elementwise
-    work, gathers and row writes once per batch."""
+    returns the float32 directions and the new second-moment blocks. The sums and the
+    directions run per unit (the sums on the shapes they always had: a reduction's rounding may
+    depend on its shape); the small elementwise work and the variance gather once per batch."""
     if cfg.flavour != "normuon":
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
@@ -391,10 +374,12 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, stac
     dirs: list[jax.Array | None] = [None] * len(units)
     for b, (v_new, a), fro in zip(plan.batches, moments, fros):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
-        d = _rules.normuon_directions(_batch_factors(plan, b, stacked), a, fro, ra)
-        for i, di, vi in zip(b.uids, _megabatch.unstack(d, sizes),
-                             _megabatch.unstack(jnp.expand_dims(v_new, 3 - ra), sizes)):
-            dirs[i] = di
+        inv_a, factor = _rules.normuon_scales(a, fro)
+        for i, ia, fa, vi in zip(b.uids, _megabatch.unstack(inv_a, sizes),
+                                 _megabatch.unstack(factor, sizes),
+                                 _megabatch.unstack(jnp.expand_dims(v_new, 3 - ra), sizes)):
+            # Per unit, so that each leaf's kernels read its factors directly.
+            dirs[i] = _rules.scale_rows(polars[i].factors, ia, fa, ra)
             v = variance[units[i].leaf][units[i].block]
             variance[units[i].leaf][units[i].block] = (
                 vi.astype(v.dtype) if units[i].full
@@ -423,8 +408,8 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks, rows = select(cfg, plan, acc)
-    polars, stacked = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
+    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
     row_pos = row_positions(plan, acc, rows)
     momentum = error_feedback(cfg, plan, acc, polars, row_pos)
-    dirs, variance = normalise(cfg, plan, acc, rows, polars, stacked, row_pos)
+    dirs, variance = normalise(cfg, plan, acc, rows, polars, row_pos)
     return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_pos, momentum, variance)

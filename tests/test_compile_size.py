@@ -1,0 +1,72 @@
+"""The traced and compiled step does not grow by its per-shape work with every same-shape leaf.
+
+Compile time is a cost of the optimizer (``benchmarks/bench_compile.py``): the selection's sorts
+and row scatters run once per batch of same-shape matrices, and the step's per-leaf kernels
+are the same program for every leaf of a shape (no per-leaf offsets baked in), so XLA compiles
+each once.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import pytest
+
+import dion3_jax
+
+
+def _tree(layers: int) -> dict[str, jax.ShapeDtypeStruct]:
+    shapes = {}
+    for i in range(layers):
+        shapes.update({f"l{i}/q": (16, 16), f"l{i}/o": (16, 16), f"l{i}/up": (16, 40),
+                       f"l{i}/down": (40, 16)})
+    return {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+
+
+def _primitives(fraction: float, layers: int) -> collections.Counter:
+    params = _tree(layers)
+    tx = dion3_jax.scale_by_dion3(fraction)
+    state = jax.eval_shape(tx.init, params)
+    counts: collections.Counter = collections.Counter()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            counts[eqn.primitive.name] += 1
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(tx.update)(params, state).jaxpr)
+    return counts
+
+
+def _compiled_ops(fraction: float, layers: int) -> collections.Counter:
+    params = _tree(layers)
+    tx = dion3_jax.scale_by_dion3(fraction)
+    state = jax.eval_shape(tx.init, params)
+    hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
+    return collections.Counter(re.findall(r"= \S+ (sort|scatter|top[-_]?k)\(", hlo))
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_sorts_and_scatters_do_not_grow_with_same_shape_leaves(fraction):
+    small, large = _primitives(fraction, 2), _primitives(fraction, 6)
+    for name in ("sort", "top_k", "scatter", "scatter-add"):
+        assert small[name] == large[name], (name, small[name], large[name])
+    assert large["top_k"] > 0
+
+
+def test_compiled_sorts_do_not_grow_with_same_shape_leaves():
+    assert _compiled_ops(0.25, 2) == _compiled_ops(0.25, 6)
+
+
+def test_per_leaf_trace_is_small():
+    """The traced work per extra same-shape leaf (a regression bound with some slack: about 80
+    equations per leaf at f = 1/4, 40 at f = 1, when written)."""
+    for fraction, bound in ((0.25, 110), (1.0, 60)):
+        a, b = _primitives(fraction, 2), _primitives(fraction, 3)
+        per_leaf = (sum(b.values()) - sum(a.values())) / 4
+        assert per_leaf <= bound, (fraction, per_leaf)
