@@ -27,7 +27,7 @@ def sq_sum(x: jax.Array, axis) -> jax.Array:
 def norm_from_sq_sum(s: jax.Array) -> jax.Array:
     """The norm from :func:`sq_sum`; NaN where it overflows."""
     n = jnp.sqrt(s) * jnp.asarray(_UP, s.dtype)
-    return jnp.where(jnp.isinf(n), jnp.nan, n)
+    return jax.lax.select(jnp.abs(n) == jnp.inf, jnp.full_like(n, jnp.nan), n)
 
 
 def norm(x: jax.Array, axis, keepdims: bool = False) -> jax.Array:

@@ -151,10 +151,10 @@ def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
     """
     k = rows.shape[row_axis]
     full = gather_rows(rows, jnp.minimum(pos, k - 1), row_axis)
-    keep = jnp.expand_dims(pos < k, 3 - row_axis)
-    if base is None:
-        return jnp.where(keep, full, jnp.zeros((), full.dtype))
-    return jnp.where(keep, full.astype(base.dtype), base)
+    if base is not None:
+        full = full.astype(base.dtype)
+    keep = jax.lax.broadcast_in_dim(pos < k, full.shape, (0, row_axis))
+    return jax.lax.select(keep, full, jnp.zeros_like(full) if base is None else base)
 
 
 def local_positions(starts, counts, width: int, shard_index) -> tuple[jax.Array, jax.Array]:
