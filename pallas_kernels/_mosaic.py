@@ -126,19 +126,28 @@ def _smem_transforms(cols: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _operand_specs(config: MosaicConfig, dtype, b_transposed: bool):
+def _in_flight(config: MosaicConfig, k: int) -> int:
+    """``wgmma`` groups left in flight after each contraction step, and the steps a panel's slot
+    is released late by: 1 (the next step's loads overlap this step's ``wgmma``), or 0 when an
+    item has a single step. jax's pipeline then runs one stage, which a release one step late
+    would leave with no slot the memory warpgroup waits on between items (a race)."""
+    return 1 if k // config.tile_k > 1 else 0
+
+
+def _operand_specs(config: MosaicConfig, dtype, b_transposed: bool, k: int):
     """``(a_spec, b_spec)``: the pipeline's block specs of a row panel and of the column panel."""
     tile, tile_k = config.tile, config.tile_k
+    delay = _in_flight(config, k)
     in_transforms = _smem_transforms(tile_k, dtype)
     a_spec = plgpu.BlockSpec((tile, tile_k), lambda k: (0, k), transforms=in_transforms,
-                             memory_space=plgpu.SMEM, delay_release=1)
+                             memory_space=plgpu.SMEM, delay_release=delay)
     if b_transposed:
         b_spec = plgpu.BlockSpec((tile, tile_k), lambda k: (0, k), transforms=in_transforms,
-                                 memory_space=plgpu.SMEM, delay_release=1)
+                                 memory_space=plgpu.SMEM, delay_release=delay)
     else:
         b_spec = plgpu.BlockSpec((tile_k, tile), lambda k: (k, 0),
                                  transforms=_smem_transforms(tile, dtype),
-                                 memory_space=plgpu.SMEM, delay_release=1)
+                                 memory_space=plgpu.SMEM, delay_release=delay)
     return a_spec, b_spec
 
 
@@ -152,7 +161,7 @@ def _pipeline(a_gmem, b_gmem, *, config: MosaicConfig, b_transposed: bool):
     compute warpgroups index by ``[wg, k % stages]``.
     """
     tile = config.tile
-    a_spec, b_spec = _operand_specs(config, a_gmem.dtype, b_transposed)
+    a_spec, b_spec = _operand_specs(config, a_gmem.dtype, b_transposed, a_gmem.shape[-1])
     a_block = a_gmem.at[0, pl.ds(0, tile), :]
     b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
 
@@ -226,6 +235,7 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
     tile = config.tile
     get_pipeline, pipeline_allocs, a_both = _pipeline(a_gmem, b_gmem, config=config,
                                                       b_transposed=b_transposed)
+    in_flight = _in_flight(config, a_gmem.shape[-1])
 
     @functools.partial(
         pl.run_scoped,
@@ -276,7 +286,7 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                 b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem
                 slot = lax.rem(k_idx, jnp.int32(a_both.shape[1]))
                 plgpu.wgmma(acc_ref, a_both.at[wg, slot], b_op)
-                plgpu.wgmma_wait(1)
+                plgpu.wgmma_wait(in_flight)
                 return acc_ref
 
             b_panel = (b_gmem.at[bi, pl.ds(tc * tile, tile), :] if b_transposed

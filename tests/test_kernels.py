@@ -305,19 +305,27 @@ class TestMosaicInterpret(KernelSuite):
         close(sym_matmul_mosaic(a, b, c, interpret=True, **kw),
               pallas_kernels.sym_matmul_reference(a, b, c, **kw), 5e-4)
 
-    @pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError, reason=(
-        "known hazard: one contraction step per item (k <= tile_k) leaves jax's pipeline with "
-        "max_concurrent_steps shrunk to 1 <= delay_release, so nothing holds the memory "
-        "warpgroup back between items and a compute warpgroup misses a barrier phase"))
     def test_one_contraction_step_with_several_items_per_cta(self):
-        """Documents the hazard above (docs/KERNELS.md, "Known issue"); this test starts failing
-        when it is fixed. "auto" sends a product to a kernel only when batch · n² · k >= 4096³:
-        with k <= 64 (and so n <= 64 for Gram NS's wide operands) that needs a batch of at least
-        2¹⁸ matrices."""
+        """One contraction step per item (k <= tile_k) with one CTA walking every item: jax's
+        pipeline then runs a single stage, so slots are released at once and each step waits
+        for its wgmma (``_mosaic._in_flight``). With the one-step-late release kept there, the
+        interpreter reported a compute warpgroup that missed a barrier phase (a load could
+        overwrite a panel in use). Race detector on; exact symmetry; accuracy as XLA's."""
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
         from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
 
-        x = jax.random.normal(jax.random.key(9), (384, 64), jnp.float16)
-        jax.block_until_ready(syrk_mosaic(x, config=MosaicConfig(num_sms=1), interpret=True))
+        params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+        for s, (shape, dtype) in enumerate([((384, 64), jnp.float16), ((2, 256, 40), jnp.bfloat16)]):
+            x, ref = gram_inputs(jax.random.key(900 + s), shape, dtype)
+            out = np.asarray(syrk_mosaic(x, config=MosaicConfig(num_sms=1), interpret=params),
+                             np.float32)
+            assert not np.isnan(out).any(), shape
+            assert not interpret_pallas_call.get_races().races_found, shape
+            np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+            err, ref_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
+            assert err <= 2.0 * ref_err + 1e-6, (shape, err, ref_err)
 
     def test_shallowest_pipeline(self):
         """Two stages (the least that keeps one wgmma group in flight) and 16-deep panels."""

@@ -75,6 +75,19 @@ class GpuSuite(base.KernelSuite):
 class TestMosaicGpu(GpuSuite):
     IMPLEMENTATION = "mosaic"
 
+    def test_one_contraction_step_with_several_items_per_cta(self):
+        """k <= tile_k (one pipeline stage, slots released at once) with one CTA walking every
+        item and with the default grid: exact symmetry, accuracy as XLA's."""
+        from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
+
+        for config in (MosaicConfig(num_sms=1), None):
+            for shape in [(384, 64), (64, 512, 40)]:
+                x, ref = base.gram_inputs(jax.random.key(13), shape, jnp.float16)
+                out = np.asarray(syrk_mosaic(x, config=config), np.float32)
+                np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+                err, xla_err = base.rel_error(out, ref), base.xla_error_syrk(x, ref, jnp.float16)
+                assert err <= self.ERROR_FACTOR * xla_err, (shape, config, err, xla_err)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif("triton" not in _AVAILABLE, reason="needs an NVIDIA GPU and jax-triton")
