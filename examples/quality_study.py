@@ -22,7 +22,7 @@ and the warm-up + cosine schedule is computed inside the step from the step coun
 Usage::
 
     python examples/quality_study.py --tiny --out runs/quality/tiny.jsonl   # CPU check, ~1 min
-    python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~9 min
+    python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
