@@ -59,6 +59,7 @@ def test_sorts_and_scatters_do_not_grow_with_same_shape_leaves(fraction):
     assert large["top_k"] > 0
 
 
+@pytest.mark.slow  # ~9 s: two XLA compiles; the jaxpr-level tests above stay in the fast loop
 def test_compiled_sorts_do_not_grow_with_same_shape_leaves():
     assert _compiled_ops(0.25, 1) == _compiled_ops(0.25, 3)
 
