@@ -8,9 +8,11 @@ what a 16-bit wire would cost, emulating a ring all-reduce that adds the replica
 after another in the wire dtype:
 
 * **float32**: today's wire (the reference point).
-* **float16, scaled**: every replica divides by a shared scale (the largest ``‖M_r[I]‖_F`` over
-  the replicas, one float all-reduced with ``pmax``) before casting, so the sum of R payloads is
-  at most R in norm and cannot overflow; the scale is multiplied back after the sum.
+* **float16, scaled**: every replica divides by a shared scale (the largest ``|entry|`` of the
+  matrix over the replicas, one float all-reduced with ``pmax``) before casting, so each
+  summand lies in [−1, 1] and the sum of R payloads cannot overflow; the scale is multiplied
+  back after the sum. This is ``MeshOptions(replica_wire_dtype=jnp.float16)``
+  (``dion3_jax._collectives.replica_mean``).
 * **bfloat16, scaled**: the same with 8 mantissa bits.
 
 Two effects are reported:
@@ -52,7 +54,7 @@ def ring_mean(parts: np.ndarray, wire) -> np.ndarray:
     if wire == jnp.float32:
         scale = 1.0
     else:
-        scale = max(float(np.linalg.norm(p)) for p in parts)
+        scale = max(float(np.abs(p).max()) for p in parts)
     acc = jnp.asarray(parts[0] / scale, wire)
     for p in parts[1:]:
         acc = (acc + jnp.asarray(p / scale, wire)).astype(wire)

@@ -46,3 +46,20 @@ def batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[j
             out[i] = g[:, off:off + x.size].reshape((g.shape[0], *x.shape))
             off += x.size
     return out  # type: ignore[return-value]
+
+
+def replica_mean(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
+    """``pmean`` of a stack of matrices ``(batch, a, b)`` over ``axis``, sent in ``wire_dtype``
+    (None: ``x``'s dtype).
+
+    A 16-bit wire first divides each matrix by the largest ``|entry|`` any replica holds of it
+    (one float per matrix, a ``pmax``), so every summand lies in [−1, 1] and a sum over fewer
+    than 65504 replicas cannot overflow float16; the scale is multiplied back afterwards in
+    ``x``'s dtype. A NaN or inf entry makes its matrix NaN (never a silent zero).
+    """
+    if wire_dtype is None or jnp.dtype(wire_dtype) == x.dtype:
+        return jax.lax.pmean(x, axis)
+    amax = jax.lax.pmax(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), axis)
+    scale = jnp.where(amax > 0, amax, jnp.ones_like(amax))
+    total = jax.lax.psum((x / scale).astype(wire_dtype), axis)
+    return total.astype(x.dtype) * (scale / jax.lax.psum(1, axis))

@@ -75,6 +75,14 @@ class MeshOptions(NamedTuple):
       param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable), needed
         when mesh axes are Auto; default under Auto: each leaf sharded over ``shard_axis`` along
         its first divisible axis. Under Explicit axes the shardings are read from the leaves.
+      replica_wire_dtype: under compressed sync, the dtype the selected rows' average crosses
+        ``replica_axis`` in: None (the default: the momentum's dtype, float32 unless
+        ``mu_dtype`` says otherwise; "random" selection then equals the fully synchronised
+        update to rounding) or float16 (half of float32's bytes; each matrix is scaled by the
+        replicas' largest entry first; the update's error stays at the float16 polar's own and
+        the momentum moves by about 5e-4 relative, measured by
+        ``benchmarks/replica_sync_dtype.py``). bfloat16 is refused: it adds 40–100% to the
+        update's error.
     """
 
     mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
@@ -84,6 +92,7 @@ class MeshOptions(NamedTuple):
     replica_selection: Literal["random", "norms"] = "random"
     seed: int = 0
     param_specs: Any = None
+    replica_wire_dtype: Any = None
 
 
 def check_mesh_options(options: MeshOptions) -> None:
@@ -111,6 +120,18 @@ def check_mesh_options(options: MeshOptions) -> None:
                 raise ValueError(f"mesh axis {a!r} (from shard_axis / replica_axis) is not an axis "
                                  f"of the mesh {tuple(mesh.axis_names)}")
     _check_seed_and_specs(options.seed, options.param_specs)
+    _check_wire_dtype(options.replica_wire_dtype)
+
+
+def _check_wire_dtype(dtype) -> None:
+    try:
+        ok = dtype is None or np.dtype(dtype) == np.dtype(np.float16)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"replica_wire_dtype must be None (the momentum's dtype) or float16, "
+                         f"got {dtype!r}; bfloat16 is refused: it adds 40-100% to the update's "
+                         "error (benchmarks/replica_sync_dtype.py)")
 
 
 def _check_seed_and_specs(seed, param_specs) -> None:

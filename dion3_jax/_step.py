@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dion3_jax import _megabatch, _norms, _rules, _selection
-from dion3_jax._collectives import batched_all_gather, batched_psum
+from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
 from dion3_jax._config import Dion3Config
 from dion3_jax._plan import Plan, Unit
 
@@ -273,7 +273,8 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> li
         elif not (on_device and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
             if plan.ctx.compressed:
-                stacked = jax.lax.pmean(stacked, plan.ctx.replica_axis)
+                stacked = replica_mean(stacked, plan.ctx.replica_axis,
+                                       cfg.mesh_options.replica_wire_dtype)
         batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized))
     return batches
 

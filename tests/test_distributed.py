@@ -398,6 +398,9 @@ def test_validation():
         dion3_jax.scale_by_dion3(mesh_options=MO(selection_scope="everywhere"))
     with pytest.raises(ValueError, match="replica_selection"):
         dion3_jax.scale_by_dion3(mesh_options=MO(replica_selection="sometimes"))
+    for wire in (jnp.bfloat16, "float32", "f16x"):
+        with pytest.raises(ValueError, match="replica_wire_dtype must be None .* or float16"):
+            dion3_jax.scale_by_dion3(mesh_options=MO(replica_wire_dtype=wire))
     with pytest.raises(ValueError, match="replica_axis"):
         dion3_jax.scale_by_dion3(mesh_options=MO(shard_axis="dcn", replica_axis="dcn"))
     with pytest.raises(ValueError, match="shard_axis"):

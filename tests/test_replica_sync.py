@@ -152,6 +152,49 @@ def test_bytes_over_replica_axis_scale_with_fraction():
     assert sizes[1.0] / sizes[0.125] > 7
 
 
+def dcn_all_reduce_by_dtype(hlo: str) -> dict[str, int]:
+    """Elements all-reduced over "dcn" per dtype (payload averages and per-matrix scales)."""
+    total: dict[str, int] = {}
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*) all-reduce(?:-start)?\(", line)
+        if m and re.search(r"replica_groups=.*\{'dcn'\}", line):
+            for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)):
+                n = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                total[dtype] = total.get(dtype, 0) + n
+    return total
+
+
+@pytest.mark.slow
+def test_float16_replica_wire_sends_16_bits_and_stays_within_its_rounding():
+    """``replica_wire_dtype=float16``: the averaged rows cross "dcn" in float16 (only one float32
+    scale per matrix besides), the replicas stay identical, and the update moves from the
+    float32 wire's by float16 rounding (not more, and not zero: the wire is really 16-bit)."""
+    m = mesh()
+    params = trees(0)
+    grads = [trees(s + 1, replicas=2) for s in range(3)]
+    with jax.set_mesh(m):
+        make = lambda wire: dion3_jax.scale_by_dion3(0.25, mesh_options=MO(
+            replica_axis="dcn", seed=3, replica_wire_dtype=wire), **POLAR)
+        tx16, tx32 = make(jnp.float16), make(None)
+        s16 = s32 = tx16.init(put(params, m))
+        up16, up32 = compressed_update(tx16, m), compressed_update(tx32, m)
+        sizes = {w: dcn_all_reduce_by_dtype(up.lower(put(grads[0], m, stacked=True), s16)
+                                            .compile().as_text())
+                 for w, up in (("16", up16), ("32", up32))}
+        for g in grads:
+            u16, s16 = up16(put(g, m, stacked=True), s16)
+            u32, s32 = up32(put(g, m, stacked=True), s32)
+            for k in SPECS:
+                a, b = np.asarray(u16[k]), np.asarray(u32[k])
+                np.testing.assert_array_equal(a[0], a[1])
+                err = np.linalg.norm(a[0] - b[0]) / np.linalg.norm(b[0])
+                assert 0 < err < 3e-3, (k, err)
+    payload = sizes["32"]["f32"]
+    assert "f16" not in sizes["32"]
+    assert sizes["16"]["f16"] == payload  # the same rows, half the bytes
+    assert sizes["16"].get("f32", 0) <= len(SPECS)  # one scale per matrix
+
+
 def test_synchronize_momentum_validation():
     with pytest.raises(ValueError, match="replica_axis"):
         dion3_jax.synchronize_momentum({}, "dcn")
