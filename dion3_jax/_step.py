@@ -285,7 +285,7 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
     orth = cfg.orthogonalizer
     out: list[Polar | None] = [None] * len(plan.units)
     for b in batches:
-        sizes = [plan.units[i].layout.batch for i in b.uids]
+        sizes = _sizes(plan, b.uids)
         if b.stacked is None:
             o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
             selected = b.parts
