@@ -92,6 +92,22 @@ def gather_rows(m: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
+def scatter_rows(m: jax.Array, idx: jax.Array, rows: jax.Array, row_axis: int,
+                 mode: str | None = None) -> jax.Array:
+    """``m`` with rows ``idx`` replaced by ``rows`` (same layout as :func:`gather_rows`).
+
+    With ``mode="drop"``, out-of-range indices (distinct ones: padding of a short shard) are
+    skipped. The step writes rows back with :func:`expand_rows` instead; this scatter is its
+    reference in the tests and its alternative in ``benchmarks/bench_selection.py``.
+    """
+    rows = rows.astype(m.dtype)
+    if row_axis == 1:
+        return jax.vmap(lambda x, i, r: x.at[i].set(r, unique_indices=True, mode=mode))(
+            m, idx, rows)
+    return jax.vmap(lambda x, i, r: x.at[:, i].set(r, unique_indices=True, mode=mode))(
+        m, idx, rows)
+
+
 def batched_top_rows(requests: list[tuple[jax.Array, int]], ascending: bool = False
                      ) -> list[jax.Array]:
     """:func:`top_rows` for many ``(scores, k)`` pairs, one ``lax.top_k`` per distinct
@@ -132,8 +148,7 @@ def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
     ``rows[pos[r]]`` where ``pos[r] < k`` and ``base``'s row ``r`` (zero without ``base``) elsewhere.
 
     A gather of whole rows plus a select, so the result is written once, densely; equal to
-    ``base`` with rows ``idx`` replaced by ``rows`` (out-of-range indices skipped) for
-    ``pos = row_positions(idx, n)``.
+    ``scatter_rows(base, idx, rows, row_axis, mode="drop")`` for ``pos = row_positions(idx, n)``.
     """
     k = rows.shape[row_axis]
     full = gather_rows(rows, jnp.minimum(pos, k - 1), row_axis)

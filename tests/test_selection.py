@@ -15,15 +15,6 @@ def _random_picks(rng, batch, n, k, pad):
     return idx
 
 
-def scatter_rows(m, idx, rows, row_axis):
-    """The scatter that ``expand_rows`` replaces: ``m`` with rows ``idx`` set to ``rows``,
-    out-of-range (padding) indices skipped."""
-    def one(x, i, r):
-        return (x.at[i] if row_axis == 1 else x.at[:, i]).set(r, unique_indices=True,
-                                                               mode="drop")
-    return jax.vmap(one)(m, idx, rows.astype(m.dtype))
-
-
 @pytest.mark.parametrize("row_axis", [1, 2])
 @pytest.mark.parametrize("with_base", [False, True])
 def test_expand_rows_equals_scatter_rows(row_axis, with_base):
@@ -37,7 +28,7 @@ def test_expand_rows_equals_scatter_rows(row_axis, with_base):
     pos = _selection.row_positions(idx, n)
     got = _selection.expand_rows(rows, pos, row_axis, base=base if with_base else None)
     start = base if with_base else jnp.zeros(shape, jnp.float32)
-    want = scatter_rows(start, idx, rows, row_axis)
+    want = _selection.scatter_rows(start, idx, rows, row_axis, mode="drop")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # And against NumPy directly.
     ref = np.array(start)
