@@ -34,19 +34,14 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from bench_step import model_shapes
+from bench_step import jitted_step, model_shapes
 
 
 def compile_seconds(tx: optax.GradientTransformation, params) -> tuple[float, float, float]:
     """Seconds to trace, lower and compile ``jit(update + apply_updates)`` on abstract leaves."""
     state = jax.eval_shape(tx.init, params)
-
-    def step(p, s, g):
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
     t0 = time.perf_counter()
-    traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, params)
+    traced = jitted_step(tx).trace(params, state, params)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()

@@ -172,6 +172,16 @@ def dion3_step(fraction: float, method: str, backend: str, per_leaf=None):
     return optax.partition({k: make() for k in per_leaf}, {k: k for k in per_leaf})
 
 
+def jitted_step(tx):
+    """``jit(update + apply_updates)`` of ``tx``, ``(params, state, grads) → (params, state)``,
+    with params and state donated."""
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
 def compile_step(tx, params, grads, mesh=None, state=None):
     """``jit(update + apply_updates)`` (params and state donated), lowered and compiled.
 
@@ -189,11 +199,7 @@ def compile_step(tx, params, grads, mesh=None, state=None):
         if state is None:
             state = jax.eval_shape(tx.init, params)
 
-        def step(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
+        compiled = jitted_step(tx).lower(params, state, grads).compile()
     return compiled, time.perf_counter() - t0
 
 

@@ -461,32 +461,22 @@ class Trainer:
 
     def grad_ms(self, reps: int = 20) -> float:
         """Milliseconds of one forward + backward pass (no optimizer), median of ``reps``."""
-        import jax
-
         exe = self.compiled["grad"][1]
         params, starts = self.params(0), self._starts(0)
-        jax.block_until_ready(exe(params, self.train_dev, starts, 0))
-        times = []
-        for i in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(exe(params, self.train_dev, starts, i))
-            times.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(times))
+        return _median_ms(lambda i: exe(params, self.train_dev, starts, i), reps, warmup=1)
 
     def step_ms(self, family: str, run: Run, reps: int = 30) -> float:
         """Milliseconds of one training step of ``family`` (median of ``reps`` synced steps)."""
-        import jax
-
         make, exe = self.compiled[family]
         params = self.params(0)
-        state, starts, hp = make(run).init(params), self._starts(0), self._hp(run)
-        times = []
-        for _ in range(reps + 3):
-            t0 = time.perf_counter()
-            params, state, loss = exe(params, state, self.train_dev, starts, hp)
-            jax.block_until_ready(loss)
-            times.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(times[3:]))
+        box = [params, make(run).init(params)]
+        starts, hp = self._starts(0), self._hp(run)
+
+        def one(_):
+            box[0], box[1], loss = exe(box[0], box[1], self.train_dev, starts, hp)
+            return loss
+
+        return _median_ms(one, reps, warmup=3)
 
     def evaluate(self, params) -> float:
         return float(self.compiled["eval"][1](params, self.held_dev))
@@ -518,6 +508,21 @@ class Trainer:
             train_curve=_block_means(train_losses, 10), step_ms=1e3 * train_s / run.steps,
             train_s=train_s,
         )
+
+
+def _median_ms(call, reps: int, warmup: int) -> float:
+    """Median milliseconds of ``call(i)`` for ``i < reps``, each waited for, after ``warmup``
+    untimed calls (``call(0)``, ``call(1)``, …)."""
+    import jax
+
+    for i in range(warmup):
+        jax.block_until_ready(call(i))
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call(i))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
 
 
 def _block_means(xs: list[float], k: int) -> list[float]:

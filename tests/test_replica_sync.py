@@ -118,14 +118,20 @@ def test_norms_selection_keeps_replicas_identical():
         assert np.count_nonzero(both[0]) > 0
 
 
-def dcn_all_reduce_elements(hlo: str) -> int:
-    total = 0
+def dcn_all_reduce_by_dtype(hlo: str) -> dict[str, int]:
+    """Elements all-reduced over "dcn" per dtype (payload averages and per-matrix scales)."""
+    total: dict[str, int] = {}
     for line in hlo.splitlines():
         m = re.search(r"= (.*) all-reduce(?:-start)?\(", line)
         if m and re.search(r"replica_groups=.*\{'dcn'\}", line):
-            for dims in re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", m.group(1)):
-                total += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)):
+                n = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                total[dtype] = total.get(dtype, 0) + n
     return total
+
+
+def dcn_all_reduce_elements(hlo: str) -> int:
+    return sum(dcn_all_reduce_by_dtype(hlo).values())
 
 
 @pytest.mark.slow
@@ -150,18 +156,6 @@ def test_bytes_over_replica_axis_scale_with_fraction():
     assert sizes == expect, (sizes, expect)
     assert sizes[0.125] < sizes[0.5] < sizes[1.0]
     assert sizes[1.0] / sizes[0.125] > 7
-
-
-def dcn_all_reduce_by_dtype(hlo: str) -> dict[str, int]:
-    """Elements all-reduced over "dcn" per dtype (payload averages and per-matrix scales)."""
-    total: dict[str, int] = {}
-    for line in hlo.splitlines():
-        m = re.search(r"= (.*) all-reduce(?:-start)?\(", line)
-        if m and re.search(r"replica_groups=.*\{'dcn'\}", line):
-            for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", m.group(1)):
-                n = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                total[dtype] = total.get(dtype, 0) + n
-    return total
 
 
 @pytest.mark.slow
