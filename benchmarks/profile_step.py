@@ -17,6 +17,7 @@ import argparse
 import collections
 import glob
 import gzip
+import json
 import os
 import re
 import sys
@@ -88,6 +89,8 @@ def main(argv=None):
     p.add_argument("--dump-hlo", metavar="PATH",
                    help="write the profiled executable's whole optimized HLO text here "
                         "(gzip-compressed when PATH ends in .gz)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write every op's milliseconds per step here (a JSON object)")
     a = p.parse_args(argv)
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     shapes = bench_step.model_shapes(**cfg)
@@ -109,6 +112,9 @@ def main(argv=None):
     totals = op_times(trace_dir)
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(per_step, f, indent=0, sort_keys=True)
     dev = jax.devices()[0]
     print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}, "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "

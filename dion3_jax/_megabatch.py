@@ -1,6 +1,6 @@
 """Megabatching: one batched orthogonalizer call (and one all-to-all each way) per shape group.
 
-The static plan groups the selected submatrices ("payloads") of all leaves by (wide shape, dtype,
+The static plan groups the selected submatrices ("payloads") of all leaves by (shape, dtype,
 how they are distributed). Each group is concatenated along its batch axis and then, inside the
 step's ``shard_map``:
 
@@ -40,8 +40,8 @@ class GroupKey(NamedTuple):
       axes: mesh axes of the collective (empty for ``"on_device"``).
       concat_axis: ``"all_to_all"``: the payload axis (1 or 2) along which pieces are
         concatenated into whole matrices.
-      shape: the payload's (rows, cols) on the sending device, in wide orientation of the
-        assembled matrix.
+      shape: the payload's (rows, cols) on the sending device, in the orientation the
+        orthogonalizer gets (the leaf's own, or wide for one that takes only wide matrices).
       dtype: the payload dtype.
     """
 
@@ -77,7 +77,7 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
       x: the group's payloads stacked along axis 0 (local to the device, inside shard_map).
       key: the group's static key.
       axis_size: number of devices along ``key.axes``.
-      orthogonalizer: ``(batch, rows, cols) -> polar factors`` (rows ≤ cols for wide groups).
+      orthogonalizer: ``(batch, rows, cols) -> polar factors``.
 
     Returns:
       An array shaped like ``x``: the device's pieces of the orthogonalized matrices.

@@ -30,6 +30,9 @@ class Orthogonalizer:
 
     #: ``stacked`` uses the norms it is given (so the caller may compute them cheaply).
     takes_norms = True
+    #: Takes tall matrices as they are (:func:`polar` iterates on the short side's Gram matrix),
+    #: so the step sends each payload in its leaf's own orientation and writes no transpose.
+    any_orientation = True
 
     def __init__(self, **polar_kwargs):
         self.polar_kwargs = dict(polar_kwargs)
@@ -77,6 +80,7 @@ class CallableOrthogonalizer(Orthogonalizer):
     """A user's ``(batch, rows, cols) -> polar factors`` callable in the protocol."""
 
     takes_norms = False
+    any_orientation = False  # The callable gets wide matrices (rows ≤ cols).
 
     def __init__(self, fn: Callable[[jax.Array], jax.Array]):
         super().__init__()

@@ -41,7 +41,8 @@ class Unit(NamedTuple):
       pick: rows this device sends per matrix (``k`` unless the rows are sharded).
       full: every row is selected (no gather, no scatter).
       group: the unit's shape group.
-      swap: the payload is transposed to the group's wide orientation.
+      swap: the payload is transposed to the group's orientation (wide, for an orthogonalizer
+        that takes only wide matrices).
     """
 
     uid: int
@@ -107,13 +108,15 @@ class Plan(NamedTuple):
     batches: tuple[Batch, ...]
 
 
-def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx):
+def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx,
+           any_orientation: bool):
     """The unit's shape group and whether its payload is transposed to the group's shape."""
     ra = layout.row_axis
     rows_assembled = pick * (ctx.size(comm) if shard == "rows" else 1)
-    # Wide orientation for the polar; a square matrix keeps its layout (polar(Xᵀ) = polar(X)ᵀ,
-    # so a transpose there would only move memory).
-    want = ra if rows_assembled == layout.c else 1 if rows_assembled < layout.c else 2
+    # The payload keeps its layout (polar(Xᵀ) = polar(X)ᵀ, so a transpose would only move
+    # memory) unless the orthogonalizer takes only wide matrices.
+    keep = any_orientation or rows_assembled == layout.c
+    want = ra if keep else 1 if rows_assembled < layout.c else 2
     swap = ra != want
     shape = (pick, local_cols) if (ra == 1) != swap else (local_cols, pick)
     if shard == "whole":
@@ -123,19 +126,21 @@ def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dt
     return _megabatch.GroupKey("all_to_all", comm, concat, shape, dtype), swap
 
 
-def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int):
+def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int,
+                 any_orientation: bool):
     units = []
     for bi, (gb, lb) in enumerate(zip(lp.layout.blocks, lp.local.blocks)):
         lay = _layout.BlockLayout(lb.batch, gb.n, gb.c, lb.row_axis)
         k = _selection.num_selected(fraction, gb.n)
-        group, swap = _group(lp.shard, lp.comm, lp.split, lay, lb.c, k, dtype, ctx)
+        group, swap = _group(lp.shard, lp.comm, lp.split, lay, lb.c, k, dtype, ctx,
+                             any_orientation)
         units.append(Unit(start + len(units), leaf, bi, lay, lb.c, lp.shard, lp.comm, lp.split,
                           None, k, k, k == gb.n, group, swap))
     return units
 
 
 def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str, dtype, ctx,
-               start: int):
+               start: int, any_orientation: bool):
     lb = lp.local.blocks[0]
     units = []
     for seg in lp.segments:
@@ -146,7 +151,8 @@ def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str
             every = pick == seg.width
         else:
             pick, every = min(k, seg.width), k == seg.layout.n
-        group, swap = _group("rows", lp.comm, False, lay, lb.c, pick, dtype, ctx)
+        group, swap = _group("rows", lp.comm, False, lay, lb.c, pick, dtype, ctx,
+                             any_orientation)
         units.append(Unit(start + len(units), leaf, 0, lay, lb.c, "rows", lp.comm, False, seg, k,
                           pick, seg.whole and every, group, swap))
     return units
@@ -201,13 +207,14 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
     """The plan of a step on ``grads`` (a tree) with momenta of ``momentum_dtypes`` (a list)."""
     ctx, leaves = leaf_plans(cfg, grads)
     scope = cfg.mesh_options.selection_scope
+    anyo = cfg.orthogonalizer.any_orientation
     units: list[Unit] = []
     for li, (lp, dtype) in enumerate(zip(leaves, momentum_dtypes)):
         dtype = jnp.dtype(dtype)
         if lp.shard == "rows":
-            units += _row_units(li, lp, cfg.fraction, scope, dtype, ctx, len(units))
+            units += _row_units(li, lp, cfg.fraction, scope, dtype, ctx, len(units), anyo)
         else:
-            units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units))
+            units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units), anyo)
     groups: dict[_megabatch.GroupKey, dict[tuple, list[int]]] = {}
     for u in units:   # a group's members ordered by batch key: fewer, larger batches
         groups.setdefault(u.group, {}).setdefault(_batch_key(u, leaves[u.leaf]), []).append(u.uid)

@@ -45,43 +45,69 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _add_identity(z: jax.Array, a: float) -> jax.Array:
+    """``z + a·I``: a full pass over ``z`` (``z`` stays readable)."""
     n = z.shape[-1]
     return z + a * jnp.eye(n, dtype=z.dtype)
 
 
+def _add_to_diagonal(z: jax.Array, a: float) -> jax.Array:
+    """``z + a·I`` written into the diagonal only: in place when ``z`` has no other reader
+    (an update of ``n`` elements per matrix, not a pass over all ``n²``)."""
+    i = jnp.arange(z.shape[-1])
+    return z.at[..., i, i].add(jnp.asarray(a, z.dtype))
+
+
+def _tall(x: jax.Array) -> bool:
+    return x.shape[-2] > x.shape[-1]
+
+
+def _gram(x: jax.Array, backend: str) -> jax.Array:
+    """The Gram matrix of the short side: ``X Xᵀ`` of a wide ``x``, ``Xᵀ X`` of a tall one (read
+    in place: no transposed copy)."""
+    return pallas_kernels.syrk(x, transpose=_tall(x), implementation=backend)
+
+
+def _apply(q: jax.Array, x: jax.Array) -> jax.Array:
+    """``Q X`` for a wide ``x``, ``X Q`` for a tall one (``Q``: a polynomial in :func:`_gram`)."""
+    return _matmul(x, q) if _tall(x) else _matmul(q, x)
+
+
 def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str = "auto"
                            ) -> jax.Array:
-    """Standard Newton-Schulz on a normalised wide batch ``x`` of shape ``(B, n, m)``, n ≤ m.
+    """Standard Newton-Schulz on a normalised batch ``x`` of shape ``(B, n, m)``, wide or tall.
 
-    Per step ``(a, b, c)``: ``A = X Xᵀ; B = b·A + c·A²; X ← a·X + B X``.
+    Per step ``(a, b, c)``, for a wide ``X``: ``A = X Xᵀ; Z = a·I + b·A + c·A²; X ← Z X`` (a tall
+    one: ``A = Xᵀ X; X ← X Z``). ``Z`` is one symmetric product with ``a`` added to its diagonal,
+    so the step's large product writes ``X`` in its own dtype directly (no float32 result and no
+    separate ``+ a·X`` pass).
     """
     for a, b, c in coeffs:
-        gram = pallas_kernels.syrk(x, implementation=backend)
+        gram = _gram(x, backend)
         poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=c, beta=b,
                                          implementation=backend)
-        acc = jnp.promote_types(x.dtype, jnp.float32)
-        x = (jnp.einsum("...ik,...kj->...ij", poly, x, preferred_element_type=acc)
-             + a * x.astype(acc)).astype(x.dtype)
+        x = _apply(_add_to_diagonal(poly, a), x)
     return x
 
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
                        backend: str = "auto") -> jax.Array:
-    """Gram Newton-Schulz on a normalised wide batch ``x`` of shape ``(B, n, m)``, n < m.
+    """Gram Newton-Schulz on a normalised batch ``x`` of shape ``(B, n, m)``, n ≠ m.
 
-    Iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram matrix) so that the
-    result is ``Q X``; at each step in ``restarts`` it sets ``X ← Q X`` and recomputes ``R``,
-    which removes the spurious negative eigenvalues that low precision leaves in ``R``. In exact
-    arithmetic the result equals :func:`standard_newton_schulz`.
+    For a wide ``X`` it iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram
+    matrix) so that the result is ``Q X``; at each step in ``restarts`` it sets ``X ← Q X`` and
+    recomputes ``R``, which removes the spurious negative eigenvalues that low precision leaves in
+    ``R``. A tall ``X`` runs the same iteration on ``R = Xᵀ X`` with ``X Q`` (``polar(Xᵀ) =
+    polar(X)ᵀ``), so no orientation needs a transposed copy. In exact arithmetic the result
+    equals :func:`standard_newton_schulz`.
     """
     restart_set = set(restarts)
     last = len(coeffs) - 1
-    r = pallas_kernels.syrk(x, implementation=backend)
+    r = _gram(x, backend)
     q = None
     for i, (a, b, c) in enumerate(coeffs):
         if i in restart_set and i != 0:
-            x = _matmul(q, x)
-            r = pallas_kernels.syrk(x, implementation=backend)
+            x = _apply(q, x)
+            r = _gram(x, backend)
             q = None
         z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
         if q is None:
@@ -91,22 +117,41 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
         if i != last and (i + 1) not in restart_set:
             rz = pallas_kernels.sym_matmul(r, z, r, alpha=1.0, beta=a, implementation=backend)
             r = pallas_kernels.sym_matmul(z, rz, rz, alpha=1.0, beta=a, implementation=backend)
-    return _matmul(q, x)
+    return _apply(q, x)
+
+
+def _padded_shape(n: int, m: int, multiples: tuple[int, int]) -> tuple[int, int]:
+    """``(n, m)`` padded to the kernels' ``(tile, depth)`` multiples: the short side (the Gram
+    side) to ``tile``, the long side (the contraction) to ``depth`` and at least the short
+    side's padded size, so a wide or tall matrix stays so."""
+    tile, depth = multiples
+    if n > m:
+        cols = m + -m % tile
+        return max(n + -n % depth, cols), cols
+    rows = n + -n % tile
+    return rows, max(m + -m % depth, rows)
+
+
+def _multiples(y: jax.Array, backend: str) -> tuple[int, int] | None:
+    """The kernels' ``(tile, depth)`` padding multiples for ``y``'s Gram matrix, or None (XLA)."""
+    b, n, m = y.shape
+    gram_operand = (b, m, n) if n > m else (b, n, m)
+    return pallas_kernels.padding_multiples(gram_operand, y.dtype, backend)
 
 
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
              backend: str, multiples: tuple[int, int] | None) -> jax.Array:
-    """Newton-Schulz on the normalised wide batch ``y`` of shape ``(B, n, m)``.
+    """Newton-Schulz on the normalised batch ``y`` of shape ``(B, n, m)``, wide or tall.
 
-    With ``multiples`` (the kernels' tile multiples), ``y`` is zero-padded once to them and the
-    result sliced back, so that no product pads its operands or slices its result. Exact: zero
-    rows and columns of ``X`` keep ``X Xᵀ``, every polynomial of it and ``Q X`` block-diagonal,
-    with the real block unchanged and zero rows (and columns) in ``Q X``.
+    With ``multiples`` (the kernels' tile multiples, :func:`_multiples`), ``y`` is zero-padded
+    once to them and the result sliced back, so that no product pads its operands or slices its
+    result. Exact: zero rows and columns of ``X`` keep the Gram matrix, every polynomial of it
+    and ``Q X`` block-diagonal, with the real block unchanged and zero rows (and columns) in
+    ``Q X``.
     """
     _, n, m = y.shape
     if multiples is not None:
-        rows = n + -n % multiples[0]
-        cols = max(m + -m % multiples[1], rows)  # Stays wide: Gram NS pays on the short side.
+        rows, cols = _padded_shape(n, m, multiples)
         if (rows, cols) != (n, m):
             y = jnp.pad(y, ((0, 0), (0, rows - n), (0, cols - m)))
     if method == "gram" and n != m:
@@ -142,10 +187,11 @@ def polar(x: jax.Array, *, method: Method = "gram",
           eps: float = 1e-7, out_dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
     r"""Approximates the polar factor ``U Vᵀ`` of each matrix in a batch.
 
-    The input is normalised in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``,
-    transposed when it has more rows than columns, and iterated with the odd polynomials given by
-    ``coefficients``. Gram Newton-Schulz is used for non-square matrices; square matrices fall
-    back to standard Newton-Schulz (the Gram form saves nothing there).
+    The input is normalised in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``
+    and iterated with the odd polynomials given by ``coefficients``, on the Gram matrix of its
+    short side (``X Xᵀ`` of a wide matrix, ``Xᵀ X`` of a tall one; a tall input is never
+    transposed). Gram Newton-Schulz is used for non-square matrices; square matrices fall back to
+    standard Newton-Schulz (the Gram form saves nothing there).
 
     Args:
       x: array of shape ``(..., n, m)`` of any floating dtype; leading axes are a batch.
@@ -192,12 +238,10 @@ def resolved_compute_dtype(method: str, compute_dtype=None):
 
 
 def _normalized(x: jax.Array, eps: float, compute_dtype, norm=None) -> jax.Array:
-    """``(B, n, m)`` → wide ``X / (‖X‖_F + eps)`` per matrix, normalised in float32 (at least),
-    transposed when ``n > m``, cast to ``compute_dtype``. ``norm``: ``‖X‖_F`` per matrix,
-    ``(B,)``, when the caller has it already (else computed from ``x``, overflow-safe)."""
+    """``(B, n, m)`` → ``X / (‖X‖_F + eps)`` per matrix, normalised in float32 (at least), cast to
+    ``compute_dtype``. ``norm``: ``‖X‖_F`` per matrix, ``(B,)``, when the caller has it already
+    (else computed from ``x``, overflow-safe)."""
     y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    if x.shape[-2] > x.shape[-1]:
-        y = jnp.swapaxes(y, -1, -2)
     if norm is None:
         norm = _norms.norm(y, axis=(-2, -1), keepdims=True)
     else:
@@ -244,9 +288,5 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
                       None if q is None else jnp.reshape(q, (-1,)))
           for p, q in zip(parts, norms)]
     y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
-    y = _iterate(y, coeffs, method, restarts, backend,
-                 pallas_kernels.padding_multiples(y.shape, y.dtype, backend))
-    if n > m:
-        y = jnp.swapaxes(y, -1, -2)
-    y = y.astype(out_dtype)
+    y = _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend)).astype(out_dtype)
     return y.reshape((*batch[0], n, m)) if len(parts) == 1 else y

@@ -233,7 +233,7 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
 
 
 class GroupBatch(NamedTuple):
-    """A shape group's payloads, oriented wide, ready for its orthogonalizer call."""
+    """A shape group's payloads, in the group's orientation, ready for its orthogonalizer call."""
 
     key: _megabatch.GroupKey
     uids: tuple[int, ...]

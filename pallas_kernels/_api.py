@@ -150,36 +150,38 @@ def padding_multiples(shape, dtype, implementation: Implementation = "auto"
     return None if impl == "xla" else TILE_MULTIPLES
 
 
-def syrk(x: jax.Array, *, out_dtype=None, implementation: Implementation = "auto",
-         interpret: bool = False) -> jax.Array:
-    """Returns ``x · xᵀ`` over the last two axes, batched over leading axes.
+def syrk(x: jax.Array, *, transpose: bool = False, out_dtype=None,
+         implementation: Implementation = "auto", interpret: bool = False) -> jax.Array:
+    """Returns ``x · xᵀ`` (or ``xᵀ · x``) over the last two axes, batched over leading axes.
 
     Only the lower-triangular tiles are computed by the kernels; the upper ones are their mirror, so
     the result is exactly symmetric.
 
     Args:
       x: ``(..., n, m)``.
+      transpose: return ``xᵀ · x``, ``(..., m, m)`` (BLAS ``syrk`` with ``trans='T'``): the Gram
+        matrix of a tall ``x``'s columns, computed without a transposed copy of ``x``.
       out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
       implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
       interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).
 
     Returns:
-      The ``(..., n, n)`` Gram matrix.
+      The ``(..., n, n)`` Gram matrix (``(..., m, m)`` with ``transpose``).
 
     Raises:
       ValueError: for an unknown implementation, or a named one that cannot run here.
     """
-    impl = _resolve(implementation, dtypes=(x.dtype,), size=_work(x.shape),
-                    interpret=interpret)
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
+    impl = _resolve(implementation, dtypes=(x.dtype,), size=_work(shape), interpret=interpret)
     if impl == "mosaic":
         from pallas_kernels._mosaic import syrk_mosaic
 
-        return syrk_mosaic(x, out_dtype=out_dtype, interpret=interpret)
+        return syrk_mosaic(x, transpose=transpose, out_dtype=out_dtype, interpret=interpret)
     if impl == "triton":
         from pallas_kernels._triton import syrk_triton
 
-        return syrk_triton(x, out_dtype=out_dtype)
-    return syrk_reference(x, out_dtype=out_dtype)
+        return syrk_triton(x, transpose=transpose, out_dtype=out_dtype)
+    return syrk_reference(x, transpose=transpose, out_dtype=out_dtype)
 
 
 def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha: float = 1.0,
@@ -188,8 +190,10 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
     """Returns ``alpha · a · b + beta · c`` where the result is known to be symmetric.
 
     Meant for products of commuting symmetric matrices (polynomials of one Gram matrix, as in Gram
-    Newton-Schulz). The kernels compute the lower-triangular tiles only and mirror them, so the
-    result is exactly symmetric; ``c`` must be symmetric (its lower triangle is read).
+    Newton-Schulz). The kernels compute the lower-triangular tiles only and mirror them exactly.
+    Elements inside a diagonal tile are as computed: Triton's are exactly symmetric (the mirror
+    is copied), Mosaic's and XLA's are symmetric up to one rounding. ``c`` must be symmetric
+    (its lower triangle is read).
 
     Args:
       a: ``(..., n, k)``.

@@ -12,15 +12,18 @@ slots are released one step later, ``BlockSpec(delay_release=1)``).
 
 - ``syrk``: ``out[r, c] = x[r] · x[c]ᵀ``; the ``x[c]`` panel is fed to ``wgmma`` through a
   transposed shared-memory view (the tensor core transposes 16-bit shared-memory operands for
-  free).
+  free). ``syrk(transpose=True)``, ``out[r, c] = x[:, r]ᵀ · x[:, c]``, reads column panels and
+  transposes the left one instead, so a tall matrix's Gram ``xᵀx`` needs no transposed copy.
 - ``sym_matmul``: ``out[r, c] = α · a[r, :] · b[:, c] + β · c[r, c]``.
 
 The epilogue goes through 64×64 sub-tiles: ``+ β·c`` (the ``c`` sub-tile comes in by TMA), one
 rounding to the output dtype, a TMA store to ``out[r, c]`` and, off the diagonal, a TMA store of
 its transpose (a register layout cast to ``WGMMA_TRANSPOSED`` and a transposed shared-memory view)
-to ``out[c, r]``. Diagonal tiles are written exactly once; for ``sym_matmul`` they are then made
-exactly symmetric by :func:`symmetrize_diagonal_tiles`. Operands are padded to tile multiples by the
-wrapper and the result is sliced back, so any size works.
+to ``out[c, r]``. Diagonal tiles are written exactly once, as computed: ``syrk``'s are exactly
+symmetric (``x[i] · x[i]ᵀ`` sums each pair of mirrored elements in one order), ``sym_matmul``'s
+are symmetric up to one rounding, like XLA's product (``a · b`` of matrices that commute only up
+to rounding). Operands are padded to tile multiples by the wrapper and the result is sliced back,
+so any size works.
 
 Reference: :func:`pallas_kernels._reference.syrk_reference` and
 :func:`pallas_kernels._reference.sym_matmul_reference` (re-exported here) compute the same products
@@ -44,7 +47,7 @@ from pallas_kernels._common import check_dtypes, pad_to
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syrk_mosaic",
-           "sym_matmul_reference", "syrk_reference", "symmetrize_diagonal_tiles")
+           "sym_matmul_reference", "syrk_reference")
 
 #: SMs simulated by GPU interpret mode when no abstract device says otherwise.
 _INTERPRET_NUM_SMS = 4
@@ -134,24 +137,37 @@ def _in_flight(config: MosaicConfig, k: int) -> int:
     return 1 if k // config.tile_k > 1 else 0
 
 
-def _operand_specs(config: MosaicConfig, dtype, b_transposed: bool, k: int):
-    """``(a_spec, b_spec)``: the pipeline's block specs of a row panel and of the column panel."""
+def _contraction(a_gmem, form: str) -> int:
+    """The contraction length of ``form``'s left operand (see :func:`_symmetric_kernel`)."""
+    return a_gmem.shape[-2] if form[0] == "t" else a_gmem.shape[-1]
+
+
+def _panel_spec(config: MosaicConfig, dtype, along_k_minor: bool, k: int) -> plgpu.BlockSpec:
+    """Block spec of one operand panel: ``(tile, tile_k)`` when the contraction axis is the
+    operand's minor one (``along_k_minor``), else ``(tile_k, tile)``."""
     tile, tile_k = config.tile, config.tile_k
-    delay = _in_flight(config, k)
-    in_transforms = _smem_transforms(tile_k, dtype)
-    a_spec = plgpu.BlockSpec((tile, tile_k), lambda k: (0, k), transforms=in_transforms,
-                             memory_space=plgpu.SMEM, delay_release=delay)
-    if b_transposed:
-        b_spec = plgpu.BlockSpec((tile, tile_k), lambda k: (0, k), transforms=in_transforms,
-                                 memory_space=plgpu.SMEM, delay_release=delay)
-    else:
-        b_spec = plgpu.BlockSpec((tile_k, tile), lambda k: (k, 0),
-                                 transforms=_smem_transforms(tile, dtype),
-                                 memory_space=plgpu.SMEM, delay_release=delay)
-    return a_spec, b_spec
+    if along_k_minor:
+        return plgpu.BlockSpec((tile, tile_k), lambda k: (0, k),
+                               transforms=_smem_transforms(tile_k, dtype),
+                               memory_space=plgpu.SMEM, delay_release=_in_flight(config, k))
+    return plgpu.BlockSpec((tile_k, tile), lambda k: (k, 0), transforms=_smem_transforms(tile, dtype),
+                           memory_space=plgpu.SMEM, delay_release=_in_flight(config, k))
 
 
-def _pipeline(a_gmem, b_gmem, *, config: MosaicConfig, b_transposed: bool):
+def _operand_specs(config: MosaicConfig, dtype, form: str, k: int):
+    """``(a_spec, b_spec)``: the pipeline's block specs of a row panel and of the column panel."""
+    return (_panel_spec(config, dtype, form[0] == "n", k),
+            _panel_spec(config, dtype, form[1] == "t", k))
+
+
+def _panel(ref, bi, index, tile: int, along_k_minor: bool):
+    """The ``index``-th panel of ``tile`` rows (``along_k_minor``) or columns of ``ref[bi]``."""
+    if along_k_minor:
+        return ref.at[bi, pl.ds(index * tile, tile), :]
+    return ref.at[bi, :, pl.ds(index * tile, tile)]
+
+
+def _pipeline(a_gmem, b_gmem, *, config: MosaicConfig, form: str):
     """``(get_pipeline, allocations, a_both)``.
 
     ``get_pipeline(body, compute_context)`` builds the warp-specialized pipeline over the
@@ -160,15 +176,15 @@ def _pipeline(a_gmem, b_gmem, *, config: MosaicConfig, b_transposed: bool):
     row-panel rings: those are ``a_both``, one ``(2, stages, tile, tile_k)`` buffer that the
     compute warpgroups index by ``[wg, k % stages]``.
     """
-    tile = config.tile
-    a_spec, b_spec = _operand_specs(config, a_gmem.dtype, b_transposed, a_gmem.shape[-1])
-    a_block = a_gmem.at[0, pl.ds(0, tile), :]
-    b_block = b_gmem.at[0, pl.ds(0, tile), :] if b_transposed else b_gmem.at[0, :, pl.ds(0, tile)]
+    tile, k = config.tile, _contraction(a_gmem, form)
+    a_spec, b_spec = _operand_specs(config, a_gmem.dtype, form, k)
+    a_block = _panel(a_gmem, 0, 0, tile, form[0] == "n")
+    b_block = _panel(b_gmem, 0, 0, tile, form[1] == "t")
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(a_gmem.shape[-1] // config.tile_k,),
+            grid=(k // config.tile_k,),
             memory_registers=40,
             in_specs=[a_spec, a_spec, b_spec],
             wg_axis="wg",
@@ -208,9 +224,8 @@ def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, 
         plgpu.copy_smem_to_gmem(out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
 
 
-def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
-                      b_transposed: bool, alpha: float, beta: float, batch: int,
-                      tiles_per_side: int):
+def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig, form: str,
+                      alpha: float, beta: float, batch: int, tiles_per_side: int):
     """Kernel body: the persistent walk over work items, pipelined wgmma, mirrored epilogue.
 
     Work item ``(c, r1, r2)``: warpgroup 0 computes ``out[r1, c] = a[r1] · b[c]``, warpgroup 1
@@ -219,13 +234,14 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
     result is dropped.
 
     Args:
-      a_gmem: ``(batch, n, k)`` left operand.
-      b_gmem: ``(batch, n, k)`` when ``b_transposed`` (the product is ``a · bᵀ``), else
-        ``(batch, k, n)``.
+      a_gmem: the left operand, ``(batch, n, k)``, or ``(batch, k, n)`` for ``form`` "tn".
+      b_gmem: the right operand, ``(batch, k, n)``, or ``(batch, n, k)`` for ``form`` "nt".
       c_gmem: ``(batch, n, n)`` addend in the output dtype, or ``None``.
       out_gmem: ``(batch, n, n)`` output.
       config: tile sizes and pipeline depth.
-      b_transposed: whether ``b`` is read row-panel-wise and transposed in shared memory.
+      form: the product, as in BLAS: ``"nn"`` ``a · b``; ``"nt"`` ``a · bᵀ`` (``syrk``: the
+        ``b`` row panel is transposed in shared memory); ``"tn"`` ``aᵀ · b`` (``syrk`` of the
+        transpose: both operands are read in column panels, the ``a`` panel transposed).
       alpha: scale of the product (static).
       beta: scale of ``c`` (static).
       batch: number of matrices.
@@ -233,9 +249,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
     """
     out_dtype = out_gmem.dtype
     tile = config.tile
-    get_pipeline, pipeline_allocs, a_both = _pipeline(a_gmem, b_gmem, config=config,
-                                                      b_transposed=b_transposed)
-    in_flight = _in_flight(config, a_gmem.shape[-1])
+    get_pipeline, pipeline_allocs, a_both = _pipeline(a_gmem, b_gmem, config=config, form=form)
+    in_flight = _in_flight(config, _contraction(a_gmem, form))
 
     @functools.partial(
         pl.run_scoped,
@@ -283,16 +298,16 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
             def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
                 del a1_smem, a2_smem  # Read through a_both, by warpgroup.
                 (k_idx,) = idxs
-                b_op = b_smem.transpose((1, 0)) if b_transposed else b_smem
+                b_op = b_smem.transpose((1, 0)) if form[1] == "t" else b_smem
                 slot = lax.rem(k_idx, jnp.int32(a_both.shape[1]))
-                plgpu.wgmma(acc_ref, a_both.at[wg, slot], b_op)
+                a_op = a_both.at[wg, slot]
+                plgpu.wgmma(acc_ref, a_op.transpose((1, 0)) if form[0] == "t" else a_op, b_op)
                 plgpu.wgmma_wait(in_flight)
                 return acc_ref
 
-            b_panel = (b_gmem.at[bi, pl.ds(tc * tile, tile), :] if b_transposed
-                       else b_gmem.at[bi, :, pl.ds(tc * tile, tile)])
-            a1_panel = a_gmem.at[bi, pl.ds(tr1 * tile, tile), :]
-            a2_panel = a_gmem.at[bi, pl.ds(tr2 * tile, tile), :]
+            b_panel = _panel(b_gmem, bi, tc, tile, form[1] == "t")
+            a1_panel = _panel(a_gmem, bi, tr1, tile, form[0] == "n")
+            a2_panel = _panel(a_gmem, bi, tr2, tile, form[0] == "n")
             get_pipeline(mma_body, compute_context)(a1_panel, a2_panel, b_panel,
                                                     allocations=pipeline_allocs)
 
@@ -311,8 +326,7 @@ def _interpret_params(interpret):
     return interpret  # Already an ``InterpretGPUParams`` (e.g. with ``detect_races=True``).
 
 
-def _padded_product(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, interpret,
-                    name: str):
+def _padded_product(a, b, c, *, out_dtype, config, form: str, alpha, beta, interpret, name: str):
     """Pads ``(batch, n, ·)`` operands to tile multiples and launches the kernel.
 
     Returns:
@@ -330,15 +344,15 @@ def _padded_product(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, in
             f"{jnp.dtype(out_dtype).name} outputs, more than {SMEM_LIMIT}: lower "
             "max_concurrent_steps")
     tile, tile_k = config.tile, config.tile_k
-    a_p = pad_to(a, (tile, tile_k))
-    b_p = pad_to(b, (tile, tile_k) if b_transposed else (tile_k, tile))
-    n_p = a_p.shape[1]
+    a_p = pad_to(a, (tile, tile_k) if form[0] == "n" else (tile_k, tile))
+    b_p = pad_to(b, (tile, tile_k) if form[1] == "t" else (tile_k, tile))
+    n_p = a_p.shape[1 if form[0] == "n" else 2]
     operands = [a_p, b_p]
     if c is not None and beta != 0.0:
         operands.append(pad_to(c.astype(out_dtype), (tile, tile)))
     else:
         c = None
-    body = functools.partial(_symmetric_kernel, config=config, b_transposed=b_transposed,
+    body = functools.partial(_symmetric_kernel, config=config, form=form,
                              alpha=alpha, beta=beta, batch=batch, tiles_per_side=n_p // tile)
     if c is None:
         body_fn = lambda a_ref, b_ref, o_ref: body(a_ref, b_ref, None, o_ref)
@@ -359,45 +373,33 @@ def _padded_product(a, b, c, *, out_dtype, config, b_transposed, alpha, beta, in
     return kernel(*operands)
 
 
-def symmetrize_diagonal_tiles(out: jax.Array, tile: int) -> jax.Array:
-    """Makes the diagonal ``tile × tile`` blocks of ``(batch, n, n)`` exactly symmetric.
-
-    Off-diagonal tiles are mirrored by the kernel, so they are symmetric by construction. A diagonal
-    tile of ``a · b`` is not when ``a`` and ``b`` commute only up to rounding; its lower triangle is
-    kept and mirrored. The cost is one gather and scatter of ``n · tile`` elements.
-    """
-    batch, n, _ = out.shape
-    t = n // tile
-    blocks = out.reshape(batch, t, tile, t, tile)
-    idx = jnp.arange(t)
-    diag = blocks[:, idx, :, idx, :]  # (t, batch, tile, tile)
-    lower = jnp.tri(tile, dtype=bool)
-    diag = jnp.where(lower, diag, jnp.swapaxes(diag, -1, -2))
-    return blocks.at[:, idx, :, idx, :].set(diag).reshape(batch, n, n)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def syrk_mosaic(x: jax.Array, *, out_dtype=None, config: MosaicConfig | None = None,
-                interpret: bool = False) -> jax.Array:
-    """``x · xᵀ`` over the last two axes with the Mosaic GPU kernel.
+@functools.partial(jax.jit, static_argnames=("transpose", "out_dtype", "config", "interpret"))
+def syrk_mosaic(x: jax.Array, *, transpose: bool = False, out_dtype=None,
+                config: MosaicConfig | None = None, interpret: bool = False) -> jax.Array:
+    """``x · xᵀ`` (or ``xᵀ · x``) over the last two axes with the Mosaic GPU kernel.
 
     Args:
       x: ``(..., n, m)`` float16 or bfloat16.
+      transpose: compute ``xᵀ · x`` (``(..., m, m)``): both operands are read in column panels
+        and the left one is transposed in shared memory, so a tall ``x`` needs no transpose.
       out_dtype: output dtype (default ``x.dtype``).
       config: tile sizes (default :meth:`MosaicConfig.get_default`).
       interpret: run through GPU interpret mode (CPU; slow; for tests); ``True`` or an
         ``InterpretGPUParams`` (e.g. with ``detect_races=True``).
 
     Returns:
-      ``(..., n, n)``, accumulated in float32 and rounded once; exactly symmetric.
+      ``(..., n, n)`` (``(..., m, m)`` with ``transpose``), accumulated in float32 and rounded
+      once; exactly symmetric.
     """
     check_dtypes(x)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     config = config or MosaicConfig.get_default(x.dtype, out_dtype)
-    *lead, n, m = x.shape
-    x3 = x.reshape(-1, n, m)
-    out = _padded_product(x3, x3, None, out_dtype=out_dtype, config=config, b_transposed=True,
-                          alpha=1.0, beta=0.0, interpret=interpret, name="syrk_mosaic")
+    *lead, rows, cols = x.shape
+    x3 = x.reshape(-1, rows, cols)
+    n = cols if transpose else rows
+    out = _padded_product(x3, x3, None, out_dtype=out_dtype, config=config,
+                          form="tn" if transpose else "nt", alpha=1.0, beta=0.0,
+                          interpret=interpret, name="syrk_mosaic")
     return out[:, :n, :n].reshape(*lead, n, n)
 
 
@@ -408,8 +410,9 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
                       interpret: bool = False) -> jax.Array:
     """``α · a · b + β · c`` for a symmetric result, with the Mosaic GPU kernel.
 
-    Only the lower tiles are computed; the upper ones are their mirror. ``c`` must be symmetric (its
-    lower tiles are read).
+    Only the lower tiles are computed; the upper ones are their exact mirror. Diagonal tiles are as
+    computed: symmetric up to one rounding when ``a`` and ``b`` commute up to rounding. ``c`` must
+    be symmetric (its lower tiles are read).
 
     Args:
       a: ``(..., n, k)`` float16 or bfloat16.
@@ -423,7 +426,8 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
         ``InterpretGPUParams`` (e.g. with ``detect_races=True``).
 
     Returns:
-      ``(..., n, n)``, accumulated in float32 and rounded once; exactly symmetric.
+      ``(..., n, n)``, accumulated in float32 and rounded once; off-diagonal tiles exactly
+      mirrored.
     """
     check_dtypes(a, b)
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
@@ -432,8 +436,7 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    out = _padded_product(a3, b3, c3, out_dtype=out_dtype, config=config, b_transposed=False,
+    out = _padded_product(a3, b3, c3, out_dtype=out_dtype, config=config, form="nn",
                           alpha=float(alpha), beta=float(beta), interpret=interpret,
                           name="sym_matmul_mosaic")
-    out = symmetrize_diagonal_tiles(out, config.tile)
     return out[:, :n, :n].reshape(*lead, n, n)

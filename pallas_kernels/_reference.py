@@ -19,18 +19,21 @@ def _acc_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def syrk_reference(x: jax.Array, *, out_dtype=None) -> jax.Array:
-    """Returns ``x @ xᵀ`` over the last two axes, batched over leading axes.
+def syrk_reference(x: jax.Array, *, transpose: bool = False, out_dtype=None) -> jax.Array:
+    """Returns ``x @ xᵀ`` (or ``xᵀ @ x``) over the last two axes, batched over leading axes.
 
     Args:
       x: array of shape ``(..., n, m)``.
+      transpose: return ``xᵀ @ x``, of shape ``(..., m, m)`` (BLAS ``syrk`` with ``trans='T'``).
       out_dtype: output dtype; defaults to ``x.dtype``.
 
     Returns:
-      The ``(..., n, n)`` Gram matrix, accumulated in float32.
+      The ``(..., n, n)`` Gram matrix (``(..., m, m)`` with ``transpose``), accumulated in
+      float32.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    acc = jnp.einsum("...ik,...jk->...ij", x, x, preferred_element_type=_acc_dtype(x.dtype))
+    spec = "...ki,...kj->...ij" if transpose else "...ik,...jk->...ij"
+    acc = jnp.einsum(spec, x, x, preferred_element_type=_acc_dtype(x.dtype))
     return acc.astype(out_dtype)
 
 

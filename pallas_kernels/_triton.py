@@ -6,7 +6,8 @@ output tile ``(i, j)``, ``i >= j``, of every matrix in the batch, in the walk or
 ``tl.dot`` with float32 accumulation:
 
 - ``syrk``: ``out[i, j] = x[i] · x[j]ᵀ`` (``tl.trans`` of the ``x[j]`` panel; free on the tensor
-  core);
+  core); with ``transpose``, ``out[i, j] = x[:, i]ᵀ · x[:, j]`` (column panels, ``tl.trans`` of
+  the left one);
 - ``sym_matmul``: ``out[i, j] = α · a[i, :] · b[:, j] + β · c[i, j]``.
 
 The epilogue stores the tile, then reads it back through transposed pointers and stores that at the
@@ -73,8 +74,9 @@ def _kernel():
     @triton.jit
     def symmetric_kernel(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
                          T: tl.constexpr, NUM_LOWER: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr, B_TRANSPOSED: tl.constexpr, HAS_C: tl.constexpr,
-                         ALPHA: tl.constexpr, BETA: tl.constexpr):
+                         BLOCK_K: tl.constexpr, A_TRANSPOSED: tl.constexpr,
+                         B_TRANSPOSED: tl.constexpr, HAS_C: tl.constexpr, ALPHA: tl.constexpr,
+                         BETA: tl.constexpr):
         pid = tl.program_id(0)
         bi = pid // NUM_LOWER
         t = pid % NUM_LOWER
@@ -89,7 +91,10 @@ def _kernel():
         offs_i = ti * BLOCK + tl.arange(0, BLOCK)
         offs_j = tj * BLOCK + tl.arange(0, BLOCK)
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + bi.to(tl.int64) * (N * K) + offs_i[:, None] * K + offs_k[None, :]
+        if A_TRANSPOSED:
+            a_ptrs = a_ptr + bi.to(tl.int64) * (N * K) + offs_k[:, None] * N + offs_i[None, :]
+        else:
+            a_ptrs = a_ptr + bi.to(tl.int64) * (N * K) + offs_i[:, None] * K + offs_k[None, :]
         if B_TRANSPOSED:
             b_ptrs = b_ptr + bi.to(tl.int64) * (N * K) + offs_j[:, None] * K + offs_k[None, :]
         else:
@@ -97,6 +102,11 @@ def _kernel():
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         for _ in range(0, K // BLOCK_K):
             a = tl.load(a_ptrs)
+            if A_TRANSPOSED:
+                a = tl.trans(a)
+                a_ptrs += BLOCK_K * N
+            else:
+                a_ptrs += BLOCK_K
             b = tl.load(b_ptrs)
             if B_TRANSPOSED:
                 acc = tl.dot(a, tl.trans(b), acc)
@@ -104,7 +114,6 @@ def _kernel():
             else:
                 acc = tl.dot(a, b, acc)
                 b_ptrs += BLOCK_K * N
-            a_ptrs += BLOCK_K
         if ALPHA != 1.0:
             acc = acc * ALPHA
         out_base = out_ptr + bi.to(tl.int64) * (N * N)
@@ -140,14 +149,14 @@ def _jax_triton():
     return jax_triton
 
 
-def _launch(a, b, c, *, out_dtype, config: TritonConfig, b_transposed: bool, alpha: float,
-            beta: float, name: str):
+def _launch(a, b, c, *, out_dtype, config: TritonConfig, a_transposed: bool, b_transposed: bool,
+            alpha: float, beta: float, name: str):
     jt = _jax_triton()
-    batch, n = a.shape[0], a.shape[1]
+    batch, n = a.shape[0], a.shape[2 if a_transposed else 1]
     tile, tile_k = config.tile, config.tile_k
-    a_p = pad_to(a, (tile, tile_k))
+    a_p = pad_to(a, (tile_k, tile) if a_transposed else (tile, tile_k))
     b_p = pad_to(b, (tile, tile_k) if b_transposed else (tile_k, tile))
-    n_p, k_p = a_p.shape[1], a_p.shape[2]
+    (n_p, k_p) = a_p.shape[:0:-1] if a_transposed else a_p.shape[1:]
     has_c = c is not None and beta != 0.0
     c_p = pad_to(c, (tile, tile)) if has_c else a_p  # A dummy pointer when there is no c.
     tiles_per_side = n_p // tile
@@ -161,30 +170,34 @@ def _launch(a, b, c, *, out_dtype, config: TritonConfig, b_transposed: bool, alp
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         N=n_p, K=k_p, T=tiles_per_side, NUM_LOWER=num_lower, BLOCK=tile, BLOCK_K=tile_k,
-        B_TRANSPOSED=b_transposed, HAS_C=has_c, ALPHA=float(alpha), BETA=float(beta),
+        A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, HAS_C=has_c, ALPHA=float(alpha), BETA=float(beta),
     )
     return out[:, :n, :n]
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
-def syrk_triton(x: jax.Array, *, out_dtype=None, config: TritonConfig | None = None) -> jax.Array:
-    """``x · xᵀ`` over the last two axes with the Triton kernel.
+@functools.partial(jax.jit, static_argnames=("transpose", "out_dtype", "config"))
+def syrk_triton(x: jax.Array, *, transpose: bool = False, out_dtype=None,
+                config: TritonConfig | None = None) -> jax.Array:
+    """``x · xᵀ`` (or ``xᵀ · x``) over the last two axes with the Triton kernel.
 
     Args:
       x: ``(..., n, m)`` float16 or bfloat16.
+      transpose: compute ``xᵀ · x``, ``(..., m, m)``, from column panels of ``x``.
       out_dtype: output dtype (default ``x.dtype``).
       config: tile sizes (default :meth:`TritonConfig.get_default`).
 
     Returns:
-      ``(..., n, n)``, accumulated in float32 and rounded once.
+      ``(..., n, n)`` (``(..., m, m)`` with ``transpose``), accumulated in float32 and rounded
+      once.
     """
     check_dtypes(x)
     config = config or TritonConfig.get_default()
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    *lead, n, m = x.shape
-    x3 = x.reshape(-1, n, m)
-    out = _launch(x3, x3, None, out_dtype=out_dtype, config=config, b_transposed=True,
-                  alpha=1.0, beta=0.0, name="syrk_triton")
+    *lead, rows, cols = x.shape
+    x3 = x.reshape(-1, rows, cols)
+    n = cols if transpose else rows
+    out = _launch(x3, x3, None, out_dtype=out_dtype, config=config, a_transposed=transpose,
+                  b_transposed=not transpose, alpha=1.0, beta=0.0, name="syrk_triton")
     return out.reshape(*lead, n, n)
 
 
@@ -213,6 +226,7 @@ def sym_matmul_triton(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    out = _launch(a3, b3, c3, out_dtype=out_dtype, config=config, b_transposed=False,
+    out = _launch(a3, b3, c3, out_dtype=out_dtype, config=config, a_transposed=False,
+                  b_transposed=False,
                   alpha=float(alpha), beta=float(beta), name="sym_matmul_triton")
     return out.reshape(*lead, n, n)

@@ -8,7 +8,11 @@ and batch-sharded leaves, replicated leaves). The data was written by the pre-re
 reproduced all of it bitwise. Rewriting it is a deliberate change of the update's bits and must
 say so in its commit. It was rewritten once since: when the all-to-all payload started to travel
 normalised in float16, the mesh f = 1 case changed by float16 rounding (~1e-3; its norms are
-summed in another order); the one-device cases are still the pre-redesign bits.
+summed in another order). It was rewritten a second time when the polar stopped transposing
+tall payloads (Gram Newton-Schulz on ``Xᵀ X``) and square ones took ``X ← (a·I + b·A + c·A²) X``
+as one float16 product: every case whose payloads are tall or square changed by float16
+rounding (relative 1e-3 to 8e-3; the wide ``mlp_up``/``mlp_gate`` at f = 1 kept their bits),
+and ``tests/test_transform.py``'s float64 references still hold.
 """
 
 from __future__ import annotations

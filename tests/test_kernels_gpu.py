@@ -1,5 +1,5 @@
 """The compiled kernels on a GPU: the shared accuracy suite on many shapes, every output element
-written, exact symmetry. Skipped where the backend is not available (CPU CI)."""
+written, symmetry (exact for ``syrk``; for ``sym_matmul`` exact mirrors across tiles). Skipped where the backend is not available (CPU CI)."""
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,7 @@ class GpuSuite(base.KernelSuite):
             del x, ref, out, o
         a, b, c, ref = base.commuting_inputs(jax.random.key(12), (), 4096, jnp.float16, 1.0, 3.9)
         out = self.sym_matmul(a, b, c, alpha=1.0, beta=3.9)
-        o = np.asarray(out.astype(jnp.float32))
-        np.testing.assert_array_equal(o, o.T)
+        base.assert_tiles_mirrored(out, jnp.float16, diagonal_exact=self.SYM_DIAGONAL_EXACT)
         xla = pallas_kernels.sym_matmul(a, b, c, alpha=1.0, beta=3.9, implementation="xla")
         assert base.rel_error(out, ref) <= self.ERROR_FACTOR * base.rel_error(xla, ref)
 
@@ -74,6 +73,7 @@ class GpuSuite(base.KernelSuite):
 @pytest.mark.skipif("mosaic" not in _AVAILABLE, reason="needs a Hopper GPU")
 class TestMosaicGpu(GpuSuite):
     IMPLEMENTATION = "mosaic"
+    SYM_DIAGONAL_EXACT = False
 
     def test_one_contraction_step_with_several_items_per_cta(self):
         """k <= tile_k (one pipeline stage, slots released at once) with one CTA walking every

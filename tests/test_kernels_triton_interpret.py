@@ -42,14 +42,16 @@ _SCRIPT = textwrap.dedent(r'''
     from pallas_kernels import _schedule, _triton
     kernel = _triton._kernel()
 
-    def launch(a, b, c, n, k, batch, b_transposed, alpha, beta, tile=128, tile_k=64):
+    def launch(a, b, c, n, k, batch, b_transposed, alpha, beta, tile=128, tile_k=64,
+               a_transposed=False):
         t = n // tile
         num_lower = _schedule.num_lower_tiles(t)
         out = np.full((batch, n, n), np.nan, np.float16)  # Poisoned.
         fa = Buffer(a)
         kernel[(batch * num_lower,)](
             fa, Buffer(b), Buffer(c) if c is not None else fa, Buffer(out), N=n, K=k, T=t,
-            NUM_LOWER=num_lower, BLOCK=tile, BLOCK_K=tile_k, B_TRANSPOSED=b_transposed,
+            NUM_LOWER=num_lower, BLOCK=tile, BLOCK_K=tile_k, A_TRANSPOSED=a_transposed,
+            B_TRANSPOSED=b_transposed,
             HAS_C=c is not None, ALPHA=alpha, BETA=beta)
         return out.astype(np.float64)
 
@@ -61,6 +63,10 @@ _SCRIPT = textwrap.dedent(r'''
         ref = x64 @ np.swapaxes(x64, -1, -2)
         assert not np.isnan(out).any() and (out == np.swapaxes(out, -1, -2)).all()
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-3
+        xt = np.ascontiguousarray(np.swapaxes(x, -1, -2))  # (batch, k, n): syrk(transpose=True)
+        out_t = launch(xt, xt, None, n, k, batch, False, 1.0, 0.0, a_transposed=True)
+        assert not np.isnan(out_t).any() and (out_t == np.swapaxes(out_t, -1, -2)).all()
+        assert np.linalg.norm(out_t - ref) / np.linalg.norm(ref) < 1e-3
         g = x64 @ np.swapaxes(x64, -1, -2)
         r = (g / np.linalg.norm(g, axis=(-2, -1), keepdims=True)).astype(np.float16)
         r64 = r.astype(np.float64)

@@ -131,7 +131,9 @@ def test_coefficient_presets():
 
 
 @pytest.mark.parametrize("method,shape", [("gram", (2, 100, 300)), ("gram", (1, 120, 125)),
-                                          ("standard", (1, 130, 130)), ("gram", (3, 64, 64))])
+                                          ("gram", (2, 300, 100)), ("gram", (1, 125, 120)),
+                                          ("standard", (1, 130, 130)), ("standard", (1, 200, 70)),
+                                          ("gram", (3, 64, 64))])
 def test_padding_to_kernel_tiles_is_exact(method, shape):
     """Zero-padding the batch once to the kernels' tile multiples (what polar does when a kernel
     runs) gives the unpadded result, here on the XLA path in float64, where only the summation
