@@ -252,13 +252,6 @@ def polar_breakdown(args, log, x, polar):
         total = (counts["syrk"] * t_syrk + counts["sym_matmul"] * t_sym
                  + counts["matmul"] * t_mm)
         log(f"{backend:<8} {t_syrk:8.3f} {t_sym:8.3f} {t_mm:9.3f} {total:8.3f}")
-    if "mosaic" in pallas_kernels.available_implementations():
-        # The kernel alone: sym_matmul_mosaic less the XLA pass that makes its diagonal tiles
-        # exactly symmetric (and less the slice; n is a tile multiple here).
-        fn = jax.jit(lambda u: _mosaic._padded_product(
-            u, u, u, out_dtype=u.dtype, config=_mosaic.MosaicConfig.get_default(), alpha=1.5,
-            beta=-0.5, b_transposed=False, interpret=False, name="sym_matmul_mosaic"))
-        log(f"mosaic sym_matmul kernel without the diagonal-tile pass: {rot(fn, r[None]):.3f} ms")
 
 
 def diagnose(args, log):

@@ -53,6 +53,26 @@ def op_times(trace_dir: str) -> dict[str, float]:
     return totals
 
 
+def device_gaps(trace_dir: str) -> list[tuple[float, str]]:
+    """Idle stretches of the GPU's "XLA Ops" line: ``(ns idle, name of the op that ended it)``
+    for every gap between consecutive ops (empty on CPU)."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    gaps = []
+    for plane in ProfileData.from_file(path).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            events = sorted(line.events, key=lambda e: e.start_ns)
+            end = None
+            for e in events:
+                if end is not None and e.start_ns > end:
+                    gaps.append((e.start_ns - end, e.name))
+                end = max(end or 0, e.start_ns + e.duration_ns)
+    return gaps
+
+
 def kind(name: str) -> str:
     """``scatter.12`` → ``scatter``; ``loop_fusion.3`` → ``loop_fusion``."""
     return re.sub(r"[._]\d+$", "", name.split(":")[0]).strip() or name
@@ -127,6 +147,17 @@ def main(argv=None):
     print("\n| op kind | ops | ms / step | share |\n|---|---:|---:|---:|")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k} | {counts[k]} | {v:.2f} | {v / total:.1%} |")
+    gaps = device_gaps(trace_dir)
+    if gaps:
+        by_next: dict[str, float] = collections.defaultdict(float)
+        for ns, name in gaps:
+            by_next[kind(name)] += ns / a.steps / 1e6
+        idle = sum(by_next.values())
+        print(f"\n# GPU idle between ops: {idle:.2f} ms per step in {len(gaps) // a.steps} gaps;"
+              " by the kind of op that ends the gap:")
+        print("\n| next op kind | idle ms / step |\n|---|---:|")
+        for k, v in sorted(by_next.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"| {k} | {v:.2f} |")
     print("\n| op | ms / step |\n|---|---:|")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")
