@@ -39,7 +39,7 @@ def lr_scale(adjust_lr: str | None, fan_out: int, fan_in: int) -> float:
     return 1.0
 
 
-def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | None,
+def error_feedback(m: jax.Array, selected: jax.Array, mu, sources: tuple | None,
                    row_axis: int) -> jax.Array:
     """``M[I] ← μ·S``: only the selected rows decay; the others keep accumulating.
 
@@ -48,7 +48,7 @@ def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | N
       selected: ``S``, the selected rows (``(batch, k, C)`` in ``m``'s orientation), averaged
         over the replicas under compressed sync.
       mu: the decay (float32 scalar).
-      row_pos: :func:`dion3_jax._selection.row_positions` of the selected rows, or None when
+      sources: :func:`dion3_jax._selection.row_sources` of the selected rows, or None when
         every row is selected (then ``S`` is the whole block).
       row_axis: ``m``'s row axis.
 
@@ -56,9 +56,9 @@ def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | N
       The new momentum block, in ``m``'s dtype.
     """
     decayed = (mu * selected).astype(m.dtype)
-    if row_pos is None:
+    if sources is None:
         return decayed
-    return _selection.expand_rows(decayed, row_pos, row_axis, base=m)
+    return _selection.place_rows(decayed, sources, row_axis, base=m)
 
 
 def row_sq_norms(o: jax.Array, row_axis: int) -> jax.Array:

@@ -3,7 +3,7 @@
 Per device (inside the transform's ``shard_map``, or directly on one device)::
 
     accumulate_and_score → select → gather_and_send → megabatched_polar
-        → row_positions → error_feedback → normalise → scatter_and_apply
+        → row_sources → error_feedback → normalise → scatter_and_apply
 
 Each phase reads the :class:`dion3_jax._plan.Plan` and passes named tuples to the next; per-unit
 values are tuples indexed by ``Unit.uid``. The per-matrix maths lives in ``_rules``; the
@@ -303,29 +303,29 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
     return tuple(out)  # type: ignore[return-value]
 
 
-def row_positions(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
-    """Per unit that selects, :func:`_selection.row_positions` of its rows (one scatter per
-    batch, on the batch's stacked rows ``rows`` from :func:`select`); None where every row
-    goes."""
-    out: list[jax.Array | None] = [None] * len(plan.units)
+def row_sources(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
+    """Per unit that selects, :func:`_selection.row_sources` of its rows, ``(source, keep)``
+    per row of its block (one scatter per batch, on the batch's stacked rows ``rows`` from
+    :func:`select`, and the index work once per batch); None where every row goes."""
+    out: list[tuple | None] = [None] * len(plan.units)
     for b, r in zip(plan.batches, rows):
         if r is None:
             continue
-        u = plan.units[b.uids[0]]
+        u, sizes = plan.units[b.uids[0]], _sizes(plan, b.uids)
         n_local = acc.momentum[u.leaf][u.block].shape[u.layout.row_axis]
-        pos = _selection.row_positions(r, n_local)
-        for i, p in zip(b.uids, _megabatch.unstack(pos, _sizes(plan, b.uids))):
-            out[i] = p
+        src, keep = _selection.row_sources(_selection.row_positions(r, n_local), r.shape[1])
+        for i, s, k in zip(b.uids, _megabatch.unstack(src, sizes), _megabatch.unstack(keep, sizes)):
+            out[i] = (s, k)
     return tuple(out)
 
 
-def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_pos) -> Blocks:
-    """``M[I] ← μ·S`` on every unit (``row_pos``: :func:`row_positions`); returns the blocks."""
+def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src) -> Blocks:
+    """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources`); returns the blocks."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
     for u in plan.units:
         momentum[u.leaf][u.block] = _rules.error_feedback(
-            momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_pos[u.uid],
+            momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_src[u.uid],
             u.layout.row_axis)
     return momentum
 
@@ -352,7 +352,7 @@ def _batch_moments(plan: Plan, cfg: Dion3Config, acc: Accumulated, rows, row_sq:
             for b, r in zip(plan.batches, rows)]
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, row_pos
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, row_src
               ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
     returns the float32 directions and the new second-moment blocks. The sums and the
@@ -384,18 +384,18 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, row_
             v = variance[units[i].leaf][units[i].block]
             variance[units[i].leaf][units[i].block] = (
                 vi.astype(v.dtype) if units[i].full
-                else _selection.expand_rows(vi, row_pos[i], ra, base=v))
+                else _selection.place_rows(vi, row_src[i], ra, base=v))
     return tuple(dirs), variance
 
 
-def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, row_pos,
+def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, row_src,
                       momentum: Blocks, variance: Blocks | None):
     """The scaled directions written into zero updates (selected rows only); blocks → leaves."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
         d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
-        ublk[u.leaf][u.block] = d if u.full else _selection.expand_rows(
-            d, row_pos[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
+        ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
+            d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
     new_u = [p.local.from_blocks(ub, g.shape).astype(g.dtype)
              for p, g, ub in zip(plan.leaves, grads, ublk)]
     new_m = [p.local.from_blocks(mb, m.shape).astype(m.dtype)
@@ -410,7 +410,7 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks, rows = select(cfg, plan, acc)
     polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
-    row_pos = row_positions(plan, acc, rows)
-    momentum = error_feedback(cfg, plan, acc, polars, row_pos)
-    dirs, variance = normalise(cfg, plan, acc, rows, polars, row_pos)
-    return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_pos, momentum, variance)
+    row_src = row_sources(plan, acc, rows)
+    momentum = error_feedback(cfg, plan, acc, polars, row_src)
+    dirs, variance = normalise(cfg, plan, acc, rows, polars, row_src)
+    return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_src, momentum, variance)
