@@ -304,23 +304,32 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
 
 
 def row_sources(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
-    """Per unit that selects, :func:`_selection.row_sources` of its rows, ``(source, keep)``
-    per row of its block (one scatter per batch, on the batch's stacked rows ``rows`` from
-    :func:`select`, and the index work once per batch); None where every row goes."""
-    out: list[tuple | None] = [None] * len(plan.units)
+    """Per batch that selects, :func:`_selection.row_sources` of its members' rows stacked,
+    ``(source, keep)`` per row of their blocks (one scatter per batch, on the batch's stacked
+    rows ``rows`` from :func:`select`); None where every row goes."""
+    out = []
     for b, r in zip(plan.batches, rows):
-        if r is None:
-            continue
-        u, sizes = plan.units[b.uids[0]], _sizes(plan, b.uids)
+        u = plan.units[b.uids[0]]
         n_local = acc.momentum[u.leaf][u.block].shape[u.layout.row_axis]
-        src, keep = _selection.row_sources(_selection.row_positions(r, n_local), r.shape[1])
-        for i, s, k in zip(b.uids, _megabatch.unstack(src, sizes), _megabatch.unstack(keep, sizes)):
-            out[i] = (s, k)
+        out.append(None if r is None else _selection.row_sources(
+            _selection.row_positions(r, n_local), r.shape[1]))
+    return tuple(out)
+
+
+def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
+    """:func:`row_sources` per unit (its members' slices of the batch's arrays)."""
+    out: list[tuple | None] = [None] * len(plan.units)
+    for b, src in zip(plan.batches, batch_src):
+        if src is not None:
+            sizes = _sizes(plan, b.uids)
+            for i, s, k in zip(b.uids, *(_megabatch.unstack(x, sizes) for x in src)):
+                out[i] = (s, k)
     return tuple(out)
 
 
 def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src) -> Blocks:
-    """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources`); returns the blocks."""
+    """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit); returns the
+    blocks."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
     for u in plan.units:
@@ -330,61 +339,73 @@ def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_s
     return momentum
 
 
-def _selected_variance(plan: Plan, b, variance: Blocks, rows) -> jax.Array:
-    """The batch's selected rows' second moments, ``(batch, pick)`` float32 (``rows``: the
-    batch's stacked local rows, None when every row is selected)."""
+class Moments(NamedTuple):
+    """One batch's NorMuon statistics, its members stacked along the batch axis."""
+
+    variance: jax.Array     # (batch, n_local) the second moments held, in their dtype
+    row_sq: jax.Array       # (batch, pick) ‖O_i‖² (summed over column shards), float32
+    v_new: jax.Array        # (batch, pick) the selected rows' new second moments, float32
+    a: jax.Array            # (batch, pick) the row divisors √v_new + ε
+
+
+def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_sq: list
+                   ) -> Moments:
+    """A batch's :class:`Moments` (``rows``: the batch's stacked local rows, None when every
+    row is selected): the variance gather and NorMuon's elementwise EMA once per batch."""
     u = plan.units[b.uids[0]]
     v = _megabatch.stack([jnp.squeeze(variance[plan.units[i].leaf][plan.units[i].block],
                                       3 - u.layout.row_axis) for i in b.uids])
-    if rows is not None:
-        v = _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
-    return v.astype(jnp.float32)
+    v_sel = v if rows is None else _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
+    sq = _megabatch.stack([row_sq[i] for i in b.uids])
+    v_new, a = _rules.normuon_ema(v_sel.astype(jnp.float32), sq, u.layout.c,
+                                  jnp.asarray(cfg.beta2, jnp.float32))
+    return Moments(v, sq, v_new, a)
 
 
-def _batch_moments(plan: Plan, cfg: Dion3Config, acc: Accumulated, rows, row_sq: list
-                   ) -> list[tuple[jax.Array, jax.Array]]:
-    """Per batch, NorMuon's ``(v_new, a)`` (elementwise: once per batch, on its members'
-    stacked rows)."""
-    beta2 = jnp.asarray(cfg.beta2, jnp.float32)
-    return [_rules.normuon_ema(_selected_variance(plan, b, acc.variance, r),
-                               _megabatch.stack([row_sq[i] for i in b.uids]),
-                               plan.units[b.uids[0]].layout.c, beta2)
-            for b, r in zip(plan.batches, rows)]
+def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
+    """``(2, batch)``: :func:`_rules.normuon_fro` of each member (``row_sq``: per unit), its sums
+    over the member's own rows (a reduction's rounding may depend on its shape, and XLA may merge
+    the first with the reduction that made ``row_sq``), the rest once per batch."""
+    scaled = _megabatch.unstack(_rules.normuon_scaled_sq(m.row_sq, m.a), _sizes(plan, b.uids))
+    return jnp.stack([_megabatch.stack([jnp.sum(row_sq[i], axis=1) for i in b.uids]),
+                      _megabatch.stack([jnp.sum(x, axis=1) for x in scaled])])
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, row_src
+def _new_variance(m: Moments, src) -> jax.Array:
+    """The batch's second moments with ``v_new`` written into the selected rows (``src``: the
+    batch's :func:`row_sources`, None when every row is selected), ``(batch, n_local)``."""
+    if src is None:
+        return m.v_new.astype(m.variance.dtype)
+    return _selection.place_rows(m.v_new[:, :, None], src, 1, base=m.variance[:, :, None])[
+        :, :, 0]
+
+
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batch_src
               ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
-    returns the float32 directions and the new second-moment blocks. The sums and the
-    directions run per unit (the sums on the shapes they always had: a reduction's rounding may
-    depend on its shape); the small elementwise work and the variance gather once per batch."""
+    returns the float32 directions and the new second-moment blocks. The sums of squares run
+    per unit (on the shapes they always had: a reduction's rounding may depend on its shape),
+    the directions per unit (each leaf's kernel reads its factors directly); the elementwise
+    statistics, the variance gather and its write-back once per batch (``batch_src``:
+    :func:`row_sources`)."""
     if cfg.flavour != "normuon":
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
     row_sq = batched_psum([(_rules.row_sq_norms(polars[u.uid].factors, u.layout.row_axis),
                             u.comm if u.shard == "cols" else ()) for u in units])
-    moments = _batch_moments(plan, cfg, acc, rows, row_sq)
-    a_unit = {i: a for b, (_, a_b) in zip(plan.batches, moments)
-              for i, a in zip(b.uids, _megabatch.unstack(a_b, _sizes(plan, b.uids)))}
-    terms = [_rules.normuon_fro(row_sq[u.uid], a_unit[u.uid]) for u in units]
-    fros = batched_psum([(jnp.stack([_megabatch.stack([terms[i][j] for i in b.uids])
-                                     for j in (0, 1)]),
+    moments = [_batch_moments(cfg, plan, b, acc.variance, r, row_sq)
+               for b, r in zip(plan.batches, rows)]
+    fros = batched_psum([(_fro_terms(plan, b, m, row_sq),
                           units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
-                         for b in plan.batches])
+                         for b, m in zip(plan.batches, moments)])
     variance = [list(b) for b in acc.variance]
     dirs: list[jax.Array | None] = [None] * len(units)
-    for b, (v_new, a), fro in zip(plan.batches, moments, fros):
+    for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
-        inv_a, factor = _rules.normuon_scales(a, fro)
-        for i, ia, fa, vi in zip(b.uids, _megabatch.unstack(inv_a, sizes),
-                                 _megabatch.unstack(factor, sizes),
-                                 _megabatch.unstack(jnp.expand_dims(v_new, 3 - ra), sizes)):
-            # Per unit, so that each leaf's kernels read its factors directly.
-            dirs[i] = _rules.scale_rows(polars[i].factors, ia, fa, ra)
-            v = variance[units[i].leaf][units[i].block]
-            variance[units[i].leaf][units[i].block] = (
-                vi.astype(v.dtype) if units[i].full
-                else _selection.place_rows(vi, row_src[i], ra, base=v))
+        scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes)
+        for i, s, v in zip(b.uids, scales, _megabatch.unstack(_new_variance(m, src), sizes)):
+            dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
+            variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
     return tuple(dirs), variance
 
 
@@ -410,7 +431,8 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks, rows = select(cfg, plan, acc)
     polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
-    row_src = row_sources(plan, acc, rows)
+    batch_src = row_sources(plan, acc, rows)
+    row_src = _unit_sources(plan, batch_src)
     momentum = error_feedback(cfg, plan, acc, polars, row_src)
-    dirs, variance = normalise(cfg, plan, acc, rows, polars, row_src)
+    dirs, variance = normalise(cfg, plan, acc, rows, polars, batch_src)
     return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_src, momentum, variance)
