@@ -243,12 +243,24 @@ class GroupBatch(NamedTuple):
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
 
 
+def _norms_by_batch(plan: Plan, sq_sums: dict[int, jax.Array]) -> dict[int, jax.Array]:
+    """:func:`_norms.norm_from_sq_sum` of each unit's sums of squares in ``sq_sums``
+    (elementwise: once per batch, on its members' sums stacked)."""
+    out = {}
+    for b in plan.batches:
+        uids = [i for i in b.uids if i in sq_sums]
+        if uids:
+            norms = _norms.norm_from_sq_sum(_megabatch.stack([sq_sums[i] for i in uids]))
+            out.update(zip(uids, _megabatch.unstack(norms, _sizes(plan, uids))))
+    return out
+
+
 def _sent_norms(plan: Plan, picks: tuple[Pick, ...]) -> dict[int, jax.Array]:
     """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
     all-reduced (one float per matrix; one collective per mesh-axes tuple)."""
     uids = [i for key, uids in plan.groups if key.route == "all_to_all" for i in uids]
     totals = batched_psum([(picks[i].sq_sum, plan.units[i].comm) for i in uids])
-    return {i: _norms.norm_from_sq_sum(t) for i, t in zip(uids, totals)}
+    return _norms_by_batch(plan, dict(zip(uids, totals)))
 
 
 def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
@@ -259,12 +271,13 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> li
     averaged over the replicas first) the raw payloads are stacked."""
     orth = cfg.orthogonalizer
     sent = _sent_norms(plan, picks) if plan.send_normalized else {}
+    local = _norms_by_batch(plan, {i: picks[i].sq_sum for key, uids in plan.groups for i in uids
+                                   if key.route == "on_device" and picks[i].sq_sum is not None})
     batches = []
     for key, uids in plan.groups:
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
         on_device = key.route == "on_device"
-        norms = [_norms.norm_from_sq_sum(picks[i].sq_sum)
-                 if on_device and picks[i].sq_sum is not None else None for i in uids]
+        norms = [local.get(i) for i in uids]
         stacked, normalized = None, key.route == "all_to_all" and plan.send_normalized
         if normalized:
             stacked = _megabatch.stack([
