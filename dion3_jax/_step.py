@@ -43,7 +43,8 @@ class Pick(NamedTuple):
 
     rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
     payload: jax.Array          # S = M[I], (batch, pick, C) in the block's orientation
-    sq_sum: jax.Array | None    # this device's part of Σ (S·2⁻³²)² per matrix (_norms)
+    sq_sum: jax.Array | None    # full and row-segment units: this device's part of
+                                # Σ (S·2⁻³²)² per matrix (_norms); others: _batch_sq_sums
 
 
 class Polar(NamedTuple):
@@ -205,22 +206,38 @@ def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
     if u.shard == "rows":
         return _pick_segment_rows(cfg, plan, u, m, top, acc.scores[u.uid],
                                   acc.positions[u.uid][0], row_sums)
-    # Ascending rows: local gathers (the polar is row-permutation equivariant).
-    sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, top)
-    return Pick(top, _selection.gather_rows(m, top, u.layout.row_axis), sq)
+    # Ascending rows: local gathers (the polar is row-permutation equivariant); the sums of
+    # squares of the selected rows come once per batch (:func:`_batch_sq_sums`).
+    return Pick(top, _selection.gather_rows(m, top, u.layout.row_axis), None)
+
+
+def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | None:
+    """The batch's payloads' (scaled) sums of squares, ``(batch,)``, or None where unknown:
+    whole-matrix units take their selected rows' row statistics (one gather per batch, the
+    sums per member), the others their :attr:`Pick.sq_sum`."""
+    u = plan.units[b.uids[0]]
+    if u.shard == "rows" or u.full or u.uid not in plan.row_norm_uids:
+        sums = [picks[i].sq_sum for i in b.uids]
+        return None if sums[0] is None else _megabatch.stack(sums)
+    row_sums = _megabatch.stack([acc.row_sq[(plan.units[i].leaf, plan.units[i].block)]
+                                 for i in b.uids])
+    return _megabatch.per_member(_selection.selected_sq_sum, _sizes(plan, b.uids), row_sums,
+                                 top)
 
 
 def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
-           ) -> tuple[tuple[Pick, ...], tuple[jax.Array | None, ...]]:
+           ) -> tuple[tuple[Pick, ...], tuple[jax.Array | None, ...], tuple]:
     """Top-k rows per batch (one batched ``top_k`` per shape) and the payloads ``S = M[I]``.
 
     Returns:
       Per unit its :class:`Pick`; per batch its members' selected local rows stacked
-      (``Pick.rows`` of each member), or None where every row goes.
+      (``Pick.rows`` of each member), or None where every row goes; per batch its
+      :func:`_batch_sq_sums`.
     """
     tops = _batch_tops(cfg, plan, acc)
     picks: list[Pick | None] = [None] * len(plan.units)
     rows: list[jax.Array | None] = [None] * len(plan.batches)
+    sq_sums = []
     for j, b in enumerate(plan.batches):
         per_unit = (_megabatch.unstack(tops[j], _sizes(plan, b.uids)) if j in tops
                     else [None] * len(b.uids))
@@ -229,7 +246,8 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
         if j in tops:
             rows[j] = (tops[j] if plan.units[b.uids[0]].shard != "rows"
                        else _megabatch.stack([picks[i].rows for i in b.uids]))
-    return tuple(picks), tuple(rows)  # type: ignore[arg-type]
+        sq_sums.append(_batch_sq_sums(plan, acc, b, tops.get(j), picks))
+    return tuple(picks), tuple(rows), tuple(sq_sums)  # type: ignore[arg-type]
 
 
 class GroupBatch(NamedTuple):
@@ -243,36 +261,43 @@ class GroupBatch(NamedTuple):
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
 
 
-def _norms_by_batch(plan: Plan, sq_sums: dict[int, jax.Array]) -> dict[int, jax.Array]:
-    """:func:`_norms.norm_from_sq_sum` of each unit's sums of squares in ``sq_sums``
-    (elementwise: once per batch, on its members' sums stacked)."""
+def _route(plan: Plan, b) -> str:
+    return plan.groups[b.group][0].route
+
+
+def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
+    """Per unit of a batch on ``route`` whose sums of squares are known (``sq_sums``: per
+    batch), its :func:`_norms.norm_from_sq_sum` (elementwise: once per batch)."""
     out = {}
-    for b in plan.batches:
-        uids = [i for i in b.uids if i in sq_sums]
-        if uids:
-            norms = _norms.norm_from_sq_sum(_megabatch.stack([sq_sums[i] for i in uids]))
-            out.update(zip(uids, _megabatch.unstack(norms, _sizes(plan, uids))))
+    for b, s in zip(plan.batches, sq_sums):
+        if s is not None and _route(plan, b) == route:
+            norms = _norms.norm_from_sq_sum(s)
+            out.update(zip(b.uids, _megabatch.unstack(norms, _sizes(plan, b.uids))))
     return out
 
 
-def _sent_norms(plan: Plan, picks: tuple[Pick, ...]) -> dict[int, jax.Array]:
+def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
     """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
     all-reduced (one float per matrix; one collective per mesh-axes tuple)."""
-    uids = [i for key, uids in plan.groups if key.route == "all_to_all" for i in uids]
-    totals = batched_psum([(picks[i].sq_sum, plan.units[i].comm) for i in uids])
-    return _norms_by_batch(plan, dict(zip(uids, totals)))
+    sel = [j for j, b in enumerate(plan.batches) if _route(plan, b) == "all_to_all"]
+    totals = batched_psum([(sq_sums[j], plan.units[plan.batches[j].uids[0]].comm)
+                           for j in sel])
+    whole = [None] * len(plan.batches)
+    for j, t in zip(sel, totals):
+        whole[j] = t
+    return _norms_by_batch(plan, whole, "all_to_all")
 
 
-def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
+def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_sums
+                    ) -> list[GroupBatch]:
     """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
     part by the orthogonalizer). All-to-all groups are normalised by their whole matrices'
     norms and cast to the orthogonalizer's input dtype before they are stacked for the
     collective (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then
     averaged over the replicas first) the raw payloads are stacked."""
     orth = cfg.orthogonalizer
-    sent = _sent_norms(plan, picks) if plan.send_normalized else {}
-    local = _norms_by_batch(plan, {i: picks[i].sq_sum for key, uids in plan.groups for i in uids
-                                   if key.route == "on_device" and picks[i].sq_sum is not None})
+    sent = _sent_norms(plan, sq_sums) if plan.send_normalized else {}
+    local = _norms_by_batch(plan, sq_sums, "on_device")
     batches = []
     for key, uids in plan.groups:
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
@@ -377,11 +402,12 @@ def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_
 
 def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
     """``(2, batch)``: :func:`_rules.normuon_fro` of each member (``row_sq``: per unit), its sums
-    over the member's own rows (a reduction's rounding may depend on its shape, and XLA may merge
-    the first with the reduction that made ``row_sq``), the rest once per batch."""
-    scaled = _megabatch.unstack(_rules.normuon_scaled_sq(m.row_sq, m.a), _sizes(plan, b.uids))
-    return jnp.stack([_megabatch.stack([jnp.sum(row_sq[i], axis=1) for i in b.uids]),
-                      _megabatch.stack([jnp.sum(x, axis=1) for x in scaled])])
+    over the member's own rows (a reduction's rounding may depend on its shape); the first per
+    unit, where XLA may merge it with the reduction that made ``row_sq``, the second in one
+    loop over the batch (:func:`_megabatch.per_member`)."""
+    scaled = _megabatch.per_member(lambda sq, a: _rules.normuon_fro(sq, a)[1],
+                                   _sizes(plan, b.uids), m.row_sq, m.a)
+    return jnp.stack([_megabatch.stack([jnp.sum(row_sq[i], axis=1) for i in b.uids]), scaled])
 
 
 def _new_variance(m: Moments, src) -> jax.Array:
@@ -442,8 +468,8 @@ def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, ro
 def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
-    picks, rows = select(cfg, plan, acc)
-    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
+    picks, rows, sq_sums = select(cfg, plan, acc)
+    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks, sq_sums))
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
     momentum = error_feedback(cfg, plan, acc, polars, row_src)
