@@ -272,7 +272,7 @@ def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
     for b, s in zip(plan.batches, sq_sums):
         if s is not None and _route(plan, b) == route:
             norms = _norms.norm_from_sq_sum(s)
-            out.update(zip(b.uids, _megabatch.unstack(norms, _sizes(plan, b.uids))))
+            out.update(zip(b.uids, _megabatch.unstack(norms, _sizes(plan, b.uids), True)))
     return out
 
 
@@ -360,7 +360,7 @@ def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
     for b, src in zip(plan.batches, batch_src):
         if src is not None:
             sizes = _sizes(plan, b.uids)
-            for i, s, k in zip(b.uids, *(_megabatch.unstack(x, sizes) for x in src)):
+            for i, s, k in zip(b.uids, *(_megabatch.unstack(x, sizes, True) for x in src)):
                 out[i] = (s, k)
     return tuple(out)
 
@@ -441,8 +441,8 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batc
     dirs: list[jax.Array | None] = [None] * len(units)
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
-        scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes)
-        for i, s, v in zip(b.uids, scales, _megabatch.unstack(_new_variance(m, src), sizes)):
+        scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes, True)
+        for i, s, v in zip(b.uids, scales, _megabatch.unstack(_new_variance(m, src), sizes, True)):
             dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
     return tuple(dirs), variance
