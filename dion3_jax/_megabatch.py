@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 Route = Literal["on_device", "split", "all_to_all"]
@@ -123,10 +124,10 @@ def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
             ) -> list[jax.Array]:
     """The inverse of :func:`stack`: consecutive pieces of ``sizes`` along axis 0.
 
-    The offsets are runtime values (constants behind an optimization barrier), so that the
-    kernels consuming the pieces of many same-shaped members are one program compiled once
-    rather than one program per offset; each piece is a fused dynamic slice, as cheap as a
-    static one. With ``computed_once``, ``x`` goes behind the barrier too: XLA materialises it
+    The offsets are runtime values (NumPy constants, cheap to trace, behind an optimization
+    barrier), so that the kernels consuming the pieces of many same-shaped members are one
+    program compiled once rather than one program per offset; each piece is a fused dynamic
+    slice, as cheap as a static one. With ``computed_once``, ``x`` goes behind the barrier too: XLA materialises it
     instead of fusing the work that makes it into every piece's consumer (for small
     per-matrix arrays, whose work is then compiled and run once per stack).
     """
@@ -134,9 +135,9 @@ def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
         return [x]
     offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
     if computed_once:
-        x, offsets = jax.lax.optimization_barrier((x, [jnp.int32(o) for o in offsets]))
+        x, offsets = jax.lax.optimization_barrier((x, [np.int32(o) for o in offsets]))
     else:
-        offsets = jax.lax.optimization_barrier([jnp.int32(o) for o in offsets])
+        offsets = jax.lax.optimization_barrier([np.int32(o) for o in offsets])
     return [jax.lax.dynamic_slice_in_dim(x, o, s, axis=0, allow_negative_indices=False)
             for o, s in zip(offsets, sizes)]
 
