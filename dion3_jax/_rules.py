@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dion3_jax import _selection
+from dion3_jax import _norms, _selection
 
 NORMUON_EPS = 1e-8
 
@@ -63,7 +63,7 @@ def error_feedback(m: jax.Array, selected: jax.Array, mu, sources: tuple | None,
 
 def row_sq_norms(o: jax.Array, row_axis: int) -> jax.Array:
     """``Σ_j O_ij²`` per row, ``(batch, rows)``, in float32."""
-    return jnp.sum(jnp.square(o.astype(jnp.float32)), axis=3 - row_axis)
+    return _norms.total(jax.lax.square(o.astype(jnp.float32)), 3 - row_axis)
 
 
 def normuon_ema(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2

@@ -35,7 +35,7 @@ def num_selected(fraction: float, n: int) -> int:
 def row_l1_norms(m: jax.Array, row_axis: int) -> jax.Array:
     """ℓ1 norm of each row, ``(batch, n)``, accumulated in float32."""
     col_axis = 3 - row_axis
-    return jnp.sum(jnp.abs(m.astype(jnp.float32)), axis=col_axis)
+    return _norms.total(jax.lax.abs(m.astype(jnp.float32)), col_axis)
 
 
 def row_sq_sums(m: jax.Array, row_axis: int) -> jax.Array:

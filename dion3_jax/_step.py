@@ -407,7 +407,7 @@ def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
     loop over the batch (:func:`_megabatch.per_member`)."""
     scaled = _megabatch.per_member(lambda sq, a: _rules.normuon_fro(sq, a)[1],
                                    _sizes(plan, b.uids), m.row_sq, m.a)
-    return jnp.stack([_megabatch.stack([jnp.sum(row_sq[i], axis=1) for i in b.uids]), scaled])
+    return jnp.stack([_megabatch.stack([_norms.total(row_sq[i], 1) for i in b.uids]), scaled])
 
 
 def _new_variance(m: Moments, src) -> jax.Array:
