@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 Route = Literal["on_device", "split", "all_to_all"]
@@ -119,17 +120,38 @@ def stack(payloads: Sequence[jax.Array]) -> jax.Array:
     return payloads[0] if len(payloads) == 1 else jnp.concatenate(payloads, axis=0)
 
 
-def unstack(x: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
+            ) -> list[jax.Array]:
     """The inverse of :func:`stack`: consecutive pieces of ``sizes`` along axis 0.
 
-    The offsets are runtime values (constants behind an optimization barrier), so that the
-    kernels consuming the pieces of many same-shaped members are one program compiled once
-    rather than one program per offset; each piece is a fused dynamic slice, as cheap as a
-    static one.
+    The offsets are runtime values (NumPy constants, cheap to trace, behind an optimization
+    barrier), so that the kernels consuming the pieces of many same-shaped members are one
+    program compiled once rather than one program per offset; each piece is a fused dynamic
+    slice, as cheap as a static one. With ``computed_once``, ``x`` goes behind the barrier too: XLA materialises it
+    instead of fusing the work that makes it into every piece's consumer (for small
+    per-matrix arrays, whose work is then compiled and run once per stack).
     """
     if len(sizes) == 1:
         return [x]
     offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
-    offsets = jax.lax.optimization_barrier([jnp.int32(o) for o in offsets])
+    if computed_once:
+        x, offsets = jax.lax.optimization_barrier((x, [np.int32(o) for o in offsets]))
+    else:
+        offsets = jax.lax.optimization_barrier([np.int32(o) for o in offsets])
     return [jax.lax.dynamic_slice_in_dim(x, o, s, axis=0, allow_negative_indices=False)
             for o, s in zip(offsets, sizes)]
+
+
+def per_member(fn: Callable[..., jax.Array], sizes: Sequence[int], *xs: jax.Array) -> jax.Array:
+    """``fn`` of each member's pieces of the stacked arrays ``xs`` (consecutive ``sizes`` along
+    axis 0), stacked back along axis 0.
+
+    Each call sees its member's own shapes (a reduction's rounding may depend on its shape).
+    Members of one size run as one loop (``lax.map``), so the program holds ``fn`` once instead
+    of once per member.
+    """
+    if len(sizes) == 1 or len(set(sizes)) > 1:
+        return stack([fn(*p) for p in zip(*(unstack(x, sizes) for x in xs))])
+    n, size = len(sizes), sizes[0]
+    out = jax.lax.map(lambda p: fn(*p), tuple(x.reshape((n, size, *x.shape[1:])) for x in xs))
+    return out.reshape((n * size, *out.shape[2:]))

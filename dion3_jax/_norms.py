@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _DOWN = 2.0 ** -32
 _UP = 2.0 ** 32
 
 
+def total(x: jax.Array, axis) -> jax.Array:
+    """``jnp.sum(x, axis)`` (``axis``: an int or a tuple) in ``x``'s dtype, as the same single
+    ``lax`` reduction but cheaper to trace (``jnp.sum`` traces a nested jit per call, and the
+    step sums per matrix)."""
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return jax.lax.reduce(x, np.zeros((), x.dtype), jax.lax.add,
+                          tuple(a % x.ndim for a in axes))
+
+
 def sq_sum(x: jax.Array, axis) -> jax.Array:
     """``Σ (x·2⁻³²)²`` over ``axis``, in ``x``'s dtype (float32 or wider)."""
-    return jnp.sum(jnp.square(x * jnp.asarray(_DOWN, x.dtype)), axis=axis)
+    return total(jax.lax.square(x * np.asarray(_DOWN, x.dtype)), axis)
 
 
 def norm_from_sq_sum(s: jax.Array) -> jax.Array:

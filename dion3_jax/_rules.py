@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dion3_jax import _selection
+from dion3_jax import _norms, _selection
 
 NORMUON_EPS = 1e-8
 
@@ -39,7 +39,7 @@ def lr_scale(adjust_lr: str | None, fan_out: int, fan_in: int) -> float:
     return 1.0
 
 
-def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | None,
+def error_feedback(m: jax.Array, selected: jax.Array, mu, sources: tuple | None,
                    row_axis: int) -> jax.Array:
     """``M[I] ← μ·S``: only the selected rows decay; the others keep accumulating.
 
@@ -48,7 +48,7 @@ def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | N
       selected: ``S``, the selected rows (``(batch, k, C)`` in ``m``'s orientation), averaged
         over the replicas under compressed sync.
       mu: the decay (float32 scalar).
-      row_pos: :func:`dion3_jax._selection.row_positions` of the selected rows, or None when
+      sources: :func:`dion3_jax._selection.row_sources` of the selected rows, or None when
         every row is selected (then ``S`` is the whole block).
       row_axis: ``m``'s row axis.
 
@@ -56,14 +56,14 @@ def error_feedback(m: jax.Array, selected: jax.Array, mu, row_pos: jax.Array | N
       The new momentum block, in ``m``'s dtype.
     """
     decayed = (mu * selected).astype(m.dtype)
-    if row_pos is None:
+    if sources is None:
         return decayed
-    return _selection.expand_rows(decayed, row_pos, row_axis, base=m)
+    return _selection.place_rows(decayed, sources, row_axis, base=m)
 
 
 def row_sq_norms(o: jax.Array, row_axis: int) -> jax.Array:
     """``Σ_j O_ij²`` per row, ``(batch, rows)``, in float32."""
-    return jnp.sum(jnp.square(o.astype(jnp.float32)), axis=3 - row_axis)
+    return _norms.total(jax.lax.square(o.astype(jnp.float32)), 3 - row_axis)
 
 
 def normuon_ema(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
@@ -84,10 +84,16 @@ def normuon_ema(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
     return v_new, jnp.sqrt(v_new) + NORMUON_EPS
 
 
+def normuon_scaled_sq(row_sq: jax.Array, a: jax.Array) -> jax.Array:
+    """``‖(O/a)_i‖² = row_sq_i / a_i²`` per row, from :func:`row_sq_norms` and the row divisors
+    of :func:`normuon_ema`."""
+    return row_sq / jnp.square(a)
+
+
 def normuon_fro(row_sq: jax.Array, a: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(‖O‖_F², ‖O/a‖_F²)`` per batch element, each ``(batch,)``, from :func:`row_sq_norms` and
     the row divisors of :func:`normuon_ema` (summed over row shards when sharded)."""
-    return jnp.sum(row_sq, axis=1), jnp.sum(row_sq / jnp.square(a), axis=1)
+    return jnp.sum(row_sq, axis=1), jnp.sum(normuon_scaled_sq(row_sq, a), axis=1)
 
 
 def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
@@ -107,21 +113,21 @@ def normuon_moments(v_sel: jax.Array, row_sq: jax.Array, cols: int, beta2
     return v_new, a, jnp.stack(normuon_fro(row_sq, a))
 
 
-def normuon_scales(a: jax.Array, fro: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The row and matrix factors of :func:`normuon_directions`: ``(1/a, ‖O‖_F / max(‖O/a‖_F,
-    ε))``, shapes ``(batch, k)`` and ``(batch,)``."""
-    return 1.0 / a, jnp.sqrt(fro[0]) / jnp.maximum(jnp.sqrt(fro[1]), NORMUON_EPS)
+def normuon_row_scales(a: jax.Array, fro: jax.Array) -> jax.Array:
+    """The factor of each row in :func:`normuon_directions`, ``(batch, k)``: ``(1/a) · ‖O‖_F /
+    max(‖O/a‖_F, ε)``."""
+    factor = jnp.sqrt(fro[0]) / jnp.maximum(jnp.sqrt(fro[1]), NORMUON_EPS)
+    return (1.0 / a) * factor[:, None]
 
 
-def scale_rows(o: jax.Array, inv_a: jax.Array, factor: jax.Array, row_axis: int) -> jax.Array:
-    """``O · (1/a) · factor`` in float32, from :func:`normuon_scales`."""
-    return o.astype(jnp.float32) * (jnp.expand_dims(inv_a, 3 - row_axis)
-                                    * factor[:, None, None])
+def scale_rows(o: jax.Array, scales: jax.Array, row_axis: int) -> jax.Array:
+    """``O`` times its :func:`normuon_row_scales`, in float32."""
+    return o.astype(jnp.float32) * jnp.expand_dims(scales, 3 - row_axis)
 
 
 def normuon_directions(o: jax.Array, a: jax.Array, fro: jax.Array, row_axis: int) -> jax.Array:
     """``D = O / a``, rescaled to ``‖O‖_F``: ``D · ‖O‖_F / max(‖O/a‖_F, ε)``, float32."""
-    return scale_rows(o, *normuon_scales(a, fro), row_axis)
+    return scale_rows(o, normuon_row_scales(a, fro), row_axis)
 
 
 def normuon(o: jax.Array, v_sel: jax.Array, beta2, row_axis: int = 1

@@ -35,7 +35,7 @@ def num_selected(fraction: float, n: int) -> int:
 def row_l1_norms(m: jax.Array, row_axis: int) -> jax.Array:
     """ℓ1 norm of each row, ``(batch, n)``, accumulated in float32."""
     col_axis = 3 - row_axis
-    return jnp.sum(jnp.abs(m.astype(jnp.float32)), axis=col_axis)
+    return _norms.total(jax.lax.abs(m.astype(jnp.float32)), col_axis)
 
 
 def row_sq_sums(m: jax.Array, row_axis: int) -> jax.Array:
@@ -142,6 +142,25 @@ def row_positions(idx: jax.Array, n: int) -> jax.Array:
     return jax.vmap(lambda p, i: p.at[i].set(arange, unique_indices=True, mode="drop"))(pos, idx)
 
 
+def row_sources(pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """What :func:`place_rows` reads for each row of a block: ``(source, keep)``, both shaped
+    like ``pos`` (:func:`row_positions`): the selected row to take (clamped into ``[0, k)``)
+    and whether to take it (False: the base row stays)."""
+    return jnp.minimum(pos, k - 1), pos < k
+
+
+def place_rows(rows: jax.Array, sources: tuple[jax.Array, jax.Array], row_axis: int,
+               base: jax.Array | None = None) -> jax.Array:
+    """:func:`expand_rows` from precomputed :func:`row_sources` (one gather of whole rows and a
+    select), so that blocks sharing their selection share its index work too."""
+    src, keep = sources
+    full = gather_rows(rows, src, row_axis)
+    if base is not None:
+        full = full.astype(base.dtype)
+    keep = jax.lax.broadcast_in_dim(keep, full.shape, (0, row_axis))
+    return jax.lax.select(keep, full, jnp.zeros_like(full) if base is None else base)
+
+
 def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
                 base: jax.Array | None = None) -> jax.Array:
     """The inverse of :func:`gather_rows` without a scatter: an ``n``-row block whose row ``r`` is
@@ -150,12 +169,7 @@ def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
     A gather of whole rows plus a select, so the result is written once, densely; equal to
     ``scatter_rows(base, idx, rows, row_axis, mode="drop")`` for ``pos = row_positions(idx, n)``.
     """
-    k = rows.shape[row_axis]
-    full = gather_rows(rows, jnp.minimum(pos, k - 1), row_axis)
-    if base is not None:
-        full = full.astype(base.dtype)
-    keep = jax.lax.broadcast_in_dim(pos < k, full.shape, (0, row_axis))
-    return jax.lax.select(keep, full, jnp.zeros_like(full) if base is None else base)
+    return place_rows(rows, row_sources(pos, rows.shape[row_axis]), row_axis, base)
 
 
 def local_positions(starts, counts, width: int, shard_index) -> tuple[jax.Array, jax.Array]:

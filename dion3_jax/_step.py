@@ -3,7 +3,7 @@
 Per device (inside the transform's ``shard_map``, or directly on one device)::
 
     accumulate_and_score → select → gather_and_send → megabatched_polar
-        → row_positions → error_feedback → normalise → scatter_and_apply
+        → row_sources → error_feedback → normalise → scatter_and_apply
 
 Each phase reads the :class:`dion3_jax._plan.Plan` and passes named tuples to the next; per-unit
 values are tuples indexed by ``Unit.uid``. The per-matrix maths lives in ``_rules``; the
@@ -43,7 +43,8 @@ class Pick(NamedTuple):
 
     rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
     payload: jax.Array          # S = M[I], (batch, pick, C) in the block's orientation
-    sq_sum: jax.Array | None    # this device's part of Σ (S·2⁻³²)² per matrix (_norms)
+    sq_sum: jax.Array | None    # full and row-segment units: this device's part of
+                                # Σ (S·2⁻³²)² per matrix (_norms); others: _batch_sq_sums
 
 
 class Polar(NamedTuple):
@@ -205,22 +206,38 @@ def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
     if u.shard == "rows":
         return _pick_segment_rows(cfg, plan, u, m, top, acc.scores[u.uid],
                                   acc.positions[u.uid][0], row_sums)
-    # Ascending rows: local gathers (the polar is row-permutation equivariant).
-    sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, top)
-    return Pick(top, _selection.gather_rows(m, top, u.layout.row_axis), sq)
+    # Ascending rows: local gathers (the polar is row-permutation equivariant); the sums of
+    # squares of the selected rows come once per batch (:func:`_batch_sq_sums`).
+    return Pick(top, _selection.gather_rows(m, top, u.layout.row_axis), None)
+
+
+def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | None:
+    """The batch's payloads' (scaled) sums of squares, ``(batch,)``, or None where unknown:
+    whole-matrix units take their selected rows' row statistics (one gather per batch, the
+    sums per member), the others their :attr:`Pick.sq_sum`."""
+    u = plan.units[b.uids[0]]
+    if u.shard == "rows" or u.full or u.uid not in plan.row_norm_uids:
+        sums = [picks[i].sq_sum for i in b.uids]
+        return None if sums[0] is None else _megabatch.stack(sums)
+    row_sums = _megabatch.stack([acc.row_sq[(plan.units[i].leaf, plan.units[i].block)]
+                                 for i in b.uids])
+    return _megabatch.per_member(_selection.selected_sq_sum, _sizes(plan, b.uids), row_sums,
+                                 top)
 
 
 def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
-           ) -> tuple[tuple[Pick, ...], tuple[jax.Array | None, ...]]:
+           ) -> tuple[tuple[Pick, ...], tuple[jax.Array | None, ...], tuple]:
     """Top-k rows per batch (one batched ``top_k`` per shape) and the payloads ``S = M[I]``.
 
     Returns:
       Per unit its :class:`Pick`; per batch its members' selected local rows stacked
-      (``Pick.rows`` of each member), or None where every row goes.
+      (``Pick.rows`` of each member), or None where every row goes; per batch its
+      :func:`_batch_sq_sums`.
     """
     tops = _batch_tops(cfg, plan, acc)
     picks: list[Pick | None] = [None] * len(plan.units)
     rows: list[jax.Array | None] = [None] * len(plan.batches)
+    sq_sums = []
     for j, b in enumerate(plan.batches):
         per_unit = (_megabatch.unstack(tops[j], _sizes(plan, b.uids)) if j in tops
                     else [None] * len(b.uids))
@@ -229,7 +246,8 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
         if j in tops:
             rows[j] = (tops[j] if plan.units[b.uids[0]].shard != "rows"
                        else _megabatch.stack([picks[i].rows for i in b.uids]))
-    return tuple(picks), tuple(rows)  # type: ignore[arg-type]
+        sq_sums.append(_batch_sq_sums(plan, acc, b, tops.get(j), picks))
+    return tuple(picks), tuple(rows), tuple(sq_sums)  # type: ignore[arg-type]
 
 
 class GroupBatch(NamedTuple):
@@ -243,28 +261,48 @@ class GroupBatch(NamedTuple):
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
 
 
-def _sent_norms(plan: Plan, picks: tuple[Pick, ...]) -> dict[int, jax.Array]:
+def _route(plan: Plan, b) -> str:
+    return plan.groups[b.group][0].route
+
+
+def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
+    """Per unit of a batch on ``route`` whose sums of squares are known (``sq_sums``: per
+    batch), its :func:`_norms.norm_from_sq_sum` (elementwise: once per batch)."""
+    out = {}
+    for b, s in zip(plan.batches, sq_sums):
+        if s is not None and _route(plan, b) == route:
+            norms = _norms.norm_from_sq_sum(s)
+            out.update(zip(b.uids, _megabatch.unstack(norms, _sizes(plan, b.uids), True)))
+    return out
+
+
+def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
     """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
     all-reduced (one float per matrix; one collective per mesh-axes tuple)."""
-    uids = [i for key, uids in plan.groups if key.route == "all_to_all" for i in uids]
-    totals = batched_psum([(picks[i].sq_sum, plan.units[i].comm) for i in uids])
-    return {i: _norms.norm_from_sq_sum(t) for i, t in zip(uids, totals)}
+    sel = [j for j, b in enumerate(plan.batches) if _route(plan, b) == "all_to_all"]
+    totals = batched_psum([(sq_sums[j], plan.units[plan.batches[j].uids[0]].comm)
+                           for j in sel])
+    whole = [None] * len(plan.batches)
+    for j, t in zip(sel, totals):
+        whole[j] = t
+    return _norms_by_batch(plan, whole, "all_to_all")
 
 
-def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...]) -> list[GroupBatch]:
+def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_sums
+                    ) -> list[GroupBatch]:
     """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
     part by the orthogonalizer). All-to-all groups are normalised by their whole matrices'
     norms and cast to the orthogonalizer's input dtype before they are stacked for the
     collective (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then
     averaged over the replicas first) the raw payloads are stacked."""
     orth = cfg.orthogonalizer
-    sent = _sent_norms(plan, picks) if plan.send_normalized else {}
+    sent = _sent_norms(plan, sq_sums) if plan.send_normalized else {}
+    local = _norms_by_batch(plan, sq_sums, "on_device")
     batches = []
     for key, uids in plan.groups:
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
         on_device = key.route == "on_device"
-        norms = [_norms.norm_from_sq_sum(picks[i].sq_sum)
-                 if on_device and picks[i].sq_sum is not None else None for i in uids]
+        norms = [local.get(i) for i in uids]
         stacked, normalized = None, key.route == "all_to_all" and plan.send_normalized
         if normalized:
             stacked = _megabatch.stack([
@@ -303,99 +341,121 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
     return tuple(out)  # type: ignore[return-value]
 
 
-def row_positions(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
-    """Per unit that selects, :func:`_selection.row_positions` of its rows (one scatter per
-    batch, on the batch's stacked rows ``rows`` from :func:`select`); None where every row
-    goes."""
-    out: list[jax.Array | None] = [None] * len(plan.units)
+def row_sources(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
+    """Per batch that selects, :func:`_selection.row_sources` of its members' rows stacked,
+    ``(source, keep)`` per row of their blocks (one scatter per batch, on the batch's stacked
+    rows ``rows`` from :func:`select`); None where every row goes."""
+    out = []
     for b, r in zip(plan.batches, rows):
-        if r is None:
-            continue
         u = plan.units[b.uids[0]]
         n_local = acc.momentum[u.leaf][u.block].shape[u.layout.row_axis]
-        pos = _selection.row_positions(r, n_local)
-        for i, p in zip(b.uids, _megabatch.unstack(pos, _sizes(plan, b.uids))):
-            out[i] = p
+        out.append(None if r is None else _selection.row_sources(
+            _selection.row_positions(r, n_local), r.shape[1]))
     return tuple(out)
 
 
-def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_pos) -> Blocks:
-    """``M[I] ← μ·S`` on every unit (``row_pos``: :func:`row_positions`); returns the blocks."""
+def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
+    """:func:`row_sources` per unit (its members' slices of the batch's arrays)."""
+    out: list[tuple | None] = [None] * len(plan.units)
+    for b, src in zip(plan.batches, batch_src):
+        if src is not None:
+            sizes = _sizes(plan, b.uids)
+            for i, s, k in zip(b.uids, *(_megabatch.unstack(x, sizes, True) for x in src)):
+                out[i] = (s, k)
+    return tuple(out)
+
+
+def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src) -> Blocks:
+    """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit); returns the
+    blocks."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
     for u in plan.units:
         momentum[u.leaf][u.block] = _rules.error_feedback(
-            momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_pos[u.uid],
+            momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_src[u.uid],
             u.layout.row_axis)
     return momentum
 
 
-def _selected_variance(plan: Plan, b, variance: Blocks, rows) -> jax.Array:
-    """The batch's selected rows' second moments, ``(batch, pick)`` float32 (``rows``: the
-    batch's stacked local rows, None when every row is selected)."""
+class Moments(NamedTuple):
+    """One batch's NorMuon statistics, its members stacked along the batch axis."""
+
+    variance: jax.Array     # (batch, n_local) the second moments held, in their dtype
+    row_sq: jax.Array       # (batch, pick) ‖O_i‖² (summed over column shards), float32
+    v_new: jax.Array        # (batch, pick) the selected rows' new second moments, float32
+    a: jax.Array            # (batch, pick) the row divisors √v_new + ε
+
+
+def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_sq: list
+                   ) -> Moments:
+    """A batch's :class:`Moments` (``rows``: the batch's stacked local rows, None when every
+    row is selected): the variance gather and NorMuon's elementwise EMA once per batch."""
     u = plan.units[b.uids[0]]
     v = _megabatch.stack([jnp.squeeze(variance[plan.units[i].leaf][plan.units[i].block],
                                       3 - u.layout.row_axis) for i in b.uids])
-    if rows is not None:
-        v = _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
-    return v.astype(jnp.float32)
+    v_sel = v if rows is None else _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
+    sq = _megabatch.stack([row_sq[i] for i in b.uids])
+    v_new, a = _rules.normuon_ema(v_sel.astype(jnp.float32), sq, u.layout.c,
+                                  jnp.asarray(cfg.beta2, jnp.float32))
+    return Moments(v, sq, v_new, a)
 
 
-def _batch_moments(plan: Plan, cfg: Dion3Config, acc: Accumulated, rows, row_sq: list
-                   ) -> list[tuple[jax.Array, jax.Array]]:
-    """Per batch, NorMuon's ``(v_new, a)`` (elementwise: once per batch, on its members'
-    stacked rows)."""
-    beta2 = jnp.asarray(cfg.beta2, jnp.float32)
-    return [_rules.normuon_ema(_selected_variance(plan, b, acc.variance, r),
-                               _megabatch.stack([row_sq[i] for i in b.uids]),
-                               plan.units[b.uids[0]].layout.c, beta2)
-            for b, r in zip(plan.batches, rows)]
+def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
+    """``(2, batch)``: :func:`_rules.normuon_fro` of each member (``row_sq``: per unit), its sums
+    over the member's own rows (a reduction's rounding may depend on its shape); the first per
+    unit, where XLA may merge it with the reduction that made ``row_sq``, the second in one
+    loop over the batch (:func:`_megabatch.per_member`)."""
+    scaled = _megabatch.per_member(lambda sq, a: _rules.normuon_fro(sq, a)[1],
+                                   _sizes(plan, b.uids), m.row_sq, m.a)
+    return jnp.stack([_megabatch.stack([_norms.total(row_sq[i], 1) for i in b.uids]), scaled])
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, row_pos
+def _new_variance(m: Moments, src) -> jax.Array:
+    """The batch's second moments with ``v_new`` written into the selected rows (``src``: the
+    batch's :func:`row_sources`, None when every row is selected), ``(batch, n_local)``."""
+    if src is None:
+        return m.v_new.astype(m.variance.dtype)
+    return _selection.place_rows(m.v_new[:, :, None], src, 1, base=m.variance[:, :, None])[
+        :, :, 0]
+
+
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batch_src
               ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
-    returns the float32 directions and the new second-moment blocks. The sums and the
-    directions run per unit (the sums on the shapes they always had: a reduction's rounding may
-    depend on its shape); the small elementwise work and the variance gather once per batch."""
+    returns the float32 directions and the new second-moment blocks. The sums of squares run
+    per unit (on the shapes they always had: a reduction's rounding may depend on its shape),
+    the directions per unit (each leaf's kernel reads its factors directly); the elementwise
+    statistics, the variance gather and its write-back once per batch (``batch_src``:
+    :func:`row_sources`)."""
     if cfg.flavour != "normuon":
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
     row_sq = batched_psum([(_rules.row_sq_norms(polars[u.uid].factors, u.layout.row_axis),
                             u.comm if u.shard == "cols" else ()) for u in units])
-    moments = _batch_moments(plan, cfg, acc, rows, row_sq)
-    a_unit = {i: a for b, (_, a_b) in zip(plan.batches, moments)
-              for i, a in zip(b.uids, _megabatch.unstack(a_b, _sizes(plan, b.uids)))}
-    terms = [_rules.normuon_fro(row_sq[u.uid], a_unit[u.uid]) for u in units]
-    fros = batched_psum([(jnp.stack([_megabatch.stack([terms[i][j] for i in b.uids])
-                                     for j in (0, 1)]),
+    moments = [_batch_moments(cfg, plan, b, acc.variance, r, row_sq)
+               for b, r in zip(plan.batches, rows)]
+    fros = batched_psum([(_fro_terms(plan, b, m, row_sq),
                           units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
-                         for b in plan.batches])
+                         for b, m in zip(plan.batches, moments)])
     variance = [list(b) for b in acc.variance]
     dirs: list[jax.Array | None] = [None] * len(units)
-    for b, (v_new, a), fro in zip(plan.batches, moments, fros):
+    for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
-        inv_a, factor = _rules.normuon_scales(a, fro)
-        for i, ia, fa, vi in zip(b.uids, _megabatch.unstack(inv_a, sizes),
-                                 _megabatch.unstack(factor, sizes),
-                                 _megabatch.unstack(jnp.expand_dims(v_new, 3 - ra), sizes)):
-            # Per unit, so that each leaf's kernels read its factors directly.
-            dirs[i] = _rules.scale_rows(polars[i].factors, ia, fa, ra)
-            v = variance[units[i].leaf][units[i].block]
-            variance[units[i].leaf][units[i].block] = (
-                vi.astype(v.dtype) if units[i].full
-                else _selection.expand_rows(vi, row_pos[i], ra, base=v))
+        scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes, True)
+        for i, s, v in zip(b.uids, scales, _megabatch.unstack(_new_variance(m, src), sizes, True)):
+            dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
+            variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
     return tuple(dirs), variance
 
 
-def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, row_pos,
+def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, row_src,
                       momentum: Blocks, variance: Blocks | None):
     """The scaled directions written into zero updates (selected rows only); blocks → leaves."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
         d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
-        ublk[u.leaf][u.block] = d if u.full else _selection.expand_rows(
-            d, row_pos[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
+        ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
+            d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
     new_u = [p.local.from_blocks(ub, g.shape).astype(g.dtype)
              for p, g, ub in zip(plan.leaves, grads, ublk)]
     new_m = [p.local.from_blocks(mb, m.shape).astype(m.dtype)
@@ -408,9 +468,10 @@ def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, ro
 def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
-    picks, rows = select(cfg, plan, acc)
-    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks))
-    row_pos = row_positions(plan, acc, rows)
-    momentum = error_feedback(cfg, plan, acc, polars, row_pos)
-    dirs, variance = normalise(cfg, plan, acc, rows, polars, row_pos)
-    return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_pos, momentum, variance)
+    picks, rows, sq_sums = select(cfg, plan, acc)
+    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks, sq_sums))
+    batch_src = row_sources(plan, acc, rows)
+    row_src = _unit_sources(plan, batch_src)
+    momentum = error_feedback(cfg, plan, acc, polars, row_src)
+    dirs, variance = normalise(cfg, plan, acc, rows, polars, batch_src)
+    return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_src, momentum, variance)

@@ -27,8 +27,8 @@ def test_error_feedback_decays_only_the_selected_rows(row_axis):
     np.put_along_axis(want, rows[:, :, None], 0.9 * sel.astype(np.float64), axis=1)
     if row_axis == 2:
         m, sel, want = (np.swapaxes(a, 1, 2) for a in (m, sel, want))
-    pos = _selection.row_positions(jnp.asarray(rows), 6)
-    got = _rules.error_feedback(jnp.asarray(m), jnp.asarray(sel), jnp.asarray(mu), pos, row_axis)
+    src = _selection.row_sources(_selection.row_positions(jnp.asarray(rows), 6), 3)
+    got = _rules.error_feedback(jnp.asarray(m), jnp.asarray(sel), jnp.asarray(mu), src, row_axis)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     full = _rules.error_feedback(jnp.asarray(m), jnp.asarray(m), jnp.asarray(mu), None, row_axis)
     np.testing.assert_allclose(np.asarray(full), 0.9 * m.astype(np.float64), rtol=1e-6)

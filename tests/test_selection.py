@@ -93,8 +93,8 @@ def test_selected_norm_is_the_payload_frobenius_norm(scale):
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected
-    payload's Frobenius norm from row statistics (one call of selected_sq_sum per selected
-    matrix block); a plain callable doing the same polar normalises the payload itself (no call),
+    payload's Frobenius norm from row statistics (selected_sq_sum, traced once per batch of
+    same-shape blocks); a plain callable doing the same polar normalises the payload itself (no call),
     and the update is the same to float32 rounding."""
     import dion3_jax
     calls = []
@@ -114,7 +114,7 @@ def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
         calls.clear()
         with jax.default_matmul_precision("highest"):
             results[name], _ = jax.jit(tx.update)(grads, tx.init(params))
-        assert len(calls) == (len(shapes) if name == "built-in" else 0), (name, calls)
+        assert (len(calls) > 0) == (name == "built-in"), (name, calls)
     # The two norms differ in float32 summation order (row sums, then their sum, against one
     # sum over the payload); five Newton-Schulz steps amplify that ulp: up to 2.5e-5 seen on
     # fresh inputs. A wrong norm or misplaced row is O(0.1) off.
