@@ -410,13 +410,14 @@ def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
     return jnp.stack([_megabatch.stack([_norms.total(row_sq[i], 1) for i in b.uids]), scaled])
 
 
-def _new_variance(m: Moments, src) -> jax.Array:
-    """The batch's second moments with ``v_new`` written into the selected rows (``src``: the
-    batch's :func:`row_sources`, None when every row is selected), ``(batch, n_local)``."""
+def _new_variance(m: Moments, src, base: jax.Array) -> jax.Array:
+    """``base`` (the batch's second moments as written so far, ``(batch, n_local)``) with
+    ``v_new`` in the selected rows (``src``: the batch's :func:`row_sources`, None when every
+    row is selected). The row segments of one leaf are in different batches, and each writes
+    only its own rows into what the ones before it wrote."""
     if src is None:
-        return m.v_new.astype(m.variance.dtype)
-    return _selection.place_rows(m.v_new[:, :, None], src, 1, base=m.variance[:, :, None])[
-        :, :, 0]
+        return m.v_new.astype(base.dtype)
+    return _selection.place_rows(m.v_new[:, :, None], src, 1, base=base[:, :, None])[:, :, 0]
 
 
 def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batch_src
@@ -442,7 +443,10 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batc
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
         scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes, True)
-        for i, s, v in zip(b.uids, scales, _megabatch.unstack(_new_variance(m, src), sizes, True)):
+        base = _megabatch.stack([jnp.squeeze(variance[units[i].leaf][units[i].block], 3 - ra)
+                                 for i in b.uids])
+        new = _megabatch.unstack(_new_variance(m, src, base), sizes, True)
+        for i, s, v in zip(b.uids, scales, new):
             dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
     return tuple(dirs), variance
