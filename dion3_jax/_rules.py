@@ -39,14 +39,16 @@ def lr_scale(adjust_lr: str | None, fan_out: int, fan_in: int) -> float:
     return 1.0
 
 
-def error_feedback(m: jax.Array, selected: jax.Array, mu, sources: tuple | None,
+def error_feedback(m: jax.Array, selected: jax.Array | None, mu, sources: tuple | None,
                    row_axis: int) -> jax.Array:
     """``M[I] ← μ·S``: only the selected rows decay; the others keep accumulating.
 
     Args:
       m: the momentum block after ``M ← M + G``.
       selected: ``S``, the selected rows (``(batch, k, C)`` in ``m``'s orientation), averaged
-        over the replicas under compressed sync.
+        over the replicas under compressed sync; None when ``S`` is ``m``'s own rows ``M[I]``
+        (no replica averaging): then the rows decay in place, ``where(row ∈ I, μ·M, M)``, with
+        no gather of ``S``.
       mu: the decay (float32 scalar).
       sources: :func:`dion3_jax._selection.row_sources` of the selected rows, or None when
         every row is selected (then ``S`` is the whole block).
@@ -55,9 +57,12 @@ def error_feedback(m: jax.Array, selected: jax.Array, mu, sources: tuple | None,
     Returns:
       The new momentum block, in ``m``'s dtype.
     """
-    decayed = (mu * selected).astype(m.dtype)
+    decayed = (mu * (m if selected is None else selected)).astype(m.dtype)
     if sources is None:
         return decayed
+    if selected is None:
+        keep = jax.lax.broadcast_in_dim(sources[1], m.shape, (0, row_axis))
+        return jax.lax.select(keep, decayed, m)
     return _selection.place_rows(decayed, sources, row_axis, base=m)
 
 

@@ -367,13 +367,14 @@ def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
 
 def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src) -> Blocks:
     """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit); returns the
-    blocks."""
+    blocks. Without compressed sync ``S`` is the block's own rows, which decay in place (no
+    gather of ``S``); under it ``S`` is the replicas' mean."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
     for u in plan.units:
+        s = polars[u.uid].selected if plan.ctx.compressed else None
         momentum[u.leaf][u.block] = _rules.error_feedback(
-            momentum[u.leaf][u.block], polars[u.uid].selected, mu, row_src[u.uid],
-            u.layout.row_axis)
+            momentum[u.leaf][u.block], s, mu, row_src[u.uid], u.layout.row_axis)
     return momentum
 
 

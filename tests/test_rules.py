@@ -32,6 +32,11 @@ def test_error_feedback_decays_only_the_selected_rows(row_axis):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
     full = _rules.error_feedback(jnp.asarray(m), jnp.asarray(m), jnp.asarray(mu), None, row_axis)
     np.testing.assert_allclose(np.asarray(full), 0.9 * m.astype(np.float64), rtol=1e-6)
+    # S omitted: the block's own rows decay in place, bitwise as when S is gathered from it.
+    own = _rules.error_feedback(jnp.asarray(m), None, jnp.asarray(mu), src, row_axis)
+    np.testing.assert_array_equal(np.asarray(own), np.asarray(got))
+    own_full = _rules.error_feedback(jnp.asarray(m), None, jnp.asarray(mu), None, row_axis)
+    np.testing.assert_array_equal(np.asarray(own_full), np.asarray(full))
 
 
 def _normuon_f64(o, v, beta2):
