@@ -31,6 +31,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
 
 
+def _op_lines(plane):
+    """The lines of a GPU plane that hold the device ops: "XLA Ops" where the trace has it,
+    else every line but the module and step summaries."""
+    return [ln for ln in plane.lines if ln.name == "XLA Ops"] or [
+        ln for ln in plane.lines if ln.name not in ("XLA Modules", "Steps")]
+
+
 def op_times(trace_dir: str) -> dict[str, float]:
     """Total nanoseconds per op name on the device plane (the host plane on CPU)."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -39,9 +46,7 @@ def op_times(trace_dir: str) -> dict[str, float]:
     planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
     if planes:
         for plane in planes:
-            lines = [ln for ln in plane.lines if ln.name == "XLA Ops"] or [
-                ln for ln in plane.lines if ln.name not in ("XLA Modules", "Steps")]
-            for line in lines:
+            for line in _op_lines(plane):
                 for event in line.events:
                     totals[event.name] += event.duration_ns
     else:
@@ -54,22 +59,20 @@ def op_times(trace_dir: str) -> dict[str, float]:
 
 
 def device_gaps(trace_dir: str) -> list[tuple[float, str]]:
-    """Idle stretches of the GPU's "XLA Ops" line: ``(ns idle, name of the op that ended it)``
-    for every gap between consecutive ops (empty on CPU)."""
+    """Idle stretches of the GPU (its :func:`_op_lines` merged into one timeline): ``(ns idle,
+    name of the op that ended it)`` for every gap between consecutive ops (empty on CPU)."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     gaps = []
     for plane in ProfileData.from_file(path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        for line in plane.lines:
-            if line.name != "XLA Ops":
-                continue
-            events = sorted(line.events, key=lambda e: e.start_ns)
-            end = None
-            for e in events:
-                if end is not None and e.start_ns > end:
-                    gaps.append((e.start_ns - end, e.name))
-                end = max(end or 0, e.start_ns + e.duration_ns)
+        events = sorted((e for line in _op_lines(plane) for e in line.events),
+                        key=lambda e: e.start_ns)
+        end = None
+        for e in events:
+            if end is not None and e.start_ns > end:
+                gaps.append((e.start_ns - end, e.name))
+            end = max(end or 0, e.start_ns + e.duration_ns)
     return gaps
 
 
