@@ -381,24 +381,29 @@ def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_s
 class Moments(NamedTuple):
     """One batch's NorMuon statistics, its members stacked along the batch axis."""
 
-    variance: jax.Array     # (batch, n_local) the second moments held, in their dtype
     row_sq: jax.Array       # (batch, pick) ‖O_i‖² (summed over column shards), float32
     v_new: jax.Array        # (batch, pick) the selected rows' new second moments, float32
     a: jax.Array            # (batch, pick) the row divisors √v_new + ε
+
+
+def _stacked_variance(plan: Plan, b, variance: Blocks) -> jax.Array:
+    """The batch's members' second-moment blocks, ``(batch, n_local)``, in their dtype."""
+    ra = plan.units[b.uids[0]].layout.row_axis
+    return _megabatch.stack([jnp.squeeze(variance[plan.units[i].leaf][plan.units[i].block],
+                                         3 - ra) for i in b.uids])
 
 
 def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_sq: list
                    ) -> Moments:
     """A batch's :class:`Moments` (``rows``: the batch's stacked local rows, None when every
     row is selected): the variance gather and NorMuon's elementwise EMA once per batch."""
-    u = plan.units[b.uids[0]]
-    v = _megabatch.stack([jnp.squeeze(variance[plan.units[i].leaf][plan.units[i].block],
-                                      3 - u.layout.row_axis) for i in b.uids])
+    v = _stacked_variance(plan, b, variance)
     v_sel = v if rows is None else _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
     sq = _megabatch.stack([row_sq[i] for i in b.uids])
-    v_new, a = _rules.normuon_ema(v_sel.astype(jnp.float32), sq, u.layout.c,
+    v_new, a = _rules.normuon_ema(v_sel.astype(jnp.float32), sq,
+                                  plan.units[b.uids[0]].layout.c,
                                   jnp.asarray(cfg.beta2, jnp.float32))
-    return Moments(v, sq, v_new, a)
+    return Moments(sq, v_new, a)
 
 
 def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
@@ -444,9 +449,8 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batc
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
         scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes, True)
-        base = _megabatch.stack([jnp.squeeze(variance[units[i].leaf][units[i].block], 3 - ra)
-                                 for i in b.uids])
-        new = _megabatch.unstack(_new_variance(m, src, base), sizes, True)
+        new = _megabatch.unstack(_new_variance(m, src, _stacked_variance(plan, b, variance)),
+                                 sizes, True)
         for i, s, v in zip(b.uids, scales, new):
             dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)

@@ -146,11 +146,9 @@ def _panel_spec(config: MosaicConfig, dtype, along_k_minor: bool, k: int) -> plg
     """Block spec of one operand panel: ``(tile, tile_k)`` when the contraction axis is the
     operand's minor one (``along_k_minor``), else ``(tile_k, tile)``."""
     tile, tile_k = config.tile, config.tile_k
-    if along_k_minor:
-        return plgpu.BlockSpec((tile, tile_k), lambda k: (0, k),
-                               transforms=_smem_transforms(tile_k, dtype),
-                               memory_space=plgpu.SMEM, delay_release=_in_flight(config, k))
-    return plgpu.BlockSpec((tile_k, tile), lambda k: (k, 0), transforms=_smem_transforms(tile, dtype),
+    shape, index = ((tile, tile_k), lambda s: (0, s)) if along_k_minor else (
+        (tile_k, tile), lambda s: (s, 0))
+    return plgpu.BlockSpec(shape, index, transforms=_smem_transforms(shape[1], dtype),
                            memory_space=plgpu.SMEM, delay_release=_in_flight(config, k))
 
 
