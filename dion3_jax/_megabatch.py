@@ -140,18 +140,3 @@ def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
         offsets = jax.lax.optimization_barrier([np.int32(o) for o in offsets])
     return [jax.lax.dynamic_slice_in_dim(x, o, s, axis=0, allow_negative_indices=False)
             for o, s in zip(offsets, sizes)]
-
-
-def per_member(fn: Callable[..., jax.Array], sizes: Sequence[int], *xs: jax.Array) -> jax.Array:
-    """``fn`` of each member's pieces of the stacked arrays ``xs`` (consecutive ``sizes`` along
-    axis 0), stacked back along axis 0.
-
-    Each call sees its member's own shapes (a reduction's rounding may depend on its shape).
-    Members of one size run as one loop (``lax.map``), so the program holds ``fn`` once instead
-    of once per member.
-    """
-    if len(sizes) == 1 or len(set(sizes)) > 1:
-        return stack([fn(*p) for p in zip(*(unstack(x, sizes) for x in xs))])
-    n, size = len(sizes), sizes[0]
-    out = jax.lax.map(lambda p: fn(*p), tuple(x.reshape((n, size, *x.shape[1:])) for x in xs))
-    return out.reshape((n * size, *out.shape[2:]))

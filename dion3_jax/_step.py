@@ -36,6 +36,7 @@ class Accumulated(NamedTuple):
     scores: tuple[jax.Array | None, ...]   # (batch, candidate rows); None when every row goes
     positions: tuple[tuple | None, ...]    # "rows" units: this device's (start, count) rows
     row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → _selection.row_sq_sums
+    full_sq: dict[int, jax.Array]          # :func:`_payload_decays` units: _norms.sq_sum per matrix
 
 
 class Pick(NamedTuple):
@@ -52,6 +53,13 @@ class Polar(NamedTuple):
 
     selected: jax.Array         # S (mean over replicas), the block's orientation
     factors: jax.Array          # O = polar(S), this device's rows / columns
+
+
+class BatchFactors(NamedTuple):
+    """A batch's members' polar factors as one array: a static slice of its group's result."""
+
+    factors: jax.Array          # (batch, a, b), the group's orientation
+    row_axis: int               # the members' row axis in that orientation
 
 
 def _shard_index(u: Unit):
@@ -95,11 +103,47 @@ def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
     return jnp.where(valid[None], r, -jnp.inf), (start, cnt)
 
 
+def _payload_decays(plan: Plan, u: Unit) -> bool:
+    """Whether ``u`` is a full unit whose payload the step normalises itself (the built-in
+    orthogonalizer, no replica averaging): then its payload ``(M + G)/‖M + G‖`` and its decayed
+    momentum ``μ·(M + G)`` are computed from the same reads, after the norm (see
+    :func:`_accumulate`)."""
+    return u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
+
+
+def _accumulate(plan: Plan, grads, moms) -> tuple[Blocks, dict[int, jax.Array]]:
+    """``M + G`` per block, and the sums of squares of the :func:`_payload_decays` units.
+
+    Those units' leaves are read again after their sums, behind an optimization barrier: the
+    payload and the new momentum then both wait for the norm, so XLA computes them in one pass
+    over ``M`` and ``G`` and writes the new momentum in place. (Without the barrier XLA writes
+    ``μ·(M + G)`` into the donated momentum in the pass that sums squares, and then has to copy
+    the whole old momentum for the payload's later read of it.)
+    """
+    grads, moms = list(grads), list(moms)
+
+    def blocks(i):
+        return plan.leaves[i].local.to_blocks(moms[i] + grads[i].astype(moms[i].dtype))
+
+    momentum = [blocks(i) for i in range(len(moms))]
+    units = [u for u in plan.units if _payload_decays(plan, u)]
+    sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
+          for u in units}
+    leaves = sorted({u.leaf for u in units})
+    if leaves:
+        ms, gs, sq = jax.lax.optimization_barrier(
+            ([moms[i] for i in leaves], [grads[i] for i in leaves], sq))
+        for i, m, g in zip(leaves, ms, gs):
+            moms[i], grads[i] = m, g
+            momentum[i] = blocks(i)
+    return momentum, sq
+
+
 def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
                          ) -> Accumulated:
-    """``M ← M + G`` per block; the row statistics and each unit's selection scores."""
-    momentum = [p.local.to_blocks(m + g.astype(m.dtype)) for p, g, m in zip(plan.leaves, grads,
-                                                                            moms)]
+    """``M ← M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
+    selection scores."""
+    momentum, full_sq = _accumulate(plan, grads, moms)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if cfg.flavour == "normuon" else None)
     row_sq = {}
@@ -124,7 +168,7 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
             s = raw[(u.leaf, u.block)]
         scores.append(s)
         positions.append(pos)
-    return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq)
+    return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq, full_sq)
 
 
 def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, tuple]:
@@ -201,8 +245,7 @@ def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
     m = acc.momentum[u.leaf][u.block]
     row_sums = acc.row_sq.get((u.leaf, u.block))
     if u.full:
-        sent = plan.send_normalized and u.group.route == "all_to_all"
-        return Pick(None, m, _norms.sq_sum(m.astype(jnp.float32), (1, 2)) if sent else None)
+        return Pick(None, m, acc.full_sq.get(u.uid))
     if u.shard == "rows":
         return _pick_segment_rows(cfg, plan, u, m, top, acc.scores[u.uid],
                                   acc.positions[u.uid][0], row_sums)
@@ -213,16 +256,15 @@ def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
 
 def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | None:
     """The batch's payloads' (scaled) sums of squares, ``(batch,)``, or None where unknown:
-    whole-matrix units take their selected rows' row statistics (one gather per batch, the
-    sums per member), the others their :attr:`Pick.sq_sum`."""
+    whole-matrix units take their selected rows' row statistics (one gather and one sum per
+    batch), the others their :attr:`Pick.sq_sum`."""
     u = plan.units[b.uids[0]]
     if u.shard == "rows" or u.full or u.uid not in plan.row_norm_uids:
         sums = [picks[i].sq_sum for i in b.uids]
         return None if sums[0] is None else _megabatch.stack(sums)
     row_sums = _megabatch.stack([acc.row_sq[(plan.units[i].leaf, plan.units[i].block)]
                                  for i in b.uids])
-    return _megabatch.per_member(_selection.selected_sq_sum, _sizes(plan, b.uids), row_sums,
-                                 top)
+    return _selection.selected_sq_sum(row_sums, top)
 
 
 def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
@@ -288,6 +330,20 @@ def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
     return _norms_by_batch(plan, whole, "all_to_all")
 
 
+def _stack_parts(parts: list[jax.Array]) -> jax.Array:
+    """Materialised parts stacked by writing each into a zeroed buffer in place (on the H200 an
+    XLA concatenation of many float16 operands copies at 0.8 TB/s; these updates are faster:
+    171.99 → 171.18 ms at f = 1, docs/BENCHMARKS.md)."""
+    if len(parts) == 1:
+        return parts[0]
+    buf = jnp.zeros((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+    start = 0
+    for p in parts:
+        buf = jax.lax.dynamic_update_slice_in_dim(buf, p, start, 0)
+        start += p.shape[0]
+    return buf
+
+
 def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_sums
                     ) -> list[GroupBatch]:
     """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
@@ -303,11 +359,16 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_su
         parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
         on_device = key.route == "on_device"
         norms = [local.get(i) for i in uids]
-        stacked, normalized = None, key.route == "all_to_all" and plan.send_normalized
+        whole = all(_payload_decays(plan, plan.units[i]) for i in uids)
+        stacked = None
+        normalized = (key.route == "all_to_all" and plan.send_normalized) or (on_device and whole)
         if normalized:
-            stacked = _megabatch.stack([
-                (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
-                    orth.input_dtype) for i, p in zip(uids, parts)])
+            scale = local if on_device else sent
+            sent_parts = [(p.astype(jnp.float32) / (scale[i] + orth.eps)[:, None, None]).astype(
+                orth.input_dtype) for i, p in zip(uids, parts)]
+            if whole:   # each part written by the pass that decays its momentum, then stacked
+                sent_parts = jax.lax.optimization_barrier(sent_parts)
+            stacked = _stack_parts(sent_parts)
         elif not (on_device and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
             if plan.ctx.compressed:
@@ -317,11 +378,30 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_su
     return batches
 
 
+def _batch_factors(plan: Plan, group_uids: tuple[int, ...], o: jax.Array) -> dict:
+    """Per batch of the group (by index in ``plan.batches``), its :class:`BatchFactors`: the
+    group's members are its batches' members, consecutive and in order."""
+    out, start = {}, 0
+    for j, b in enumerate(plan.batches):
+        if b.uids[0] not in group_uids:
+            continue
+        u, size = plan.units[b.uids[0]], sum(_sizes(plan, b.uids))
+        ra = 3 - u.layout.row_axis if u.swap else u.layout.row_axis
+        out[j] = BatchFactors(jax.lax.slice_in_dim(o, start, start + size), ra)
+        start += size
+    return out
+
+
 def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
-                      ) -> tuple[Polar, ...]:
-    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it)."""
+                      ) -> tuple[tuple[Polar, ...], tuple[BatchFactors, ...]]:
+    """One orthogonalizer call per shape group (with its all-to-all or all-gather around it).
+
+    Returns:
+      Per unit its :class:`Polar`; per batch its :class:`BatchFactors`.
+    """
     orth = cfg.orthogonalizer
     out: list[Polar | None] = [None] * len(plan.units)
+    per_batch: dict[int, BatchFactors] = {}
     for b in batches:
         sizes = _sizes(plan, b.uids)
         if b.stacked is None:
@@ -338,7 +418,8 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
             swap = plan.units[i].swap
             out[i] = Polar(_orient(s, swap), _orient(f, swap))
-    return tuple(out)  # type: ignore[return-value]
+        per_batch.update(_batch_factors(plan, b.uids, o))
+    return tuple(out), tuple(per_batch[j] for j in range(len(plan.batches)))  # type: ignore
 
 
 def row_sources(plan: Plan, acc: Accumulated, rows: tuple) -> tuple:
@@ -406,14 +487,10 @@ def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_
     return Moments(sq, v_new, a)
 
 
-def _fro_terms(plan: Plan, b, m: Moments, row_sq: list) -> jax.Array:
-    """``(2, batch)``: :func:`_rules.normuon_fro` of each member (``row_sq``: per unit), its sums
-    over the member's own rows (a reduction's rounding may depend on its shape); the first per
-    unit, where XLA may merge it with the reduction that made ``row_sq``, the second in one
-    loop over the batch (:func:`_megabatch.per_member`)."""
-    scaled = _megabatch.per_member(lambda sq, a: _rules.normuon_fro(sq, a)[1],
-                                   _sizes(plan, b.uids), m.row_sq, m.a)
-    return jnp.stack([_megabatch.stack([_norms.total(row_sq[i], 1) for i in b.uids]), scaled])
+def _fro_terms(m: Moments) -> jax.Array:
+    """``(2, batch)``: :func:`_rules.normuon_fro` of each member of the batch, from its stacked
+    :class:`Moments`."""
+    return jnp.stack(_rules.normuon_fro(m.row_sq, m.a))
 
 
 def _new_variance(m: Moments, src, base: jax.Array) -> jax.Array:
@@ -426,22 +503,33 @@ def _new_variance(m: Moments, src, base: jax.Array) -> jax.Array:
     return _selection.place_rows(m.v_new[:, :, None], src, 1, base=base[:, :, None])[:, :, 0]
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, batch_src
-              ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
+def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> dict[int, jax.Array]:
+    """Per unit ``‖O_i‖²`` of its factors' rows (:func:`_rules.row_sq_norms`, summed over column
+    shards): one reduction per batch, over the batch's factors as the polar wrote them."""
+    sums = batched_psum([
+        (_rules.row_sq_norms(f.factors, f.row_axis),
+         plan.units[b.uids[0]].comm if plan.units[b.uids[0]].shard == "cols" else ())
+        for b, f in zip(plan.batches, factors)])
+    out = {}
+    for b, s in zip(plan.batches, sums):
+        out.update(zip(b.uids, _megabatch.unstack(s, _sizes(plan, b.uids), True)))
+    return out
+
+
+def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, factors,
+              batch_src) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
-    returns the float32 directions and the new second-moment blocks. The sums of squares run
-    per unit (on the shapes they always had: a reduction's rounding may depend on its shape),
-    the directions per unit (each leaf's kernel reads its factors directly); the elementwise
-    statistics, the variance gather and its write-back once per batch (``batch_src``:
-    :func:`row_sources`)."""
+    returns the float32 directions and the new second-moment blocks. The factors' row sums run
+    once per batch (``factors``: :class:`BatchFactors`), the directions per unit (each leaf's
+    kernel reads its factors directly); the elementwise statistics, the variance gather and its
+    write-back once per batch (``batch_src``: :func:`row_sources`)."""
     if cfg.flavour != "normuon":
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
-    row_sq = batched_psum([(_rules.row_sq_norms(polars[u.uid].factors, u.layout.row_axis),
-                            u.comm if u.shard == "cols" else ()) for u in units])
+    row_sq = _row_sq(plan, factors)
     moments = [_batch_moments(cfg, plan, b, acc.variance, r, row_sq)
                for b, r in zip(plan.batches, rows)]
-    fros = batched_psum([(_fro_terms(plan, b, m, row_sq),
+    fros = batched_psum([(_fro_terms(m),
                           units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
                          for b, m in zip(plan.batches, moments)])
     variance = [list(b) for b in acc.variance]
@@ -478,9 +566,9 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks, rows, sq_sums = select(cfg, plan, acc)
-    polars = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks, sq_sums))
+    polars, factors = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks, sq_sums))
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
     momentum = error_feedback(cfg, plan, acc, polars, row_src)
-    dirs, variance = normalise(cfg, plan, acc, rows, polars, batch_src)
+    dirs, variance = normalise(cfg, plan, acc, rows, polars, factors, batch_src)
     return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_src, momentum, variance)
