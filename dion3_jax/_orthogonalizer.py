@@ -47,6 +47,11 @@ class Orthogonalizer:
                                                 self.polar_kwargs.get("compute_dtype")))
 
     @property
+    def backend(self) -> str:
+        """The kernels' ``pallas_kernels`` implementation (``polar``'s ``backend``)."""
+        return self.polar_kwargs.get("backend", _POLAR_DEFAULTS["backend"])
+
+    @property
     def eps(self) -> float:
         """Added to the Frobenius norm before dividing (``polar``'s ``eps``)."""
         return self.polar_kwargs.get("eps", _POLAR_DEFAULTS["eps"])

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from dion3_jax import _megabatch, _norms, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
 from dion3_jax._config import Dion3Config
@@ -37,6 +38,7 @@ class Accumulated(NamedTuple):
     positions: tuple[tuple | None, ...]    # "rows" units: this device's (start, count) rows
     row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → _selection.row_sq_sums
     full_sq: dict[int, jax.Array]          # :func:`_payload_decays` units: _norms.sq_sum per matrix
+    terms: dict[int, tuple[jax.Array, jax.Array]]  # those units: their (M, G) blocks
 
 
 class Pick(NamedTuple):
@@ -111,12 +113,13 @@ def _payload_decays(plan: Plan, u: Unit) -> bool:
     return u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
 
 
-def _accumulate(plan: Plan, grads, moms) -> tuple[Blocks, dict[int, jax.Array]]:
-    """``M + G`` per block, and the sums of squares of the :func:`_payload_decays` units.
+def _accumulate(plan: Plan, grads, moms) -> tuple[Blocks, dict[int, jax.Array], dict]:
+    """``M + G`` per block; for the :func:`_payload_decays` units, their sums of squares and
+    their ``(M, G)`` blocks (for :func:`pallas_kernels.stack_payloads`).
 
     Those units' leaves are read again after their sums, behind an optimization barrier: the
-    payload and the new momentum then both wait for the norm, so XLA computes them in one pass
-    over ``M`` and ``G`` and writes the new momentum in place. (Without the barrier XLA writes
+    payload and the new momentum then both wait for the norm, and are computed in one pass over
+    ``M`` and ``G`` that writes the new momentum in place. (Without the barrier XLA writes
     ``μ·(M + G)`` into the donated momentum in the pass that sums squares, and then has to copy
     the whole old momentum for the payload's later read of it.)
     """
@@ -136,14 +139,17 @@ def _accumulate(plan: Plan, grads, moms) -> tuple[Blocks, dict[int, jax.Array]]:
         for i, m, g in zip(leaves, ms, gs):
             moms[i], grads[i] = m, g
             momentum[i] = blocks(i)
-    return momentum, sq
+    terms = {u.uid: (plan.leaves[u.leaf].local.to_blocks(moms[u.leaf])[u.block],
+                     plan.leaves[u.leaf].local.to_blocks(grads[u.leaf])[u.block])
+             for u in units}
+    return momentum, sq, terms
 
 
 def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
                          ) -> Accumulated:
     """``M ← M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
     selection scores."""
-    momentum, full_sq = _accumulate(plan, grads, moms)
+    momentum, full_sq, terms = _accumulate(plan, grads, moms)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if cfg.flavour == "normuon" else None)
     row_sq = {}
@@ -168,7 +174,8 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
             s = raw[(u.leaf, u.block)]
         scores.append(s)
         positions.append(pos)
-    return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq, full_sq)
+    return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq, full_sq,
+                       terms)
 
 
 def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, tuple]:
@@ -301,6 +308,7 @@ class GroupBatch(NamedTuple):
     norms: list[jax.Array | None]    # on-device groups: ‖S‖_F per matrix, if known already
     stacked: jax.Array | None        # what the collective sends: None for on-device groups
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
+    decayed: dict[int, jax.Array]    # :func:`_payload_decays` units: their new momentum block
 
 
 def _route(plan: Plan, b) -> str:
@@ -330,22 +338,21 @@ def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
     return _norms_by_batch(plan, whole, "all_to_all")
 
 
-def _stack_parts(parts: list[jax.Array]) -> jax.Array:
-    """Materialised parts stacked by writing each into a zeroed buffer in place (on the H200 an
-    XLA concatenation of many float16 operands copies at 0.8 TB/s; these updates are faster:
-    171.99 → 171.18 ms at f = 1, docs/BENCHMARKS.md)."""
-    if len(parts) == 1:
-        return parts[0]
-    buf = jnp.zeros((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].dtype)
-    start = 0
-    for p in parts:
-        buf = jax.lax.dynamic_update_slice_in_dim(buf, p, start, 0)
-        start += p.shape[0]
-    return buf
+def _whole_payloads(cfg: Dion3Config, acc: Accumulated, uids, norms: dict
+                    ) -> tuple[jax.Array, dict[int, jax.Array]]:
+    """A group of :func:`_payload_decays` units: its stacked normalised payloads and its new
+    momentum blocks, from one pass over ``M`` and ``G`` (:func:`pallas_kernels.stack_payloads`;
+    XLA when the orthogonalizer's backend is ``"xla"``)."""
+    orth = cfg.orthogonalizer
+    stacked, decayed = pallas_kernels.stack_payloads(
+        [acc.terms[i][0] for i in uids], [acc.terms[i][1] for i in uids],
+        [norms[i] + orth.eps for i in uids], jnp.asarray(cfg.mu, jnp.float32),
+        out_dtype=orth.input_dtype, implementation="xla" if orth.backend == "xla" else "auto")
+    return stacked, dict(zip(uids, decayed))
 
 
-def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_sums
-                    ) -> list[GroupBatch]:
+def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple[Pick, ...],
+                    sq_sums) -> list[GroupBatch]:
     """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
     part by the orthogonalizer). All-to-all groups are normalised by their whole matrices'
     norms and cast to the orthogonalizer's input dtype before they are stacked for the
@@ -360,21 +367,20 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, picks: tuple[Pick, ...], sq_su
         on_device = key.route == "on_device"
         norms = [local.get(i) for i in uids]
         whole = all(_payload_decays(plan, plan.units[i]) for i in uids)
-        stacked = None
+        stacked, decayed = None, {}
         normalized = (key.route == "all_to_all" and plan.send_normalized) or (on_device and whole)
-        if normalized:
-            scale = local if on_device else sent
-            sent_parts = [(p.astype(jnp.float32) / (scale[i] + orth.eps)[:, None, None]).astype(
-                orth.input_dtype) for i, p in zip(uids, parts)]
-            if whole:   # each part written by the pass that decays its momentum, then stacked
-                sent_parts = jax.lax.optimization_barrier(sent_parts)
-            stacked = _stack_parts(sent_parts)
+        if whole:
+            stacked, decayed = _whole_payloads(cfg, acc, uids, local if on_device else sent)
+        elif normalized:
+            stacked = _megabatch.stack([
+                (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
+                    orth.input_dtype) for i, p in zip(uids, parts)])
         elif not (on_device and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
             if plan.ctx.compressed:
                 stacked = replica_mean(stacked, plan.ctx.replica_axis,
                                        cfg.mesh_options.replica_wire_dtype)
-        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized))
+        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized, decayed))
     return batches
 
 
@@ -446,13 +452,18 @@ def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
     return tuple(out)
 
 
-def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src) -> Blocks:
+def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src,
+                   decayed: dict[int, jax.Array]) -> Blocks:
     """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit); returns the
     blocks. Without compressed sync ``S`` is the block's own rows, which decay in place (no
-    gather of ``S``); under it ``S`` is the replicas' mean."""
+    gather of ``S``); under it ``S`` is the replicas' mean. ``decayed``: the blocks
+    :func:`gather_and_send` decayed already (with their payloads)."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
     for u in plan.units:
+        if u.uid in decayed:
+            momentum[u.leaf][u.block] = decayed[u.uid]
+            continue
         s = polars[u.uid].selected if plan.ctx.compressed else None
         momentum[u.leaf][u.block] = _rules.error_feedback(
             momentum[u.leaf][u.block], s, mu, row_src[u.uid], u.layout.row_axis)
@@ -566,9 +577,11 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks, rows, sq_sums = select(cfg, plan, acc)
-    polars, factors = megabatched_polar(cfg, plan, gather_and_send(cfg, plan, picks, sq_sums))
+    batches = gather_and_send(cfg, plan, acc, picks, sq_sums)
+    polars, factors = megabatched_polar(cfg, plan, batches)
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
-    momentum = error_feedback(cfg, plan, acc, polars, row_src)
+    momentum = error_feedback(cfg, plan, acc, polars, row_src,
+                              {i: m for b in batches for i, m in b.decayed.items()})
     dirs, variance = normalise(cfg, plan, acc, rows, polars, factors, batch_src)
     return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_src, momentum, variance)
