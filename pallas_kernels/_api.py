@@ -32,10 +32,12 @@ _KNOWN = ("auto", "xla", "mosaic", "triton")
 #: "auto" uses a kernel only for ``batch · n² · k >= AUTO_MIN_WORK`` (``k``: the contraction
 #: length): below that the lower-triangle walk has too few tiles, or too short a main loop, to
 #: beat XLA. One H200, 2026-11-29 (``benchmarks/bench_kernels.py``, docs/KERNELS.md): 4096³
-#: sym_matmul (1.63–1.70×) and a batch of 32 1024×4096 syrk (1.32–1.50×, 1.4e11) win; syrk
-#: 2048×8192 (3.4e10, 0.97–1.03×), a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×) and
-#: everything smaller do not.
-AUTO_MIN_WORK = 4096 ** 3
+#: sym_matmul (1.63–1.70×) and a batch of 32 1024×4096 syrk (1.32–1.50×, 1.4e11) won; syrk
+#: 2048×8192 (3.4e10, 0.97–1.03×) and a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×)
+#: tied. Since the Mosaic sym_matmul dropped its diagonal-tile pass, the batch of 32 1024²
+#: wins (2026-12-01: the f = 1/4 step 36.22 → 35.21 ms with it on Mosaic, docs/BENCHMARKS.md),
+#: so the line sits at its work, 2³⁵; everything smaller stays on XLA.
+AUTO_MIN_WORK = 32 * 1024 ** 3
 
 #: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.
 _AUTO_PREFERENCE = {
