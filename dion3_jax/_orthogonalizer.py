@@ -19,7 +19,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from dion3_jax._polar import _polar_parts, polar, resolved_compute_dtype
+from dion3_jax._polar import _polar_normalized, _polar_parts, polar, resolved_compute_dtype
 
 _POLAR_DEFAULTS = {name: p.default for name, p in inspect.signature(polar).parameters.items()
                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -76,6 +76,11 @@ class Orthogonalizer:
         return _polar_parts(list(parts), **{**_POLAR_DEFAULTS, **self.polar_kwargs},
                             norms=None if norms is None else list(norms))
 
+    def of_normalized(self, x: jax.Array) -> jax.Array:
+        """The polar factors of a ``(batch, rows, cols)`` batch the caller has already normalised
+        (``X / (‖X‖_F + eps)``) and cast to :attr:`input_dtype`: the iteration alone."""
+        return _polar_normalized(x, **{**_POLAR_DEFAULTS, **self.polar_kwargs})
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.polar_kwargs.items())
         return f"Orthogonalizer({args})"
@@ -97,6 +102,9 @@ class CallableOrthogonalizer(Orthogonalizer):
     def stacked(self, parts, norms=None) -> jax.Array:
         del norms  # the callable normalises its input itself
         return self.fn(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
+
+    def of_normalized(self, x: jax.Array) -> jax.Array:
+        return self.fn(x)
 
     def __repr__(self) -> str:
         return f"CallableOrthogonalizer({self.fn!r})"

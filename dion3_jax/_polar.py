@@ -249,6 +249,20 @@ def _normalized(x: jax.Array, eps: float, compute_dtype, norm=None) -> jax.Array
     return (y / (norm + eps)).astype(compute_dtype)
 
 
+def _polar_normalized(y: jax.Array, *, method, coefficients, restarts, steps, compute_dtype,
+                      backend, eps, out_dtype=None) -> jax.Array:
+    """:func:`polar` of a batch ``y`` of shape ``(B, n, m)`` that the caller has already divided
+    by its norms (plus ``eps``) and cast to the compute dtype: the iteration only, with no pass
+    over ``y`` first (Dion3's payloads arrive so)."""
+    coeffs = get_coefficients(coefficients, steps)
+    _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs))
+    out_dtype = y.dtype if out_dtype is None else out_dtype
+    y = y.astype(resolved_compute_dtype(method, compute_dtype))
+    if y.size == 0:
+        return y.astype(out_dtype)
+    return _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend)).astype(out_dtype)
+
+
 def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
                  compute_dtype, backend, eps, out_dtype=None, norms=None) -> jax.Array:
     """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are

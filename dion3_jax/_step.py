@@ -413,10 +413,9 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         if b.stacked is None:
             o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
             selected = b.parts
-        elif b.normalized:          # unit norms: the polar only guards against ε there
-            o = _megabatch.orthogonalize_group(
-                b.stacked, b.key, plan.ctx.size(b.key.axes),
-                lambda x: orth.stacked([x], [jnp.ones(x.shape[0], jnp.float32)]))
+        elif b.normalized:          # normalised and cast already: the iteration only
+            o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes),
+                                               orth.of_normalized)
             selected = b.parts
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)

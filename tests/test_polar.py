@@ -287,3 +287,18 @@ def test_polar_beyond_the_norm_range_is_nan_not_zero():
     x = np.random.default_rng().standard_normal((1, 8, 24)).astype(np.float32) * 1e36
     got = np.asarray(polar(jnp.asarray(x), backend="xla"), np.float32)
     assert np.all(np.isnan(got))
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 40), (2, 40, 16), (2, 24, 24)])
+def test_of_normalized_is_polar_of_the_normalised_input(shape):
+    """``Orthogonalizer.of_normalized`` (what Dion3 calls on payloads it normalised and cast
+    itself) gives the bits of ``polar`` on the same input, which normalises first: dividing a
+    float16 matrix of unit norm by ``1 + eps`` again rounds back to it."""
+    orth = dion3_jax.make_orthogonalizer(backend="xla")
+    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), shape)
+    y = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + orth.eps)).astype(
+        orth.input_dtype)
+    want = jax.jit(orth)(y)
+    got = jax.jit(orth.of_normalized)(y)
+    assert got.dtype == want.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
