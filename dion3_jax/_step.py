@@ -384,12 +384,12 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
     return batches
 
 
-def _batch_factors(plan: Plan, group_uids: tuple[int, ...], o: jax.Array) -> dict:
-    """Per batch of the group (by index in ``plan.batches``), its :class:`BatchFactors`: the
-    group's members are its batches' members, consecutive and in order."""
+def _batch_factors(plan: Plan, group: int, o: jax.Array) -> dict:
+    """Per batch of group ``group`` (by index in ``plan.batches``), its :class:`BatchFactors`:
+    the group's members are its batches' members, consecutive and in order."""
     out, start = {}, 0
     for j, b in enumerate(plan.batches):
-        if b.uids[0] not in group_uids:
+        if b.group != group:
             continue
         u, size = plan.units[b.uids[0]], sum(_sizes(plan, b.uids))
         ra = 3 - u.layout.row_axis if u.swap else u.layout.row_axis
@@ -408,7 +408,7 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
     orth = cfg.orthogonalizer
     out: list[Polar | None] = [None] * len(plan.units)
     per_batch: dict[int, BatchFactors] = {}
-    for b in batches:
+    for g, b in enumerate(batches):
         sizes = _sizes(plan, b.uids)
         if b.stacked is None:
             o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
@@ -423,7 +423,7 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
             swap = plan.units[i].swap
             out[i] = Polar(_orient(s, swap), _orient(f, swap))
-        per_batch.update(_batch_factors(plan, b.uids, o))
+        per_batch.update(_batch_factors(plan, g, o))
     return tuple(out), tuple(per_batch[j] for j in range(len(plan.batches)))  # type: ignore
 
 
