@@ -21,7 +21,9 @@ same shardings (labelled "auto mesh"; XLA inserts whatever gathers it needs). ``
 adds, per Dion3 variant, the same optimizer without megabatching: ``optax.partition`` gives every
 parameter its own label and its own Dion3, so each parameter is a shape group of one (one
 all-to-all each way per parameter; the same update). Polar-only timings are single-device and are
-skipped with ``--fsdp`` and for the variants without megabatching.
+skipped with ``--fsdp`` and for the variants without megabatching. ``--xla-option NAME=VALUE``
+adds, per megabatched Dion3 variant, the same step compiled with those XLA options (that
+executable alone: ``compiler_options``), timed in the same process.
 
 Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
 of all-to-all, all-gather and all-reduce instructions (async ``-start`` forms counted once; other
@@ -36,6 +38,7 @@ Usage::
     python benchmarks/bench_step.py --fsdp --no-megabatch --fractions 1 0.25 --methods gram
     python benchmarks/bench_step.py --small --fsdp --no-megabatch --cpu-devices 8  # CPU smoke
     python benchmarks/bench_step.py --compile-workers 8 --no-polar   # every variant, one run
+    python benchmarks/bench_step.py --fsdp --xla-option xla_gpu_enable_latency_hiding_scheduler=true
 """
 
 from __future__ import annotations
@@ -182,12 +185,13 @@ def jitted_step(tx):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def compile_step(tx, params, grads, mesh=None, state=None):
+def compile_step(tx, params, grads, mesh=None, state=None, options=None):
     """``jit(update + apply_updates)`` (params and state donated), lowered and compiled.
 
     ``state`` defaults to the abstract shapes of ``tx.init(params)`` (``jax.eval_shape``: no
     device memory), which is enough on one device; pass the real state under a mesh so that its
-    shardings are the ones compiled for. Safe to call from several threads at once.
+    shardings are the ones compiled for. ``options``: XLA compiler options for this executable
+    alone (``Lowered.compile(compiler_options=...)``). Safe to call from several threads at once.
 
     Returns:
       ``(compiled, seconds)``: the executable and the wall time of tracing, lowering and
@@ -199,7 +203,8 @@ def compile_step(tx, params, grads, mesh=None, state=None):
         if state is None:
             state = jax.eval_shape(tx.init, params)
 
-        compiled = jitted_step(tx).lower(params, state, grads).compile()
+        compiled = jitted_step(tx).lower(params, state, grads).compile(
+            compiler_options=options or None)
     return compiled, time.perf_counter() - t0
 
 
@@ -216,7 +221,7 @@ def _abstract_state(tx, params, mesh=None):
 
 
 def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
-              show_collectives: bool = False):
+              show_collectives: bool = False, options=None):
     """Times jit(update + apply_updates).
 
     Args:
@@ -227,6 +232,7 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
       compiled: :func:`compile_step`'s ``(executable, seconds)`` (or a future of it); compiled
         here if None.
       show_collectives: print the compiled step's first collective instructions.
+      options: XLA compiler options (:func:`compile_step`), when compiled here.
 
     Returns:
       ``(median ms, compile seconds, collective stats)``.
@@ -236,7 +242,7 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
         state = tx.init(params)
         params = jax.tree.map(jnp.copy, params)
         if compiled is None:
-            compiled = compile_step(tx, params, grads, mesh, state)
+            compiled = compile_step(tx, params, grads, mesh, state, options)
         step, compile_s = compiled.result() if hasattr(compiled, "result") else compiled
         hlo = step.as_text()
         stats = collective_stats(hlo)
@@ -292,6 +298,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="compile every variant up front on N threads (XLA compiles in "
                         "parallel, so all variants fit one time-limited run), then time them in "
                         "order; 0: compile each just before timing it")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="also time every Dion3 variant compiled with this XLA option (repeat "
+                        "for several options, all applied together to that second build; e.g. "
+                        "xla_gpu_enable_latency_hiding_scheduler=true)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
     return p.parse_args(argv)
@@ -317,22 +327,44 @@ def place(tree, mesh):
     return {k: jax.device_put(v, NamedSharding(mesh, P(None, "fsdp"))) for k, v in tree.items()}
 
 
+def xla_options(pairs: list[str]) -> dict[str, bool | int | str]:
+    """``["name=value", ...]`` → ``{name: value}``; ``true``/``false`` and integers are
+    converted (XLA checks each option's type).
+
+    Raises:
+      SystemExit: on an item without ``=``.
+    """
+    out = {}
+    for item in pairs:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--xla-option {item!r}: expected NAME=VALUE")
+        low = value.lower()
+        out[name] = (low == "true" if low in ("true", "false")
+                     else int(value) if value.lstrip("-").isdigit() else value)
+    return out
+
+
 def build_plan(a, shapes, backends) -> list[tuple]:
-    """Every variant: ``(name, optax transformation, (method, backend, f, megabatch) or None)``;
-    the baselines, the megabatched Dion3 variants, then those without megabatching."""
+    """Every variant: ``(name, optax transformation, (method, backend, f, megabatch) or None,
+    XLA options)``; the baselines, the megabatched Dion3 variants (each also with
+    ``--xla-option``'s options, if any), then those without megabatching."""
     plan = []
     if not a.no_baselines:
-        plan += [("optax.adamw", optax.adamw(1e-3), None),
-                 ("optax.contrib.muon", optax.contrib.muon(1e-3), None)]
+        plan += [("optax.adamw", optax.adamw(1e-3), None, {}),
+                 ("optax.contrib.muon", optax.contrib.muon(1e-3), None, {})]
+    extra = xla_options(a.xla_option)
+    builds = [("", {})] + ([(" [" + " ".join(a.xla_option) + "]", extra)] if extra else [])
     for megabatch in [True] + ([False] if a.no_megabatch else []):
         for method in a.methods:
             for backend in backends:
                 for f in a.fractions:
-                    name = (f"dion3 f={f:g} {method} {backend}"
-                            + ("" if megabatch else " no-megabatch"))
-                    per_leaf = None if megabatch else sorted(shapes)
-                    plan.append((name, dion3_step(f, method, backend, per_leaf),
-                                 (method, backend, f, megabatch)))
+                    for suffix, options in builds if megabatch else builds[:1]:
+                        name = (f"dion3 f={f:g} {method} {backend}"
+                                + ("" if megabatch else " no-megabatch") + suffix)
+                        per_leaf = None if megabatch else sorted(shapes)
+                        plan.append((name, dion3_step(f, method, backend, per_leaf),
+                                     (method, backend, f, megabatch), options))
     return plan
 
 
@@ -341,8 +373,8 @@ def compile_all(plan, workers: int, params, grads, mesh) -> dict:
     :func:`compile_step`'s result (all done when this returns)."""
     pool = concurrent.futures.ThreadPoolExecutor(workers)
     compiled = {name: pool.submit(compile_step, tx, params, grads, mesh,
-                                  _abstract_state(tx, params, mesh))
-                for name, tx, _ in plan}
+                                  _abstract_state(tx, params, mesh), options)
+                for name, tx, _, options in plan}
     t0 = time.perf_counter()
     pool.shutdown(wait=True)  # All compiled before any timing: no compile threads compete.
     print(f"# compiled {len(plan)} variants on {workers} threads in "
@@ -404,11 +436,12 @@ def main(argv=None) -> list[dict]:
     rows = []
 
     def variants():
-        for name, tx, dion in plan:
+        for name, tx, dion, options in plan:
             try:
                 ms, compile_s, stats = time_step(tx, params, grads, reps, mesh,
                                                  compiled=compiled.get(name),
-                                                 show_collectives=a.show_collectives)
+                                                 show_collectives=a.show_collectives,
+                                                 options=options)
             except Exception as e:  # noqa: BLE001 - optax muon, sharded under an Explicit mesh
                 if name != "optax.contrib.muon" or mesh is None:
                     raise
@@ -419,7 +452,7 @@ def main(argv=None) -> list[dict]:
                     tx, place(params, auto_mesh), place(grads, auto_mesh), reps, auto_mesh)))
                 continue
             polar_ms = None
-            if dion is not None and not (a.no_polar or a.fsdp or not dion[3]):
+            if dion is not None and not (a.no_polar or a.fsdp or not dion[3] or options):
                 method, backend, f, _ = dion
                 polar_ms = time_polar(shapes, f, orthogonalizer(method, backend), reps)
             rows.append(row(name, ms, compile_s, stats, polar_ms))

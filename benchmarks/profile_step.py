@@ -5,16 +5,24 @@ On a GPU the ops are those of the device plane's "XLA Ops" line (HLO instruction
 ``scatter.12``, ``fusion.3``, ``sort.1`` or a Pallas kernel's name); on CPU the host plane's XLA
 events stand in (a smoke check of the script, not a profile worth reading).
 
+With ``--fsdp`` (``bench_step.py``'s sharding over all devices) the trace also gives, per
+collective op on the first device, when it ran and how much of it overlapped compute ops on other
+streams of that device: the evidence of whether the shape groups' all-to-alls hide behind other
+groups' polar work.
+
 Usage::
 
     python benchmarks/profile_step.py --fraction 0.25            # 7B shapes, one device
     python benchmarks/profile_step.py --small --fraction 0.25    # CPU smoke run
+    python benchmarks/profile_step.py --fsdp --fraction 0.25 \
+        --xla-option xla_gpu_enable_latency_hiding_scheduler=true   # several GPUs
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import gzip
 import json
@@ -43,9 +51,10 @@ def op_times(trace_dir: str) -> dict[str, float]:
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     data = ProfileData.from_file(path)
     totals: dict[str, float] = collections.defaultdict(float)
-    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
+                    key=lambda p: p.name)
     if planes:
-        for plane in planes:
+        for plane in planes[:1]:  # The first device (all devices run the same program).
             for line in _op_lines(plane):
                 for event in line.events:
                     totals[event.name] += event.duration_ns
@@ -63,9 +72,9 @@ def device_gaps(trace_dir: str) -> list[tuple[float, str]]:
     name of the op that ended it)`` for every gap between consecutive ops (empty on CPU)."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     gaps = []
-    for plane in ProfileData.from_file(path).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    planes = sorted((p for p in ProfileData.from_file(path).planes
+                     if p.name.startswith("/device:GPU")), key=lambda p: p.name)
+    for plane in planes[:1]:
         events = sorted((e for line in _op_lines(plane) for e in line.events),
                         key=lambda e: e.start_ns)
         end = None
@@ -74,6 +83,75 @@ def device_gaps(trace_dir: str) -> list[tuple[float, str]]:
                 gaps.append((e.start_ns - end, e.name))
             end = max(end or 0, e.start_ns + e.duration_ns)
     return gaps
+
+
+COLLECTIVE = re.compile(r"all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute"
+                        r"|nccl", re.IGNORECASE)
+
+
+def _merge(intervals):
+    """Sorted, disjoint union of ``(start, end)`` intervals."""
+    out = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _covered(start, end, union) -> float:
+    """Nanoseconds of ``[start, end)`` inside the disjoint sorted intervals ``union``."""
+    return sum(max(0, min(end, e) - max(start, s)) for s, e in union)
+
+
+def collective_overlap(trace_dir: str):
+    """Per collective op of the first GPU: ``(name, line, start ns from the plane's first op,
+    ns, ns overlapped by non-collective ops on the plane's other lines, the three ops that
+    overlap it most)``, in time order; empty on CPU or without collectives. The lines are the
+    plane's streams (its "XLA Ops" line only where it has no others)."""
+    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    planes = sorted((p for p in ProfileData.from_file(path).planes
+                     if p.name.startswith("/device:GPU")), key=lambda p: p.name)
+    if not planes:
+        return []
+    lines = [ln for ln in planes[0].lines
+             if ln.name not in ("XLA Modules", "Steps", "XLA Ops")] or _op_lines(planes[0])
+    print("# first GPU's lines (events): "
+          + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in planes[0].lines))
+    events = [(ln.name, e.name, e.start_ns, e.start_ns + e.duration_ns)
+              for ln in lines for e in ln.events]
+    if not events:
+        return []
+    t0 = min(e[2] for e in events)
+    out = []
+    for line, name, s, e in sorted(events, key=lambda x: x[2]):
+        if not COLLECTIVE.search(name) or e <= s:
+            continue
+        others = [(n, max(s, s2), min(e, e2)) for l2, n, s2, e2 in events
+                  if l2 != line and not COLLECTIVE.search(n) and s2 < e and e2 > s]
+        union = _merge([(a, b) for _, a, b in others])
+        by_op: dict[str, float] = collections.defaultdict(float)
+        for n, a, b in others:
+            by_op[n] += b - a
+        top = sorted(by_op, key=lambda n: -by_op[n])[:3]
+        out.append((name, line, s - t0, e - s, _covered(s, e, union), top))
+    return out
+
+
+def print_overlap(rows, steps: int) -> None:
+    """The :func:`collective_overlap` table, per step."""
+    if not rows:
+        return
+    total = sum(r[3] for r in rows) / steps / 1e6
+    hidden = sum(r[4] for r in rows) / steps / 1e6
+    print(f"\n# collectives on the first GPU: {total:.2f} ms per step, {hidden:.2f} ms of it "
+          f"overlapped by compute on other streams ({hidden / max(total, 1e-9):.0%})")
+    print("\n| collective | line | start ms | ms | overlapped | ops beside it |\n"
+          "|---|---|---:|---:|---:|---|")
+    for name, line, start, ns, cov, top in rows:
+        print(f"| {name[:40]} | {line[:24]} | {start / 1e6:.2f} | {ns / 1e6:.3f} | "
+              f"{cov / max(ns, 1):.0%} | {', '.join(t[:28] for t in top)} |")
 
 
 def kind(name: str) -> str:
@@ -114,24 +192,38 @@ def main(argv=None):
                         "(gzip-compressed when PATH ends in .gz)")
     p.add_argument("--json", metavar="PATH",
                    help="write every op's milliseconds per step here (a JSON object)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="bench_step.py's FSDP sharding over all devices (prints the collectives' "
+                        "overlap with compute)")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="compile the step with this XLA option (repeatable)")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulate this many CPU devices (CPU smoke runs)")
     a = p.parse_args(argv)
+    if a.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", a.cpu_devices)
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     shapes = bench_step.model_shapes(**cfg)
     params = bench_step.make_tree(shapes, 0)
     grads = bench_step.make_tree(shapes, 1, 1e-3)
+    mesh = bench_step.fsdp_meshes(shapes)[0] if a.fsdp else None
+    if mesh is not None:
+        params, grads = bench_step.place(params, mesh), bench_step.place(grads, mesh)
     tx = bench_step.dion3_step(a.fraction, a.method, a.backend)
-    state = tx.init(params)
-    step, _ = bench_step.compile_step(tx, params, grads, state=state)
-    if a.dump_hlo:
-        opener = gzip.open if a.dump_hlo.endswith(".gz") else open
-        with opener(a.dump_hlo, "wt") as f:
-            f.write(step.as_text())
-    for _ in range(2):  # Warm-up.
-        params, state = jax.block_until_ready(step(params, state, grads))
-    trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
-    with jax.profiler.trace(trace_dir):
-        for _ in range(a.steps):
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        state = tx.init(params)
+        step, _ = bench_step.compile_step(tx, params, grads, mesh, state,
+                                          bench_step.xla_options(a.xla_option))
+        if a.dump_hlo:
+            opener = gzip.open if a.dump_hlo.endswith(".gz") else open
+            with opener(a.dump_hlo, "wt") as f:
+                f.write(step.as_text())
+        for _ in range(2):  # Warm-up.
             params, state = jax.block_until_ready(step(params, state, grads))
+        trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
+        with jax.profiler.trace(trace_dir):
+            for _ in range(a.steps):
+                params, state = jax.block_until_ready(step(params, state, grads))
     totals = op_times(trace_dir)
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
@@ -139,7 +231,9 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump(per_step, f, indent=0, sort_keys=True)
     dev = jax.devices()[0]
-    print(f"# {dev.device_kind}: dion3 f={a.fraction:g} {a.method} {a.backend}, "
+    print(f"# {dev.device_kind}{' × %d, FSDP' % len(jax.devices()) if a.fsdp else ''}"
+          f"{' ' + ' '.join(a.xla_option) if a.xla_option else ''}: "
+          f"dion3 f={a.fraction:g} {a.method} {a.backend}, "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
           f"{total:.2f} ms (summed over {len(per_step)} ops)")
     by_kind: dict[str, float] = collections.defaultdict(float)
@@ -161,6 +255,7 @@ def main(argv=None):
         print("\n| next op kind | idle ms / step |\n|---|---:|")
         for k, v in sorted(by_next.items(), key=lambda kv: -kv[1])[:12]:
             print(f"| {k} | {v:.2f} |")
+    print_overlap(collective_overlap(trace_dir), a.steps)
     print("\n| op | ms / step |\n|---|---:|")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")

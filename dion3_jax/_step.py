@@ -15,6 +15,7 @@ those operations with every matrix of a shape.
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import jax
@@ -38,14 +39,16 @@ class Accumulated(NamedTuple):
     positions: tuple[tuple | None, ...]    # "rows" units: this device's (start, count) rows
     row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → _selection.row_sq_sums
     full_sq: dict[int, jax.Array]          # :func:`_payload_decays` units: _norms.sq_sum per matrix
-    terms: dict[int, tuple[jax.Array, jax.Array]]  # those units: their (M, G) blocks
+    terms: dict[int, tuple[jax.Array, jax.Array]]  # one-pass units: their (M, G) blocks
+    one_pass: frozenset[int]               # :func:`_one_pass_groups`
 
 
 class Pick(NamedTuple):
     """One unit's selection on this device."""
 
     rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
-    payload: jax.Array          # S = M[I], (batch, pick, C) in the block's orientation
+    payload: jax.Array | None   # S = M[I], (batch, pick, C) in the block's orientation; None
+                                # where the payload pass gathers (``Accumulated.one_pass``)
     sq_sum: jax.Array | None    # full and row-segment units: this device's part of
                                 # Σ (S·2⁻³²)² per matrix (_norms); others: _batch_sq_sums
 
@@ -53,7 +56,8 @@ class Pick(NamedTuple):
 class Polar(NamedTuple):
     """One unit's selected rows as orthogonalized (replica-averaged under compressed sync)."""
 
-    selected: jax.Array         # S (mean over replicas), the block's orientation
+    selected: jax.Array | None  # S (mean over replicas), the block's orientation; None after
+                                # a one-pass payload (only compressed sync reads it)
     factors: jax.Array          # O = polar(S), this device's rows / columns
 
 
@@ -72,18 +76,15 @@ def _orient(x: jax.Array, swap: bool) -> jax.Array:
     return jnp.swapaxes(x, 1, 2) if swap else x
 
 
-def _l1_scores(plan: Plan, momentum: Blocks) -> dict[tuple[int, int], jax.Array]:
-    """Row ℓ1 norms per (leaf, block), summed over column shards (and replicas under "norms")."""
+def _l1_scores(plan: Plan, local: dict) -> dict[tuple[int, int], jax.Array]:
+    """Row ℓ1 norms per (leaf, block) (``local``: this device's, :func:`_row_stats`), summed over
+    column shards (and replicas under "norms")."""
     replica = (plan.ctx.replica_axis,) if plan.norms_over_replicas else ()
-    items, keys = [], []
-    for u in plan.units:
-        key = (u.leaf, u.block)
-        if u.full or key in keys:
-            continue
-        s = _selection.row_l1_norms(momentum[u.leaf][u.block], u.layout.row_axis)
-        items.append((s, (u.comm if u.shard == "cols" else ()) + replica))
-        keys.append(key)
-    return dict(zip(keys, batched_psum(items)))
+    units = {(u.leaf, u.block): u for u in reversed(plan.units)}
+    keys = list(local)
+    return dict(zip(keys, batched_psum([
+        (local[k], (units[k].comm if units[k].shard == "cols" else ()) + replica)
+        for k in keys])))
 
 
 def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
@@ -113,15 +114,61 @@ def _payload_decays(plan: Plan, u: Unit) -> bool:
     return u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
 
 
-def _accumulate(plan: Plan, grads, moms) -> tuple[Blocks, dict[int, jax.Array], dict]:
-    """``M + G`` per block; for the :func:`_payload_decays` units, their sums of squares and
-    their ``(M, G)`` blocks (for :func:`pallas_kernels.stack_payloads`).
+def _payload_selects(plan: Plan, u: Unit) -> bool:
+    """Whether ``u`` selects rows and its payload ``S[I]/‖S[I]‖`` and new momentum come from one
+    pass over ``M`` and ``G`` like :func:`_payload_decays` units': the payload in its group's
+    orientation, its norm known from the row statistics."""
+    return (not u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
+            and not u.swap and u.uid in plan.row_norm_uids)
 
-    Those units' leaves are read again after their sums, behind an optimization barrier: the
-    payload and the new momentum then both wait for the norm, and are computed in one pass over
-    ``M`` and ``G`` that writes the new momentum in place. (Without the barrier XLA writes
-    ``μ·(M + G)`` into the donated momentum in the pass that sums squares, and then has to copy
-    the whole old momentum for the payload's later read of it.)
+
+def _one_pass_groups(plan: Plan, momentum: Blocks) -> frozenset[int]:
+    """The units of the groups whose payloads come from :func:`_one_pass_payloads`: all their
+    members are full :func:`_payload_decays` units, or all :func:`_payload_selects` units of one
+    row axis and one block shape, each the only unit of its block (row segments of one block
+    decay their rows in turn)."""
+    blocks = collections.Counter((u.leaf, u.block) for u in plan.units)
+    out = set()
+    for _, uids in plan.groups:
+        units = [plan.units[i] for i in uids]
+        if (all(_payload_decays(plan, u) for u in units)
+                or (all(_payload_selects(plan, u) and blocks[(u.leaf, u.block)] == 1
+                        for u in units)
+                    and len({u.layout.row_axis for u in units}) == 1
+                    and len({momentum[u.leaf][u.block].shape[1:] for u in units}) == 1)):
+            out.update(uids)
+    return frozenset(out)
+
+
+def _row_stats(plan: Plan, momentum: Blocks) -> tuple[dict, dict]:
+    """Per (leaf, block): this device's row ℓ1 norms (the selection scores before their
+    all-reduce; none under random selection), and :func:`_selection.row_sq_sums` of the blocks
+    whose payload norms come from them."""
+    l1, sq = {}, {}
+    for u in plan.units:
+        key = (u.leaf, u.block)
+        if not (u.full or plan.random_selection or key in l1):
+            l1[key] = _selection.row_l1_norms(momentum[u.leaf][u.block], u.layout.row_axis)
+        if u.uid in plan.row_norm_uids and key not in sq:
+            sq[key] = _selection.row_sq_sums(momentum[u.leaf][u.block], u.layout.row_axis)
+    return l1, sq
+
+
+def _accumulate(plan: Plan, grads, moms):
+    """``M + G`` per block, its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
+    units' sums of squares, the :func:`_one_pass_groups` units and their ``(M, G)`` blocks (for
+    :func:`pallas_kernels.stack_payloads`).
+
+    Those units' leaves are read again after the sums, behind an optimization barrier: the
+    payload and the new momentum then both wait for the statistics, and are computed in one pass
+    over ``M`` and ``G`` that writes the new momentum in place; ``M + G`` itself is never
+    written. (Without the barrier XLA writes ``M + G`` or ``μ·(M + G)`` into the donated momentum
+    in the pass that sums, and then has to read it, or copy the old momentum, for the payload.)
+
+    Returns:
+      ``(momentum blocks, full sums, (ℓ1, row_sq), terms, one-pass units)``; the momentum blocks
+      of leaves whose every block is in one pass are not recomputed (only their shapes are
+      read).
     """
     grads, moms = list(grads), list(moms)
 
@@ -129,36 +176,34 @@ def _accumulate(plan: Plan, grads, moms) -> tuple[Blocks, dict[int, jax.Array], 
         return plan.leaves[i].local.to_blocks(moms[i] + grads[i].astype(moms[i].dtype))
 
     momentum = [blocks(i) for i in range(len(moms))]
-    units = [u for u in plan.units if _payload_decays(plan, u)]
+    one_pass = _one_pass_groups(plan, momentum)
+    units = [plan.units[i] for i in sorted(one_pass)]
     sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
-          for u in units}
+          for u in plan.units if _payload_decays(plan, u)}
+    stats = _row_stats(plan, momentum)
     leaves = sorted({u.leaf for u in units})
     if leaves:
-        ms, gs, sq = jax.lax.optimization_barrier(
-            ([moms[i] for i in leaves], [grads[i] for i in leaves], sq))
+        ms, gs, sq, stats = jax.lax.optimization_barrier(
+            ([moms[i] for i in leaves], [grads[i] for i in leaves], sq, stats))
+        rest = {u.leaf for u in plan.units if u.uid not in one_pass}
         for i, m, g in zip(leaves, ms, gs):
             moms[i], grads[i] = m, g
-            momentum[i] = blocks(i)
+            if i in rest:
+                momentum[i] = blocks(i)
     terms = {u.uid: (plan.leaves[u.leaf].local.to_blocks(moms[u.leaf])[u.block],
                      plan.leaves[u.leaf].local.to_blocks(grads[u.leaf])[u.block])
              for u in units}
-    return momentum, sq, terms
+    return momentum, sq, stats, terms, one_pass
 
 
 def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
                          ) -> Accumulated:
     """``M ← M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
     selection scores."""
-    momentum, full_sq, terms = _accumulate(plan, grads, moms)
+    momentum, full_sq, (l1, row_sq), terms, one_pass = _accumulate(plan, grads, moms)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if cfg.flavour == "normuon" else None)
-    row_sq = {}
-    for uid in sorted(plan.row_norm_uids):
-        u = plan.units[uid]
-        if (u.leaf, u.block) not in row_sq:
-            row_sq[(u.leaf, u.block)] = _selection.row_sq_sums(momentum[u.leaf][u.block],
-                                                               u.layout.row_axis)
-    raw = {} if plan.random_selection else _l1_scores(plan, momentum)
+    raw = {} if plan.random_selection else _l1_scores(plan, l1)
     scores, positions = [], []
     for u in plan.units:
         s, pos = None, None
@@ -175,7 +220,7 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
         scores.append(s)
         positions.append(pos)
     return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq, full_sq,
-                       terms)
+                       terms, one_pass)
 
 
 def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, tuple]:
@@ -213,8 +258,9 @@ def _mine_of_global(u: Unit, top: jax.Array, devices: int):
 
 
 def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, start,
-                       row_sums) -> Pick:
-    """A "rows" unit's payload: its picked local rows, padding rows zeroed."""
+                       row_sums, gather: bool) -> Pick:
+    """A "rows" unit's payload (with ``gather``; else None): its picked local rows, padding
+    rows zeroed."""
     ra = u.layout.row_axis
     if cfg.mesh_options.selection_scope == "global":
         li, valid = _mine_of_global(u, top, plan.ctx.size(u.comm))
@@ -226,8 +272,10 @@ def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, st
     rows = jnp.sort(rows, axis=1)               # ascending; the padding rows come last
     valid = rows < n_local
     clamped = jnp.minimum(rows, n_local - 1)
-    s = _selection.gather_rows(m, clamped, ra)
     sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, clamped, valid)
+    if not gather:
+        return Pick(rows, None, sq)
+    s = _selection.gather_rows(m, clamped, ra)
     return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), sq)
 
 
@@ -255,10 +303,13 @@ def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
         return Pick(None, m, acc.full_sq.get(u.uid))
     if u.shard == "rows":
         return _pick_segment_rows(cfg, plan, u, m, top, acc.scores[u.uid],
-                                  acc.positions[u.uid][0], row_sums)
-    # Ascending rows: local gathers (the polar is row-permutation equivariant); the sums of
-    # squares of the selected rows come once per batch (:func:`_batch_sq_sums`).
-    return Pick(top, _selection.gather_rows(m, top, u.layout.row_axis), None)
+                                  acc.positions[u.uid][0], row_sums, u.uid not in acc.one_pass)
+    # Ascending rows: local gathers (the polar is row-permutation equivariant; none where the
+    # payload pass gathers); the sums of squares of the selected rows come once per batch
+    # (:func:`_batch_sq_sums`).
+    payload = None if u.uid in acc.one_pass else _selection.gather_rows(m, top,
+                                                                        u.layout.row_axis)
+    return Pick(top, payload, None)
 
 
 def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | None:
@@ -304,7 +355,7 @@ class GroupBatch(NamedTuple):
 
     key: _megabatch.GroupKey
     uids: tuple[int, ...]
-    parts: list[jax.Array]           # per member, (batch, a, b): the payloads S
+    parts: list[jax.Array] | None    # per member, (batch, a, b): the payloads S (None: one pass)
     norms: list[jax.Array | None]    # on-device groups: ‖S‖_F per matrix, if known already
     stacked: jax.Array | None        # what the collective sends: None for on-device groups
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
@@ -338,39 +389,57 @@ def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
     return _norms_by_batch(plan, whole, "all_to_all")
 
 
-def _whole_payloads(cfg: Dion3Config, acc: Accumulated, uids, norms: dict
-                    ) -> tuple[jax.Array, dict[int, jax.Array]]:
-    """A group of :func:`_payload_decays` units: its stacked normalised payloads and its new
-    momentum blocks, from one pass over ``M`` and ``G`` (:func:`pallas_kernels.stack_payloads`;
-    XLA when the orthogonalizer's backend is ``"xla"``)."""
-    orth = cfg.orthogonalizer
+def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, uids, norms: dict,
+                       rows: dict) -> tuple[jax.Array, dict[int, jax.Array]]:
+    """A group of one-pass units: its stacked normalised payloads and its new momentum
+    blocks, from one pass over ``M`` and ``G`` (:func:`pallas_kernels.stack_payloads`, with the
+    units' selected rows ``rows`` unless they are full; XLA when the orthogonalizer's backend is
+    ``"xla"``)."""
+    orth, u = cfg.orthogonalizer, plan.units[uids[0]]
     stacked, decayed = pallas_kernels.stack_payloads(
         [acc.terms[i][0] for i in uids], [acc.terms[i][1] for i in uids],
         [norms[i] + orth.eps for i in uids], jnp.asarray(cfg.mu, jnp.float32),
-        out_dtype=orth.input_dtype, implementation="xla" if orth.backend == "xla" else "auto")
+        out_dtype=orth.input_dtype, rows=None if u.full else [rows[i] for i in uids],
+        row_axis=u.layout.row_axis, padded=any(plan.units[i].shard == "rows" for i in uids),
+        implementation="xla" if orth.backend == "xla" else "auto")
     return stacked, dict(zip(uids, decayed))
 
 
+def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
+    """Per unit that selects, its selected local rows (``rows``: per batch, :func:`select`)."""
+    out = {}
+    for b, r in zip(plan.batches, rows):
+        if r is not None:
+            out.update(zip(b.uids, _megabatch.unstack(r, _sizes(plan, b.uids))))
+    return out
+
+
 def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple[Pick, ...],
-                    sq_sums) -> list[GroupBatch]:
-    """Groups the payloads by shape. On-device groups stay a list of parts (normalised per
-    part by the orthogonalizer). All-to-all groups are normalised by their whole matrices'
-    norms and cast to the orthogonalizer's input dtype before they are stacked for the
-    collective (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then
-    averaged over the replicas first) the raw payloads are stacked."""
+                    rows, sq_sums) -> list[GroupBatch]:
+    """Groups the payloads by shape. Groups of one-pass units get their normalised,
+    cast payloads stacked from one pass over ``M`` and ``G`` (``rows``: per batch, the selected
+    rows). Other on-device groups stay a list of parts (normalised per part by the
+    orthogonalizer). All-to-all groups are normalised by their whole matrices' norms and cast
+    to the orthogonalizer's input dtype before they are stacked for the collective
+    (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then averaged
+    over the replicas first) the raw payloads are stacked."""
     orth = cfg.orthogonalizer
     sent = _sent_norms(plan, sq_sums) if plan.send_normalized else {}
     local = _norms_by_batch(plan, sq_sums, "on_device")
+    unit_rows = _unit_rows(plan, rows)
     batches = []
     for key, uids in plan.groups:
-        parts = [_orient(picks[i].payload, plan.units[i].swap) for i in uids]
+        one_pass = uids[0] in acc.one_pass
+        parts = None if one_pass else [_orient(picks[i].payload, plan.units[i].swap)
+                                       for i in uids]
         on_device = key.route == "on_device"
         norms = [local.get(i) for i in uids]
-        whole = all(_payload_decays(plan, plan.units[i]) for i in uids)
         stacked, decayed = None, {}
-        normalized = (key.route == "all_to_all" and plan.send_normalized) or (on_device and whole)
-        if whole:
-            stacked, decayed = _whole_payloads(cfg, acc, uids, local if on_device else sent)
+        normalized = ((key.route == "all_to_all" and plan.send_normalized)
+                      or (on_device and one_pass))
+        if one_pass:
+            stacked, decayed = _one_pass_payloads(cfg, plan, acc, uids,
+                                                  local if on_device else sent, unit_rows)
         elif normalized:
             stacked = _megabatch.stack([
                 (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
@@ -416,13 +485,13 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         elif b.normalized:          # normalised and cast already: the iteration only
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes),
                                                orth.of_normalized)
-            selected = b.parts
+            selected = b.parts or [None] * len(b.uids)
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
             selected = _megabatch.unstack(b.stacked, sizes)
         for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
             swap = plan.units[i].swap
-            out[i] = Polar(_orient(s, swap), _orient(f, swap))
+            out[i] = Polar(None if s is None else _orient(s, swap), _orient(f, swap))
         per_batch.update(_batch_factors(plan, g, o))
     return tuple(out), tuple(per_batch[j] for j in range(len(plan.batches)))  # type: ignore
 
@@ -576,7 +645,7 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
     """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
     acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
     picks, rows, sq_sums = select(cfg, plan, acc)
-    batches = gather_and_send(cfg, plan, acc, picks, sq_sums)
+    batches = gather_and_send(cfg, plan, acc, picks, rows, sq_sums)
     polars, factors = megabatched_polar(cfg, plan, batches)
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)

@@ -1,35 +1,40 @@
-"""The payload pass of a fully selected matrix: its normalised float16 payload and its decayed
-momentum from one read of ``M`` and ``G``.
+"""The payload pass: a matrix's normalised float16 payload and its decayed momentum from one
+read of ``M`` and ``G``.
 
-When every row of a matrix is selected (Dion3 at ``f = 1``, or a matrix with ``k = n``), the step
-needs two things of ``S = M + G``: the polar operator's input ``S / (‖S‖_F + ε)`` in the compute
-dtype, stacked with the other matrices of its shape, and the new momentum ``μ·S`` (error feedback
-of every row). :func:`stack_payloads` computes both in one pass over ``M`` and ``G`` once the norms
-are known:
+Once the rows ``I`` are selected and the payload's norm is known, the step needs two things of
+``S = M + G``: the polar operator's input ``S[I] / (‖S[I]‖_F + ε)`` in the compute dtype, stacked
+with the other matrices of its shape, and the new momentum (error feedback): ``μ·S`` on the rows
+of ``I``, ``S`` elsewhere. :func:`stack_payloads` computes both in one pass over ``M`` and ``G``,
+for every row selected (Dion3 at ``f = 1``, or a matrix with ``k = n``) or for given rows
+(``rows``; their row statistics come from an earlier pass that reads ``M`` and ``G`` and writes
+nothing):
 
 - ``"pallas"``: a Pallas kernel (its Triton lowering, part of jax; NVIDIA GPUs). One launch per
   member writes the member's payload straight into its slot of the stack and its new momentum in
   place of ``M`` (``input_output_aliases``); the slot is a run-time operand, so every member of a
-  shape runs the same compiled kernel. 5.5 full-array passes in all with the norm's pass, the
-  fewest there are. jax 0.11 marks Pallas' Triton lowering as deprecated (a
+  shape runs the same compiled kernel. With ``rows``, each block stores its selected rows (or,
+  for rows along the minor axis, columns) at their payload positions under a mask. 5 full-array
+  passes in all with the statistics' pass, the fewest there are. jax 0.11 marks Pallas' Triton lowering as deprecated (a
   ``DeprecationWarning`` when the step compiles on a GPU); where a jax no longer has it,
   ``"auto"`` resolves to ``"xla"``. A Mosaic GPU port is the planned replacement.
 - ``"xla"``: :func:`stack_payloads_reference`, plain jnp. The payloads wait for an optimization
   barrier so that XLA computes each with its momentum in one fusion, and are then written into
-  the stack (one more pass over the float16 payloads).
+  the stack (one more pass over the float16 payloads); with ``rows``, a gather.
 
-Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (error feedback at
-``f = 1``).
+Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (selection and error
+feedback).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 try:  # Pallas' Triton lowering: deprecated in jax 0.11 (module docstring)
@@ -46,10 +51,14 @@ _BLOCK_ELEMENTS = 4096
 _MAX_BLOCK_COLS, _MIN_BLOCK_COLS = 512, 32
 
 
-def _check(ms, gs, denoms) -> None:
+def _check(ms, gs, denoms, rows, row_axis) -> None:
     if not ms or len(ms) != len(gs) or len(ms) != len(denoms):
         raise ValueError(f"stack_payloads needs as many momenta, gradients and norms, at least "
                          f"one: got {len(ms)}, {len(gs)}, {len(denoms)}")
+    if row_axis not in (1, 2):
+        raise ValueError(f"row_axis must be 1 or 2, got {row_axis!r}")
+    if rows is not None and len(rows) != len(ms):
+        raise ValueError(f"rows: one array per member, got {len(rows)} for {len(ms)}")
     shape = ms[0].shape[1:]
     for i, (m, g, d) in enumerate(zip(ms, gs, denoms)):
         if m.ndim != 3 or m.shape[1:] != shape or g.shape != m.shape:
@@ -57,13 +66,76 @@ def _check(ms, gs, denoms) -> None:
                              f"(batch, *{shape})")
         if jnp.shape(d) != m.shape[:1]:
             raise ValueError(f"member {i}: norms must be ({m.shape[0]},), got {jnp.shape(d)}")
+        if rows is not None and (rows[i].ndim != 2 or rows[i].shape[0] != m.shape[0]
+                                 or rows[i].shape[1] != rows[0].shape[1]
+                                 or not jnp.issubdtype(rows[i].dtype, jnp.integer)):
+            raise ValueError(f"member {i}: rows must be integer ({m.shape[0]}, pick) like the "
+                             f"first member's {rows[0].shape}, got {rows[i].dtype} "
+                             f"{rows[i].shape}")
+
+
+def _positions(rows: jax.Array, n: int) -> jax.Array:
+    """``(batch, n)`` int32: each row's position in ``rows`` (``(batch, pick)``), ``pick`` for
+    rows not selected; indices ≥ ``n`` (padding) are dropped."""
+    batch, pick = rows.shape
+    pos = jnp.full((batch, n), pick, jnp.int32)
+    return jax.vmap(lambda p, r: p.at[r].set(jnp.arange(pick, dtype=jnp.int32),
+                                             unique_indices=True, mode="drop"))(pos, rows)
+
+
+def _split(x: jax.Array, sizes) -> list[jax.Array]:
+    """Consecutive pieces of ``x`` along axis 0, at run-time offsets (behind an optimization
+    barrier): XLA would otherwise split the scatter that makes ``x`` into one per piece."""
+    offsets = jax.lax.optimization_barrier(
+        [np.int32(o) for o in itertools.accumulate(sizes[:-1], initial=0)])
+    return [jax.lax.dynamic_slice_in_dim(x, o, n, axis=0, allow_negative_indices=False)
+            for o, n in zip(offsets, sizes)]
+
+
+def _member_selection(rows, n: int, positions: bool) -> list[tuple[jax.Array, ...]]:
+    """Per member: with ``positions``, its :func:`_positions`; else its rows clamped into
+    ``[0, n)`` and which of the ``n`` rows are selected. The index work runs once for all
+    members."""
+    r = jnp.concatenate(rows)
+    pos = _positions(r, n)
+    sizes = [x.shape[0] for x in rows]
+    arrays = (pos,) if positions else (jnp.minimum(r, n - 1), pos < r.shape[1])
+    return list(zip(*(_split(x, sizes) for x in arrays)))
+
+
+def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
+    """Rows ``idx`` (``(batch, pick)``, in range) of each matrix of ``s``, along ``row_axis``."""
+    dn = jax.lax.GatherDimensionNumbers(
+        offset_dims=(3 - row_axis,), collapsed_slice_dims=(row_axis,),
+        start_index_map=(row_axis,), operand_batching_dims=(0,), start_indices_batching_dims=(0,))
+    sizes = [1, 1, 1]
+    sizes[3 - row_axis] = s.shape[3 - row_axis]
+    return jax.lax.gather(s, idx[:, :, None], dn, tuple(sizes),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _select_reference(sums, denoms, rows, mu, row_axis, out_dtype):
+    """:func:`stack_payloads_reference` with ``rows``: the gathers and decays per member, the
+    padding mask, normalisation and cast once on the stack."""
+    n = sums[0].shape[row_axis]
+    sel = _member_selection(rows, n, positions=False)
+    stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, (idx, _) in zip(sums, sel)])
+    valid = jnp.expand_dims(jnp.concatenate(rows) < n, 3 - row_axis)
+    d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
+    stack = (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
+    decayed = [jax.lax.select(jax.lax.broadcast_in_dim(keep, s.shape, (0, row_axis)),
+                              (mu * s).astype(s.dtype), s) for s, (_, keep) in zip(sums, sel)]
+    return stack, decayed
 
 
 def stack_payloads_reference(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
-                             denoms: Sequence[jax.Array], mu, *, out_dtype
+                             denoms: Sequence[jax.Array], mu, *, out_dtype,
+                             rows: Sequence[jax.Array] | None = None, row_axis: int = 1
                              ) -> tuple[jax.Array, list[jax.Array]]:
     """The plain jnp form of :func:`stack_payloads` (the ``"xla"`` implementation)."""
     sums = [m + g.astype(m.dtype) for m, g in zip(ms, gs)]
+    if rows is not None:
+        return _select_reference(sums, denoms, rows, mu, row_axis, out_dtype)
     parts = [(s.astype(jnp.float32) / d.astype(jnp.float32)[:, None, None]).astype(out_dtype)
              for s, d in zip(sums, denoms)]
     decayed = [(mu * s).astype(s.dtype) for s in sums]
@@ -105,10 +177,34 @@ def _kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, stack_in_ref, m_out_ref, 
     stack_ref[slot_ref[0] + k, pl.ds(i * br, br), pl.ds(j * bc, bc)] = payload
 
 
-@functools.partial(jax.jit, static_argnames=("total", "out_dtype", "interpret"))
-def _write_member(stack, slot, denom, mu, m, g, *, total: int, out_dtype, interpret: bool):
-    """One member's launch: its payload into ``stack[slot : slot + batch]``, its ``μ·S`` in
-    place of ``m``. ``stack`` None: the first member allocates the stack of ``total`` matrices
+def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_ref, m_out_ref,
+                   stack_ref, *, br: int, bc: int, pick: int, row_axis: int):
+    """:func:`_kernel` for selected rows: ``pos_ref`` holds the block's rows' payload positions
+    (``pick``: not selected); the selected ones are stored at them under a mask."""
+    del stack_in_ref  # the same buffer as stack_ref (aliased)
+    k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
+    pos = pos_ref[...]
+    if row_axis == 2:   # the selected rows are columns of the block
+        keep = jnp.broadcast_to((pos < pick)[None, :], (br, bc))
+        at_row = i * br + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 0)
+        at_col = jnp.broadcast_to(pos[None, :], (br, bc))
+    else:
+        keep = jnp.broadcast_to((pos < pick)[:, None], (br, bc))
+        at_row = jnp.broadcast_to(pos[:, None], (br, bc))
+        at_col = j * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
+    m_out_ref[...] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
+    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
+    pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
+
+
+@functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
+                                             "interpret"))
+def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
+                  out_dtype, row_axis: int, interpret: bool):
+    """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
+    batch]``, its decayed momentum in place of ``m``; ``pos`` None: every row, else each row's
+    payload position. ``stack`` None: the first member allocates the stack of ``total`` matrices
     (the members after it write the other slots). Jitted so that all members of one shape share
     one lowering."""
     b, rows, cols = m.shape
@@ -118,25 +214,36 @@ def _write_member(stack, slot, denom, mu, m, g, *, total: int, out_dtype, interp
     per_matrix = pl.BlockSpec((1,), lambda k, i, j: (k,))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     fresh = stack is None
-    kernel = functools.partial(_kernel, br=br, bc=bc)
+    if pos is None:
+        kernel, pos_spec = functools.partial(_kernel, br=br, bc=bc), []
+    else:
+        kernel = functools.partial(_select_kernel, br=br, bc=bc, pick=part[row_axis - 1],
+                                   row_axis=row_axis)
+        pos_spec = [pl.BlockSpec((None, bc), lambda k, i, j: (k, j)) if row_axis == 2
+                    else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
     if fresh:
         kernel = functools.partial(_fresh_kernel, kernel)
+    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m, g]
+    m_index = len(operands) - 2
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
-                   jax.ShapeDtypeStruct((total, rows, cols), out_dtype)),
+                   jax.ShapeDtypeStruct((total, *part), out_dtype)),
         grid=(b, rows // br, cols // bc),
-        in_specs=[scalar, per_matrix, scalar, blk, blk] + ([] if fresh else [anywhere]),
+        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
+                 + ([] if fresh else [anywhere]),
         out_specs=(blk, anywhere),
-        input_output_aliases={3: 0} if fresh else {3: 0, 5: 1},
+        input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
         compiler_params=(None if pltriton is None
                          else pltriton.CompilerParams(num_warps=4, num_stages=1)),
         interpret=interpret, name="stack_payloads",
-    )(slot, denom, mu, m, g, *([] if fresh else [stack]))
+    )(*operands, *([] if fresh else [stack]))
 
 
-def _fresh_kernel(kernel, slot_ref, denom_ref, mu_ref, m_ref, g_ref, m_out_ref, stack_ref):
-    kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, None, m_out_ref, stack_ref)
+def _fresh_kernel(kernel, *refs):
+    """``kernel`` for the member that allocates the stack: no stack input (``refs``: the
+    inputs, then the two outputs)."""
+    kernel(*refs[:-2], None, *refs[-2:])
 
 
 def _target() -> tuple[str, str]:
@@ -169,27 +276,36 @@ def _resolve(implementation: str, rows: int, cols: int, interpret: bool) -> str:
 
 def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
                    denoms: Sequence[jax.Array], mu, *, out_dtype,
-                   implementation: PayloadImplementation = "auto", interpret: bool = False
-                   ) -> tuple[jax.Array, list[jax.Array]]:
-    """Normalised payloads stacked, and decayed momenta, of fully selected matrices.
+                   rows: Sequence[jax.Array] | None = None, row_axis: int = 1,
+                   padded: bool = True, implementation: PayloadImplementation = "auto",
+                   interpret: bool = False) -> tuple[jax.Array, list[jax.Array]]:
+    """Normalised payloads stacked, and decayed momenta, of selected rows.
 
     For members ``i`` with ``S_i = M_i + G_i`` (in ``M_i``'s dtype) returns ``(stack,
-    decayed)``: ``stack`` is the concatenation along axis 0 of ``S_i / denoms_i`` (per matrix,
-    in float32, cast to ``out_dtype``) and ``decayed_i = μ·S_i`` in ``M_i``'s dtype.
+    decayed)``: ``stack`` is the concatenation along axis 0 of the payloads ``P_i / denoms_i``
+    (per matrix, in float32, cast to ``out_dtype``) and ``decayed_i`` is ``S_i`` with ``μ·S_i``
+    in the selected rows, in ``M_i``'s dtype. Without ``rows`` every row is selected and
+    ``P_i = S_i``; with them, ``P_i`` holds the rows ``rows_i`` of ``S_i`` in their order (along
+    ``row_axis``), and zeros where an index is ``≥ n`` (padding).
 
     Args:
-      ms: momenta, each ``(batch_i, rows, cols)``; one matrix shape for all.
+      ms: momenta, each ``(batch_i, a, b)``; one matrix shape for all.
       gs: gradients shaped like ``ms`` (any floating dtype).
-      denoms: per member, ``(batch_i,)`` divisors (``‖S‖_F + ε``).
+      denoms: per member, ``(batch_i,)`` divisors (``‖P‖_F + ε``).
       mu: the decay, a scalar (may be traced).
       out_dtype: the stack's dtype.
+      rows: per member, ``(batch_i, pick)`` distinct integer rows in ``[0, n)`` or ``≥ n``
+        (padding); None: every row.
+      row_axis: the axis of the rows (1 or 2; ``n`` is its length).
+      padded: whether ``rows`` may hold padding. With False (every index in range) the
+        kernel's stack is not zeroed first: every payload row is written by the kernel.
       implementation: ``"pallas"`` (the kernel; NVIDIA GPUs, or ``interpret``), ``"xla"``, or
-        ``"auto"``: the kernel on an NVIDIA GPU when the columns are a multiple of 32, else XLA.
+        ``"auto"``: the kernel on an NVIDIA GPU when ``b`` is a multiple of 32, else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:
-      ``(stack, decayed)``: ``(Σ batch_i, rows, cols)`` in ``out_dtype``, and a list like
-      ``ms``.
+      ``(stack, decayed)``: ``(Σ batch_i, *payload)`` in ``out_dtype`` (the payload is ``(a,
+      b)``, or ``pick`` rows along ``row_axis``), and a list like ``ms``.
 
     Raises:
       ValueError: for mismatched members, an unknown implementation, or ``"pallas"`` where it
@@ -205,17 +321,25 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
       ((2, 4, 32), 1.0, 1.0)
     """
     ms, gs, denoms = list(ms), list(gs), list(denoms)
-    _check(ms, gs, denoms)
-    _, rows, cols = ms[0].shape
-    if _resolve(implementation, rows, cols, interpret) == "xla":
-        return stack_payloads_reference(ms, gs, denoms, mu, out_dtype=out_dtype)
+    _check(ms, gs, denoms, rows, row_axis)
+    _, a, b = ms[0].shape
+    if _resolve(implementation, a, b, interpret) == "xla":
+        return stack_payloads_reference(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
+                                        row_axis=row_axis)
     total = sum(m.shape[0] for m in ms)
+    part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
+                                         else (a, rows[0].shape[1]))
     mu = jnp.reshape(jnp.asarray(mu, jnp.float32), (1,))
-    stack, decayed, slot = None, [], 0
-    for m, g, d in zip(ms, gs, denoms):
+    # Payload rows of padding indices are never written: the stack starts zeroed then.
+    stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
+    pos = ([None] * len(ms) if rows is None
+           else [x[0] for x in _member_selection(rows, ms[0].shape[row_axis], positions=True)])
+    decayed, slot = [], 0
+    for m, g, d, p in zip(ms, gs, denoms, pos):
         new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32),
-                                     jnp.asarray(d, jnp.float32), mu, m, g, total=total,
-                                     out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+                                     jnp.asarray(d, jnp.float32), mu, m, g, p, total=total,
+                                     part=part, out_dtype=jnp.dtype(out_dtype),
+                                     row_axis=row_axis, interpret=interpret)
         decayed.append(new_m)
         slot += m.shape[0]
     return stack, decayed

@@ -174,3 +174,39 @@ def test_payload_kernel_agrees_with_xla(batches, rows, cols):
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
     print(f"{batches} {rows}x{cols}: payload bitwise equal {np.mean(g == w):.5%}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("row_axis,batches,shape", [(2, [1, 1, 1], (4096, 5504)),
+                                                    (1, [2, 1], (11008, 2048)),
+                                                    (2, [1, 2], (256, 96))])
+def test_selected_rows_payload_kernel_agrees_with_xla(row_axis, batches, shape):
+    """``stack_payloads`` with selected rows (a quarter, the first matrix's last two padding)
+    through the Pallas kernel against the XLA reference on the GPU: the decayed momenta bitwise,
+    the float16 payloads within one float16 rounding, padding rows zero."""
+    rng = np.random.default_rng()
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3 * len(batches))
+    ms = [jax.random.normal(keys[3 * i], (b, *shape)) for i, b in enumerate(batches)]
+    gs = [jax.random.normal(keys[3 * i + 1], (b, *shape)) for i, b in enumerate(batches)]
+    ds = [jax.random.uniform(keys[3 * i + 2], (b,), minval=100.0, maxval=900.0)
+          for i, b in enumerate(batches)]
+    n = shape[row_axis - 1]
+    rows = []
+    for b in batches:
+        r = np.stack([np.sort(rng.choice(n, n // 4, replace=False)) for _ in range(b)])
+        rows.append(r)
+    rows[0][0, -2:] = [n, n + 1]
+    rows = [jnp.asarray(r, jnp.int32) for r in rows]
+    run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
+        *a[:4], rows=a[4], row_axis=row_axis, out_dtype=jnp.float16, implementation=impl))(
+        ms, gs, ds, jnp.float32(0.9), rows)
+    got, want = run("pallas"), run("xla")
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
+    assert not np.any(np.take(g[0], [-2, -1], axis=row_axis - 1))
+    print(f"{batches} {shape} rows on axis {row_axis}: payload bitwise equal "
+          f"{np.mean(g == w):.5%}")
