@@ -193,11 +193,11 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
 _SPECS = {"a": P(None, "x"), "b": P(None, "x"), "c": P("x", None, None), "d": P("x", None)}
 
 
-@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("mu_dtype,fraction", [(None, 1.0), (jnp.bfloat16, 1.0),
-                                               (None, 0.25),
-                                               pytest.param(jnp.bfloat16, 0.25,
-                                                            marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sharded,mu_dtype,fraction", [
+    (False, None, 1.0), (False, jnp.bfloat16, 1.0), (False, None, 0.25),
+    (False, jnp.bfloat16, 0.25),
+    pytest.param(True, None, 1.0, marks=pytest.mark.slow),
+    pytest.param(True, jnp.bfloat16, 0.25, marks=pytest.mark.slow)])
 def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_dtype, fraction):
     """Every matrix goes through the payload pass, at f = 1 and with selected rows at f = 1/4 (on
     one device, and on an 8-device mesh: FSDP row shards, column shards, a batch-sharded stack;
