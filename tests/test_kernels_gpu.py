@@ -150,6 +150,30 @@ def test_16bit_gemm_output_accumulates_in_float32(shape, dtype):
     assert same >= 0.99, same
 
 
+def _payload_inputs(rng, batches, shape, g_dtype):
+    """Random float32 momenta, gradients in ``g_dtype`` and norms in [100, 900], per member."""
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3 * len(batches))
+    ms = [jax.random.normal(keys[3 * i], (b, *shape)) for i, b in enumerate(batches)]
+    gs = [jax.random.normal(keys[3 * i + 1], (b, *shape)).astype(g_dtype)
+          for i, b in enumerate(batches)]
+    ds = [jax.random.uniform(keys[3 * i + 2], (b,), minval=100.0, maxval=900.0)
+          for i, b in enumerate(batches)]
+    return ms, gs, ds
+
+
+def _check_against_xla(run):
+    """``run(implementation)`` with "pallas" against "xla": decayed momenta bitwise, payloads
+    finite and within one float16 rounding. Returns the share of payload entries bitwise equal
+    and the kernel's stack (float32)."""
+    got, want = run("pallas"), run("xla")
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
+    return float(np.mean(g == w)), g
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 @pytest.mark.parametrize("batches,rows,cols", [([1, 1, 1], 4096, 11008), ([2, 3], 256, 96),
@@ -158,22 +182,11 @@ def test_payload_kernel_agrees_with_xla(batches, rows, cols):
     """``stack_payloads`` through the Pallas kernel against the XLA reference on the GPU: the
     decayed momenta bitwise, the float16 payloads within one float16 rounding (the kernel's
     division may round the float32 quotient differently), and every slot of the stack written."""
-    rng = np.random.default_rng()
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3 * len(batches))
-    ms = [jax.random.normal(keys[3 * i], (b, rows, cols)) for i, b in enumerate(batches)]
-    gs = [jax.random.normal(keys[3 * i + 1], (b, rows, cols)).astype(jnp.bfloat16)
-          for i, b in enumerate(batches)]
-    ds = [jax.random.uniform(keys[3 * i + 2], (b,), minval=100.0, maxval=900.0)
-          for i, b in enumerate(batches)]
+    ms, gs, ds = _payload_inputs(np.random.default_rng(), batches, (rows, cols), jnp.bfloat16)
     run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
         *a, out_dtype=jnp.float16, implementation=impl))(ms, gs, ds, jnp.float32(0.9))
-    got, want = run("pallas"), run("xla")
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
-    print(f"{batches} {rows}x{cols}: payload bitwise equal {np.mean(g == w):.5%}")
+    g, _ = _check_against_xla(run)
+    print(f"{batches} {rows}x{cols}: payload bitwise equal {g:.5%}")
 
 
 @pytest.mark.gpu
@@ -186,11 +199,7 @@ def test_selected_rows_payload_kernel_agrees_with_xla(row_axis, batches, shape):
     through the Pallas kernel against the XLA reference on the GPU: the decayed momenta bitwise,
     the float16 payloads within one float16 rounding, padding rows zero."""
     rng = np.random.default_rng()
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3 * len(batches))
-    ms = [jax.random.normal(keys[3 * i], (b, *shape)) for i, b in enumerate(batches)]
-    gs = [jax.random.normal(keys[3 * i + 1], (b, *shape)) for i, b in enumerate(batches)]
-    ds = [jax.random.uniform(keys[3 * i + 2], (b,), minval=100.0, maxval=900.0)
-          for i, b in enumerate(batches)]
+    ms, gs, ds = _payload_inputs(rng, batches, shape, jnp.float32)
     n = shape[row_axis - 1]
     rows = []
     for b in batches:
@@ -201,12 +210,6 @@ def test_selected_rows_payload_kernel_agrees_with_xla(row_axis, batches, shape):
     run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
         *a[:4], rows=a[4], row_axis=row_axis, out_dtype=jnp.float16, implementation=impl))(
         ms, gs, ds, jnp.float32(0.9), rows)
-    got, want = run("pallas"), run("xla")
-    for a, b in zip(got[1], want[1]):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    g, w = np.asarray(got[0], np.float32), np.asarray(want[0], np.float32)
-    assert np.all(np.isfinite(g))
-    np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
-    assert not np.any(np.take(g[0], [-2, -1], axis=row_axis - 1))
-    print(f"{batches} {shape} rows on axis {row_axis}: payload bitwise equal "
-          f"{np.mean(g == w):.5%}")
+    same, stack = _check_against_xla(run)
+    assert not np.any(np.take(stack[0], [-2, -1], axis=row_axis - 1))
+    print(f"{batches} {shape} rows on axis {row_axis}: payload bitwise equal {same:.5%}")
