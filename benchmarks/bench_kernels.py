@@ -196,7 +196,7 @@ def bench_polar(args, log):
     except Exception as e:  # The optimizer package may not be there yet.
         log(f"polar: dion3_jax.polar not importable ({type(e).__name__}: {e}); skipped")
         return
-    shape = (256, 1024) if args.smoke else (4096, 16384)
+    shape = (128, 512) if args.smoke else (4096, 16384)
     x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.float16)
     runs = [("gram", "xla"), ("standard", "xla")] + [
         ("gram", b) for b in pallas_kernels.available_implementations() if b != "xla"]
