@@ -118,7 +118,7 @@ def test_selected_rows_reference_matches_float64(row_axis):
 
 
 @pytest.mark.parametrize("row_axis,shape", [(1, (64, 96)), (2, (32, 128)), (2, (24, 160))])
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_selected_rows_kernel_interpreted_equals_reference_bitwise(row_axis, shape, padded):
     seed = np.random.randint(1 << 30)
     ms, gs, ds = _members(seed, [2, 1, 3], *shape, g_dtype=jnp.bfloat16)
@@ -194,8 +194,8 @@ _SPECS = {"a": P(None, "x"), "b": P(None, "x"), "c": P("x", None, None), "d": P(
 
 
 @pytest.mark.parametrize("sharded,mu_dtype,fraction", [
-    (False, None, 1.0), (False, jnp.bfloat16, 1.0), (False, None, 0.25),
-    (False, jnp.bfloat16, 0.25),
+    (False, None, 1.0), (False, jnp.bfloat16, 1.0),
+    pytest.param(False, None, 0.25, marks=pytest.mark.slow), (False, jnp.bfloat16, 0.25),
     pytest.param(True, None, 1.0, marks=pytest.mark.slow),
     pytest.param(True, jnp.bfloat16, 0.25, marks=pytest.mark.slow)])
 def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_dtype, fraction):
