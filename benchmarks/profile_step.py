@@ -46,18 +46,27 @@ def _op_lines(plane):
         ln for ln in plane.lines if ln.name not in ("XLA Modules", "Steps")]
 
 
-def op_times(trace_dir: str) -> dict[str, float]:
-    """Total nanoseconds per op name on the device plane (the host plane on CPU)."""
+def load_trace(trace_dir: str) -> ProfileData:
+    """The ``jax.profiler`` trace written under ``trace_dir``."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    data = ProfileData.from_file(path)
-    totals: dict[str, float] = collections.defaultdict(float)
+    return ProfileData.from_file(path)
+
+
+def first_gpu(data: ProfileData):
+    """The plane of the first GPU (all devices run the same program), or None on CPU."""
     planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
                     key=lambda p: p.name)
-    if planes:
-        for plane in planes[:1]:  # The first device (all devices run the same program).
-            for line in _op_lines(plane):
-                for event in line.events:
-                    totals[event.name] += event.duration_ns
+    return planes[0] if planes else None
+
+
+def op_times(data: ProfileData) -> dict[str, float]:
+    """Total nanoseconds per op name on the first GPU (the host plane on CPU)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    plane = first_gpu(data)
+    if plane is not None:
+        for line in _op_lines(plane):
+            for event in line.events:
+                totals[event.name] += event.duration_ns
     else:
         for line in data.find_plane_with_name("/host:CPU").lines:
             if line.name.startswith("tf_XLA"):
@@ -67,21 +76,19 @@ def op_times(trace_dir: str) -> dict[str, float]:
     return totals
 
 
-def device_gaps(trace_dir: str) -> list[tuple[float, str]]:
-    """Idle stretches of the GPU (its :func:`_op_lines` merged into one timeline): ``(ns idle,
-    name of the op that ended it)`` for every gap between consecutive ops (empty on CPU)."""
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    gaps = []
-    planes = sorted((p for p in ProfileData.from_file(path).planes
-                     if p.name.startswith("/device:GPU")), key=lambda p: p.name)
-    for plane in planes[:1]:
-        events = sorted((e for line in _op_lines(plane) for e in line.events),
-                        key=lambda e: e.start_ns)
-        end = None
-        for e in events:
-            if end is not None and e.start_ns > end:
-                gaps.append((e.start_ns - end, e.name))
-            end = max(end or 0, e.start_ns + e.duration_ns)
+def device_gaps(data: ProfileData) -> list[tuple[float, str]]:
+    """Idle stretches of the first GPU (its :func:`_op_lines` merged into one timeline): ``(ns
+    idle, name of the op that ended it)`` for every gap between consecutive ops (empty on
+    CPU)."""
+    plane = first_gpu(data)
+    if plane is None:
+        return []
+    gaps, end = [], None
+    for e in sorted((e for line in _op_lines(plane) for e in line.events),
+                    key=lambda e: e.start_ns):
+        if end is not None and e.start_ns > end:
+            gaps.append((e.start_ns - end, e.name))
+        end = max(end or 0, e.start_ns + e.duration_ns)
     return gaps
 
 
@@ -105,20 +112,18 @@ def _covered(start, end, union) -> float:
     return sum(max(0, min(end, e) - max(start, s)) for s, e in union)
 
 
-def collective_overlap(trace_dir: str):
+def collective_overlap(data: ProfileData):
     """Per collective op of the first GPU: ``(name, line, start ns from the plane's first op,
     ns, ns overlapped by non-collective ops on the plane's other lines, the three ops that
     overlap it most)``, in time order; empty on CPU or without collectives. The lines are the
     plane's streams (its "XLA Ops" line only where it has no others)."""
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    planes = sorted((p for p in ProfileData.from_file(path).planes
-                     if p.name.startswith("/device:GPU")), key=lambda p: p.name)
-    if not planes:
+    plane = first_gpu(data)
+    if plane is None:
         return []
-    lines = [ln for ln in planes[0].lines
-             if ln.name not in ("XLA Modules", "Steps", "XLA Ops")] or _op_lines(planes[0])
+    lines = [ln for ln in plane.lines
+             if ln.name not in ("XLA Modules", "Steps", "XLA Ops")] or _op_lines(plane)
     print("# first GPU's lines (events): "
-          + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in planes[0].lines))
+          + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in plane.lines))
     events = [(ln.name, e.name, e.start_ns, e.start_ns + e.duration_ns)
               for ln in lines for e in ln.events]
     if not events:
@@ -224,7 +229,8 @@ def main(argv=None):
         with jax.profiler.trace(trace_dir):
             for _ in range(a.steps):
                 params, state = jax.block_until_ready(step(params, state, grads))
-    totals = op_times(trace_dir)
+    data = load_trace(trace_dir)
+    totals = op_times(data)
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
     if a.json:
@@ -244,7 +250,7 @@ def main(argv=None):
     print("\n| op kind | ops | ms / step | share |\n|---|---:|---:|---:|")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k} | {counts[k]} | {v:.2f} | {v / total:.1%} |")
-    gaps = device_gaps(trace_dir)
+    gaps = device_gaps(data)
     if gaps:
         by_next: dict[str, float] = collections.defaultdict(float)
         for ns, name in gaps:
@@ -255,7 +261,7 @@ def main(argv=None):
         print("\n| next op kind | idle ms / step |\n|---|---:|")
         for k, v in sorted(by_next.items(), key=lambda kv: -kv[1])[:12]:
             print(f"| {k} | {v:.2f} |")
-    print_overlap(collective_overlap(trace_dir), a.steps)
+    print_overlap(collective_overlap(data), a.steps)
     print("\n| op | ms / step |\n|---|---:|")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")
