@@ -279,12 +279,14 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
             def compute_context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile, tile), jnp.float32))
                 def _acc_scope(acc_ref):
-                    eval_pipeline(acc_ref)
+                    with jax.named_scope("mainloop"):  # Named for Mosaic GPU's profiler.
+                        eval_pipeline(acc_ref)
                     acc = acc_ref[...]
                     if alpha != 1.0:
                         acc = acc * alpha
 
                     @pl.when(keep)
+                    @jax.named_scope("epilogue")
                     def _store():
                         for i, (rows, cols) in enumerate(subs):
                             ei, ej = divmod(i, tile // _EPI)

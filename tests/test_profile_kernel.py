@@ -1,0 +1,49 @@
+"""``benchmarks/profile_kernel.py``'s trace summary, on a hand-made Mosaic GPU trace (the
+profiler itself needs a Hopper GPU)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import profile_kernel  # noqa: E402
+
+
+def _trace(rng, ctas: int):
+    """Two items per CTA; compute warpgroups 0 and 1 record mainloop then epilogue per item;
+    the memory warpgroup (2) records nothing. Returns the events and the true spans."""
+    events, truth = [], {}
+    for cta in range(ctas):
+        for wg in (0, 1):
+            tid, t = 1 + wg + 3 * cta, float(rng.uniform(0, 5))
+            for _ in range(2):
+                for name in ("mainloop", "epilogue"):
+                    d = float(rng.uniform(1, 100))
+                    truth.setdefault((name, wg), []).append(d)
+                    events += [{"name": name, "ph": "B", "ts": t, "tid": tid},
+                               {"name": name, "ph": "E", "ts": t + d, "tid": tid}]
+                    t += d
+    return events, truth
+
+
+def test_scope_spans_pairs_begin_and_end_per_warpgroup():
+    events, truth = _trace(np.random.default_rng(), ctas=5)
+    spans = profile_kernel.scope_spans(events)
+    assert spans.keys() == truth.keys()
+    for key, values in truth.items():
+        np.testing.assert_allclose(sorted(spans[key]), sorted(values), rtol=1e-12)
+
+
+def test_summary_reports_each_scope_and_the_kernel_span():
+    events, truth = _trace(np.random.default_rng(), ctas=3)
+    lines = profile_kernel.summary(events)
+    rows = {(ln.split()[0], int(ln.split()[1])): ln.split() for ln in lines[1:-1]}
+    assert rows.keys() == truth.keys()
+    for key, values in truth.items():
+        assert int(rows[key][2]) == len(values)
+        assert abs(float(rows[key][3]) - np.mean(values)) < 0.006
+    ts = [e["ts"] for e in events]
+    assert lines[-1].endswith(f"{max(ts) - min(ts):.1f} µs")
