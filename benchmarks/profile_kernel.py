@@ -13,6 +13,7 @@ Usage (a Hopper GPU)::
 
     python benchmarks/profile_kernel.py                       # sym_matmul 4096², K 4096, + β·c
     python benchmarks/profile_kernel.py --op syrk --k 16384   # syrk of 4096×16384
+    python benchmarks/profile_kernel.py --sms 66              # half the SMs: is the L2 the limit?
 """
 
 from __future__ import annotations
@@ -98,10 +99,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-c", action="store_true", help="sym_matmul without the β·c addend")
     p.add_argument("--stages", type=int, default=3, help="pipeline stages (shared memory)")
     p.add_argument("--space", type=int, default=64, help="profiler ranges per warpgroup")
+    p.add_argument("--sms", type=int, default=None,
+                   help="persistent CTAs (default: every SM); fewer CTAs share the L2 with fewer")
     a = p.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
         sys.exit("profile_kernel.py needs a Hopper GPU (Mosaic GPU's profiler runs on device)")
-    config = _mosaic.MosaicConfig(max_concurrent_steps=a.stages)
+    config = _mosaic.MosaicConfig(max_concurrent_steps=a.stages, num_sms=a.sms)
     args = operands(a.op, a.n, a.k)
     if a.op == "syrk":
         fn = functools.partial(_mosaic.syrk_mosaic, config=config)
@@ -121,8 +124,9 @@ def main(argv=None) -> None:
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     c = "" if a.op == "syrk" or a.no_c else " + β·c"
+    sms = a.sms or jax.devices()[0].core_count
     print(f"# {jax.devices()[0].device_kind}: {a.op} n={a.n} k={a.k}{c}, {a.stages} stages, "
-          f"{config.tile}-tiles, warpgroups 0-1 compute, 2 memory")
+          f"{config.tile}-tiles, {sms} CTAs, warpgroups 0-1 compute, 2 memory")
     print("\n".join(summary(events)))
 
 
