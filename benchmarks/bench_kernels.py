@@ -13,6 +13,8 @@ Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py --variants     # also pipeline-depth variants of the kernels
   python benchmarks/bench_kernels.py --variants s3 w8s3   # only these variants
   python benchmarks/bench_kernels.py --polar        # also dion3_jax.polar per backend
+  python benchmarks/bench_kernels.py --no-kernels --peers   # n³ GEMMs: cuBLAS, jax's Mosaic
+                                                             # matmul, sym_matmul, per tile
   python benchmarks/bench_kernels.py --json out.jsonl
 """
 
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from pallas_kernels import _mosaic, _triton
+from pallas_kernels import _mosaic, _schedule, _triton
 from _timing import median_ms, median_ms_rotated, rotated_sets
 
 # (name, op, batch, n, m, dtype): syrk of (batch, n, m); sym_matmul of (batch, n, n)·(batch, n, n).
@@ -283,6 +285,32 @@ def diagnose(args, log):
                 f"{bad[:12]}")
 
 
+def bench_peers(args, log):
+    """``sym_matmul`` of ``(n, n)·(n, n)`` against full GEMMs of the same size: XLA's (cuBLAS on a
+    GPU) and jax's own Mosaic GPU matmul (``hopper_matmul_mgpu``: 128×128 tiles per warpgroup,
+    64-deep panels, 4 stages; Hopper only). ``µs/tile`` is the time per computed 128×128
+    output tile (``sym_matmul`` computes the lower ones); TFLOP/s counts the full product's
+    FLOPs for the GEMMs and the useful half for ``sym_matmul``."""
+    n = 256 if args.smoke else 4096
+    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float16) for i in (0, 1))
+    runs = [("XLA GEMM", lambda x, y: jnp.einsum("ik,kj->ij", x, y,
+                                                 preferred_element_type=jnp.float16),
+             (a, b), 2 * n ** 3, (n // 128) ** 2)]
+    if "mosaic" in pallas_kernels.available_implementations():
+        from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+        cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+        runs += [("jax hopper_matmul_mgpu", lambda x, y: hm.matmul(x, y, None, config=cfg),
+                  (a, b), 2 * n ** 3, (n // 128) ** 2),
+                 ("sym_matmul (mosaic)", lambda x: _mosaic.sym_matmul_mosaic(x, x), (a,),
+                  n * (n + 1) * n, _schedule.num_lower_tiles(n // 128))]
+    log(f"\n{n}³ products, float16, {args.rotate} rotated input sets per call, median of "
+        f"{args.reps}")
+    log(f"{'product':<24} {'ms':>8} {'TFLOP/s':>8} {'tiles':>6} {'µs/tile':>8}")
+    for name, fn, xs, flops, tiles in runs:
+        ms = median_ms_rotated(fn, rotated_sets(xs, args.rotate), reps=args.reps)
+        log(f"{name:<24} {ms:8.4f} {flops / ms / 1e9:8.0f} {tiles:6d} {ms * 1e3 / tiles:8.4f}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="*", default=None, metavar="NAME",
@@ -291,6 +319,8 @@ def main(argv=None):
     parser.add_argument("--diagnose", action="store_true",
                         help="locate non-symmetric / unwritten tiles of the kernels' outputs")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
+    parser.add_argument("--peers", action="store_true",
+                        help="also sym_matmul against full GEMMs (XLA, jax's Mosaic matmul)")
     parser.add_argument("--quick", action="store_true", help="skip the largest syrk shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="seconds of GPU warm-up")
@@ -320,6 +350,8 @@ def main(argv=None):
         rows = bench_kernels(args, log)
     if args.polar:
         bench_polar(args, log)
+    if args.peers:
+        bench_peers(args, log)
     if rows:
         log("\nsummary (best per case):")
         log(HEADER)
