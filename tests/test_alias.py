@@ -19,19 +19,25 @@ ALIASES = {
 }
 
 
+def _committed(tree):
+    """``tree`` on device 0, committed like the outputs of a jitted step, so that a step fed its
+    own outputs compiles once (uncommitted inputs would make the first call another entry)."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 def _params(dtype=jnp.float32):
-    k = jax.random.split(jax.random.key(0), 3)
-    return {"dense": {"kernel": jax.random.normal(k[0], (16, 24), dtype),
-                      "bias": jnp.zeros((24,), dtype)},
-            "embed": {"embedding": jax.random.normal(k[1], (50, 16), dtype)},
-            "out": {"kernel": jax.random.normal(k[2], (24, 8), dtype)}}
+    # NumPy draws here and below: jax.random would compile its sampler anew for every shape.
+    rng = np.random.default_rng(0)
+    return _committed({"dense": {"kernel": rng.standard_normal((16, 24)).astype(dtype),
+                                 "bias": np.zeros((24,), dtype)},
+                       "embed": {"embedding": rng.standard_normal((50, 16)).astype(dtype)},
+                       "out": {"kernel": rng.standard_normal((24, 8)).astype(dtype)}})
 
 
 def _grads(params, seed=1):
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in
-                              zip(keys, leaves)])
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape).astype(x.dtype)),
+                        params)
 
 
 def test_default_labels_route_embeddings_and_non_matrices_to_scalar():
@@ -68,14 +74,14 @@ def test_matrix_branch_is_dion3_and_rest_is_adamw():
     params = _params()
     tx = dion3_jax.dion3(0.01, 0.5, weight_decay=0.0, adam_learning_rate=1e-3)
     grads = _grads(params)
-    upd, _ = tx.update(grads, tx.init(params), params)
+    upd, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     adam = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0)
     aupd, _ = adam.update(grads, adam.init(params), params)
     np.testing.assert_allclose(upd["dense"]["bias"], aupd["dense"]["bias"], rtol=1e-6)
     np.testing.assert_allclose(upd["embed"]["embedding"], aupd["embed"]["embedding"], rtol=1e-6)
     direct = dion3_jax.scale_by_dion3(0.5)
     m = {"k": params["dense"]["kernel"]}
-    dupd, _ = direct.update({"k": grads["dense"]["kernel"]}, direct.init(m))
+    dupd, _ = jax.jit(direct.update)({"k": grads["dense"]["kernel"]}, direct.init(m))
     np.testing.assert_allclose(upd["dense"]["kernel"], -0.01 * dupd["k"], rtol=1e-6)
 
 
@@ -91,7 +97,7 @@ def test_inject_hyperparams_equals_plain(name):
     if name == "dion3_lion":
         kw = {"scalar_optimizer": "lion"}
     injected = optax.inject_hyperparams(factory, static_args=static)(learning_rate=0.02, **kw)
-    s1, s2 = plain.init(params), injected.init(params)
+    s1, s2 = _committed(plain.init(params)), _committed(injected.init(params))
     for _ in range(2):
         u1, s1 = jax.jit(plain.update)(grads, s1, params)
         u2, s2 = jax.jit(injected.update)(grads, s2, params)
@@ -121,9 +127,10 @@ def test_learning_rate_schedule_and_injected_lr_change():
     inj = optax.inject_hyperparams(dion3_jax.dion3, static_args=("fraction",))(
         learning_rate=0.01, fraction=0.5)
     s = inj.init(params)
-    ua, _ = inj.update(grads, s, params)
+    update = jax.jit(inj.update)
+    ua, _ = update(grads, s, params)
     s.hyperparams["learning_rate"] = jnp.asarray(0.02)
-    ub, _ = inj.update(grads, s, params)
+    ub, _ = update(grads, s, params)
     np.testing.assert_allclose(ub["dense"]["kernel"], 2 * ua["dense"]["kernel"], rtol=1e-5)
 
 
@@ -131,7 +138,7 @@ def test_learning_rate_schedule_and_injected_lr_change():
 def test_multisteps_accumulates():
     params, grads = _params(), _grads(_params())
     tx = optax.MultiSteps(dion3_jax.dion3(0.02, 0.5), every_k_schedule=3)
-    state = tx.init(params)
+    state = _committed(tx.init(params))
     step = jax.jit(tx.update)
     for i in range(3):
         upd, state = step(grads, state, params)
@@ -153,7 +160,7 @@ def test_weight_decay_and_mask():
     params = {"a": jnp.ones((8, 12)), "b": jnp.ones((8, 12))}
     zeros = jax.tree.map(jnp.zeros_like, params)
     tx = dion3_jax.dion3(0.1, 0.5, weight_decay=0.5, weight_decay_mask={"a": True, "b": False})
-    upd, _ = tx.update(zeros, tx.init(params), params)
+    upd, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     np.testing.assert_allclose(upd["a"], -0.05 * np.ones((8, 12)), rtol=1e-6)
     np.testing.assert_allclose(upd["b"], 0.0, atol=0)
 
@@ -184,8 +191,8 @@ def test_transfer_learning_rate():
 
 
 def test_matrix_parabola_converges():
-    target = jax.random.normal(jax.random.key(3), (32, 48))
-    params = {"w": jnp.zeros((32, 48))}
+    target = jnp.asarray(np.random.default_rng(3).standard_normal((32, 48), np.float32))
+    params = _committed({"w": jnp.zeros((32, 48))})
     loss = lambda p: jnp.mean((p["w"] - target) ** 2)
     tx = dion3_jax.dion3(optax.cosine_decay_schedule(0.3, 400), 0.25, weight_decay=0.0)
     state = tx.init(params)
@@ -223,7 +230,7 @@ def test_flax_nnx_optimizer_trains():
     labels = dion3_jax.default_param_labels(nnx.state(model, nnx.Param))
     assert labels["l1"]["kernel"] == "dion3" and labels["embed"]["embedding"] == "scalar"
     assert labels["lm_head"]["kernel"] == "scalar" and labels["l1"]["bias"] == "scalar"
-    tokens = jax.random.randint(jax.random.key(1), (8, 12), 0, 32)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (8, 12)), jnp.int32)
 
     def loss_fn(m):
         logits = m(tokens[:, :-1])

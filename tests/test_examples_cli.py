@@ -29,12 +29,10 @@ def _run(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: flo
 
 
 # One bad value per example, run as a user would: exit status 2, argparse's message, no data
-# read, within seconds (the scripts load data or start devices only after parsing).
+# read, within seconds (the scripts load data or start devices only after parsing). Further
+# values per script: in-process below.
 BAD_ARGS = [
-    ("train_lm.py", ["--optimizers", "lion"],
-     "argument --optimizers: invalid choice: 'lion'"),
     ("train_lm.py", ["--fraction", "2"], "argument --fraction: 2 is outside (0, 1]"),
-    ("train_lm.py", ["--optimizer", "dion3"], "unrecognized arguments: --optimizer dion3"),
     ("train_multipod.py", ["--fraction", "0"], "argument --fraction: 0 is outside (0, 1]"),
     ("polar_standalone.py", ["--coefficients", "foo"], "argument --coefficients: invalid choice"),
     ("quality_study.py", ["--steps", "0"], "argument --steps: 0 is outside [1, inf)"),
@@ -62,7 +60,9 @@ def test_train_lm_rejects_bad_values_before_loading(capsys, tmp_path):
     import train_lm
 
     cases = {
+        ("--optimizers", "lion"): "argument --optimizers: invalid choice: 'lion'",
         ("--optimizers", "dion3,lion"): "invalid choice: 'lion'",
+        ("--optimizer", "dion3"): "unrecognized arguments: --optimizer dion3",
         ("--compute-dtype", "float64"): "invalid choice: 'float64'",
         ("--steps", "0"): "--steps: 0 is outside",
         ("--mu", "1.0"): "--mu: 1.0 is outside [0, 1)",

@@ -173,9 +173,9 @@ def test_padding_multiples_follow_the_backend(monkeypatch):
 def test_stacked_parts_equal_polar_of_the_concatenation(method, shape):
     """``make_orthogonalizer(...).stacked(parts)`` normalises each part before stacking; the result
     is ``polar(concatenate(parts))``: float64 to 1e-12, the float16 default to fp16 tolerance."""
-    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 3)
-    parts = [jax.random.normal(k, (b, *shape), jnp.float32) * s
-             for k, b, s in zip(keys, (1, 3, 2), (1e-3, 1.0, 40.0))]
+    rng = np.random.default_rng()
+    parts = [jnp.asarray((rng.standard_normal((b, *shape)) * s).astype(np.float32))
+             for b, s in zip((1, 3, 2), (1e-3, 1.0, 40.0))]
     with jax.enable_x64(True):
         p64 = [p.astype(jnp.float64) for p in parts]
         f = dion3_jax.make_orthogonalizer(method=method, compute_dtype=jnp.float64, backend="xla")
@@ -206,10 +206,10 @@ def test_stacked_with_given_norms():
     """``stacked(parts, norms)`` uses the given ‖X‖_F instead of computing it: with the true
     values it equals ``stacked(parts)`` (float64, 1e-12); a part given 3‖X‖ starts from
     X / (3‖X‖), exactly what ``X / 3`` with its own ‖X‖ gives, and not what ``stacked`` gives."""
-    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 2)
+    rng = np.random.default_rng()
     with jax.enable_x64(True):
-        parts = [jax.random.normal(k, (b, 24, 64), jnp.float64) * s
-                 for k, b, s in zip(keys, (3, 2), (1e-3, 40.0))]
+        parts = [jnp.asarray(rng.standard_normal((b, 24, 64)) * s)
+                 for b, s in zip((3, 2), (1e-3, 40.0))]
         sq = [jnp.sqrt(jnp.sum(p ** 2, axis=(1, 2))) for p in parts]
         f = dion3_jax.make_orthogonalizer(method="gram", compute_dtype=jnp.float64, backend="xla")
         want = np.asarray(f.stacked(parts))
@@ -229,8 +229,7 @@ def test_stacked_with_given_norms():
 def test_out_dtype_is_the_cast_result(method):
     """``out_dtype`` = compute dtype returns the iteration's own values: exactly the default
     (float32) result cast back, since compute → float32 → compute is exact."""
-    x = jax.random.normal(jax.random.key(int(np.random.default_rng().integers(1 << 30))),
-                          (3, 24, 64), jnp.float32)
+    x = jnp.asarray(np.random.default_rng().standard_normal((3, 24, 64), np.float32))
     compute = jnp.float16 if method == "gram" else jnp.bfloat16
     got = jax.jit(lambda x: polar(x, method=method, backend="xla", out_dtype=compute))(x)
     want = jax.jit(lambda x: polar(x, method=method, backend="xla"))(x)
@@ -295,7 +294,7 @@ def test_of_normalized_is_polar_of_the_normalised_input(shape):
     itself) gives the bits of ``polar`` on the same input, which normalises first: dividing a
     float16 matrix of unit norm by ``1 + eps`` again rounds back to it."""
     orth = dion3_jax.make_orthogonalizer(backend="xla")
-    x = jax.random.normal(jax.random.key(np.random.randint(1 << 30)), shape)
+    x = jnp.asarray(np.random.default_rng().standard_normal(shape, np.float32))
     y = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + orth.eps)).astype(
         orth.input_dtype)
     want = jax.jit(orth)(y)

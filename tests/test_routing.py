@@ -23,11 +23,16 @@ STACKED = dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)
 FIX = re.escape("dimension_numbers=dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)")
 
 
+def _normal(rng, shape):
+    """A float32 standard normal array from NumPy (jax.random compiles its sampler anew for every
+    shape)."""
+    return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+
 def _like(tree, seed):
     """Random normal arrays shaped like ``tree``'s leaves."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return treedef.unflatten([jax.random.normal(k, jnp.shape(x)) for k, x in zip(keys, leaves)])
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: _normal(rng, jnp.shape(x)), tree)
 
 
 def _adamw_update(grads, params, lr=1e-2):
@@ -110,7 +115,7 @@ def test_nnx_stacked_model_routes_per_layer_and_round_trips(stacked_model):
                          adam_learning_rate=1e-2)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
-    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 32)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (2, 6)), jnp.int32)
 
     @nnx.jit
     def step(model, optimizer):
@@ -202,10 +207,11 @@ def test_linen_default_names_are_refused_until_the_head_is_known():
 
 @pytest.mark.slow
 def test_moe_expert_stack_is_one_matrix_per_expert():
-    k = jax.random.split(jax.random.key(0), 2)
-    params = {"router": {"kernel": jax.random.normal(k[0], (8, 4))},
-              "experts": {"kernel": jax.random.normal(k[1], (3, 8, 16)),
-                          "bias": jnp.zeros((3, 16))}}
+    rng = np.random.default_rng(0)
+    # Committed like the state a step returns: each jitted step below compiles once.
+    params = jax.device_put({"router": {"kernel": _normal(rng, (8, 4))},
+                             "experts": {"kernel": _normal(rng, (3, 8, 16)),
+                                         "bias": jnp.zeros((3, 16))}}, jax.devices()[0])
     grads = [_like(params, s) for s in (1, 2)]
     tx = dion3_jax.dion3(0.02, 0.5, dimension_numbers=STACKED, adam_learning_rate=1e-2)
     rows = _table_rows(dion3_jax.routing_table(params, dimension_numbers=STACKED))
@@ -241,9 +247,9 @@ def attention_dims(params):
 
 @pytest.mark.slow
 def test_attention_kernel_recipe_matches_the_2d_matrix():
-    k = jax.random.split(jax.random.key(0), 2)
-    attn = {"query": {"kernel": jax.random.normal(k[0], (8, 2, 4)), "bias": jnp.zeros((2, 4))},
-            "out": {"kernel": jax.random.normal(k[1], (2, 4, 8))}}
+    rng = np.random.default_rng(0)
+    attn = {"query": {"kernel": _normal(rng, (8, 2, 4)), "bias": jnp.zeros((2, 4))},
+            "out": {"kernel": _normal(rng, (2, 4, 8))}}
     with pytest.raises(ValueError, match=r"\['attn'\]\['query'\]\['kernel'\]  shape=\(8, 2, 4\)"):
         dion3_jax.default_param_labels({"attn": attn})
     flat = {"query": {"kernel": attn["query"]["kernel"].reshape(8, 8)},

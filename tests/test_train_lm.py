@@ -20,16 +20,25 @@ def train_lm():
     return module
 
 
+# The tiny run: long enough to learn; also the uninterrupted run the resume test compares with.
+TINY = dict(d_model=32, layers=1, heads=2, seq_len=32, batch=8, steps=60, warmup=5,
+            data_mb=1.0, optimizers="dion3,adamw", dion3_lr=0.04, adamw_lr=4e-3,
+            eval_every=20, eval_batches=2, final_eval_batches=4, timing_reps=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(train_lm, tmp_path_factory):
+    """``(cfg, train(cfg))`` of TINY: ~20 s on the 2-core machine (two optimizers compile and
+    train), run once for both tests that use it (an xdist group: ``scripts/test.sh`` runs it on
+    one worker)."""
+    cfg = train_lm.Config(**TINY, out=str(tmp_path_factory.mktemp("tiny_run")))
+    return cfg, train_lm.train(cfg)
+
+
 @pytest.mark.slow
-@pytest.mark.slow  # ~30 s on the 2-core machine: two optimizers compile and train
-def test_tiny_run_learns(train_lm, tmp_path):
-    cfg = train_lm.Config(
-        d_model=32, layers=1, heads=2, seq_len=32, batch=8, steps=60, warmup=5,
-        data_mb=1.0, optimizers="dion3,adamw", dion3_lr=0.04, adamw_lr=4e-3,
-        eval_every=20, eval_batches=2, final_eval_batches=4, timing_reps=2, out=str(tmp_path),
-        progress=False,
-    )
-    out = train_lm.train(cfg)
+@pytest.mark.xdist_group("train_lm_tiny_run")
+def test_tiny_run_learns(tiny_run):
+    cfg, out = tiny_run
 
     results = {r["optimizer"]: r for r in out["results"]}
     assert set(results) == {"dion3", "adamw"}
@@ -60,7 +69,7 @@ def test_tiny_run_learns(train_lm, tmp_path):
     assert "step ms" in out["table"] and "optimizer %" in out["table"]
     # Step times of the full step and of forward + backward alone, per optimizer.
     assert all(r["step_ms"] > 0 and r["grad_ms"] > 0 for r in out["results"])
-    with open(os.path.join(str(tmp_path), "table.txt")) as f:
+    with open(os.path.join(cfg.out, "table.txt")) as f:
         assert f.read().strip() == out["table"]
     assert os.path.getsize(out["json"]) > 0
 
@@ -123,11 +132,6 @@ def test_dion3_defaults_follow_the_transfer_rules(train_lm):
 # ---------------------------------------------------------------------------------------------
 # Checkpoint and resume: a run stopped halfway and resumed equals the uninterrupted run, bitwise.
 
-TINY = dict(d_model=16, layers=1, heads=2, seq_len=16, batch=4, steps=6, warmup=1, data_mb=0.3,
-            eval_every=2, eval_batches=1, final_eval_batches=2, timing_reps=1, progress=False,
-            optimizers="dion3,adamw")
-
-
 def _params(model):
     import jax
     from flax import nnx
@@ -136,23 +140,24 @@ def _params(model):
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
 
 
-@pytest.mark.slow  # ~30 s on the 2-core machine (the first compile of the step dominates)
-def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(train_lm, tmp_path):
-    full = train_lm.train(train_lm.Config(**TINY, out=str(tmp_path / "full")))
+@pytest.mark.slow  # the runs reuse the steps tiny_run compiled
+@pytest.mark.xdist_group("train_lm_tiny_run")
+def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(train_lm, tiny_run, tmp_path):
+    full = tiny_run[1]
     half = TINY["steps"] // 2
     run = str(tmp_path / "run")
-    stopped = train_lm.train(train_lm.Config(**TINY, out=run, checkpoint_every=2,
+    stopped = train_lm.train(train_lm.Config(**TINY, out=run, checkpoint_every=20,
                                              stop_after=half))
     assert stopped["stopped"] and stopped["results"] is None
     assert not os.path.exists(os.path.join(run, "results.json"))
     for name in TINY["optimizers"].split(","):
-        # Saved after steps 2 and 3 (every 2 steps and where it stopped), both kept.
-        assert sorted(os.listdir(os.path.join(run, "checkpoints", name))) == ["2", "3"], name
+        # Saved after steps 20 and 30 (every 20 steps and where it stopped), both kept.
+        assert sorted(os.listdir(os.path.join(run, "checkpoints", name))) == ["20", "30"], name
         # The stopped model really is halfway: it differs from the finished one.
         a, b = _params(stopped["models"][name]), _params(full["models"][name])
         assert any(not np.array_equal(a[k], b[k]) for k in a), name
 
-    resumed = train_lm.train(train_lm.Config(**TINY, resume=run, checkpoint_every=2))
+    resumed = train_lm.train(train_lm.Config(**TINY, resume=run, checkpoint_every=20))
     assert not resumed["stopped"] and resumed["out"] == run
     for r_full, r_res in zip(full["results"], resumed["results"]):
         name = r_full["optimizer"]
@@ -166,7 +171,7 @@ def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(train_lm, tmp_
         assert sorted(a) == sorted(b) and len(a) > 5
         for k in a:
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
-    assert sorted(os.listdir(os.path.join(run, "checkpoints", "dion3"))) == ["4", "6"]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints", "dion3"))) == ["40", "60"]
 
     # Resuming the finished run again trains nothing, gives the same results and keeps the
     # earlier outputs: the new ones get a suffix.

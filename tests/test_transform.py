@@ -21,6 +21,13 @@ def f64_polar():
     return dion3_jax.make_orthogonalizer(compute_dtype=jnp.float64)  # under enable_x64
 
 
+def committed(tree):
+    """``tree`` on device 0, committed like the params a jitted step returns, so that a step
+    fed its own outputs compiles once (uncommitted inputs would make the first call another
+    cache entry)."""
+    return jax.device_put(tree, jax.devices()[0])
+
+
 # --- leaf <-> (out × in) matrices, written independently of dion3_jax._layout -----------------
 
 def leaf_to_mats(w, kind, num_heads=None, splits=None):
@@ -117,7 +124,7 @@ def test_matches_float64_reference(name, kind, shape, f, opts):
             dimension_numbers=DN[kind], num_heads=num_heads, split_sizes=splits,
             orthogonalizer=f64_polar(),
             param_labels=lambda p: jax.tree.map(lambda _: "dion3", p))
-        params = {"w": jnp.asarray(w0)}
+        params = committed({"w": jnp.asarray(w0)})
         state = tx.init(params)
         step = jax.jit(tx.update)
         for g in grads:
@@ -140,7 +147,7 @@ def test_default_precision_close_to_reference():
                                 wd=0.01, flavour="normuon", adjust="spectral_norm",
                                 num_heads=None, splits=None)
     tx = dion3_jax.dion3(0.02, f)    # default mu: 0.95^(1/f)
-    params = {"w": jnp.asarray(w0)}
+    params = committed({"w": jnp.asarray(w0)})
     state = tx.init(params)
     for g in grads:
         upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
@@ -164,7 +171,7 @@ def test_only_selected_rows_move_and_decay():
     g = rng.standard_normal((c, n)).astype(np.float32)   # flax (in, out): rows are columns
     tx = dion3_jax.scale_by_dion3(f, mu)
     state = tx.init({"w": jnp.zeros((c, n))})
-    upd, state = tx.update({"w": jnp.asarray(g)}, state)
+    upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state)
     upd = np.asarray(upd["w"])
     moved = np.flatnonzero(np.abs(upd).sum(axis=0) > 0)
     k = dion3_jax.num_selected(f, n)
@@ -199,7 +206,7 @@ def test_fraction_one_is_muon_momentum(flavour):
     with jax.enable_x64(True):
         kw = {"beta2": beta2} if flavour == "normuon" else {}
         tx = make(lr, mu=mu, weight_decay=wd, orthogonalizer=f64_polar(), **kw)
-        params = {"w": jnp.asarray(w0)}
+        params = committed({"w": jnp.asarray(w0)})
         state = tx.init(params)
         for g in grads:
             upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state, params)
@@ -209,8 +216,8 @@ def test_fraction_one_is_muon_momentum(flavour):
 
 @pytest.mark.slow
 def test_state_stable_and_no_recompile():
-    params = {"a": jnp.ones((32, 16)), "b": jnp.ones((16, 48), jnp.bfloat16),
-              "s": jnp.ones((2, 8, 12)), "bias": jnp.zeros((16,))}
+    params = committed({"a": jnp.ones((32, 16)), "b": jnp.ones((16, 48), jnp.bfloat16),
+                        "s": jnp.ones((2, 8, 12)), "bias": jnp.zeros((16,))})
     tx = dion3_jax.dion3(0.01, 0.25, dimension_numbers=DimensionNumbers(-2, -1))  # "s": 2 matrices
     state = tx.init(params)
     traces = []
@@ -355,20 +362,20 @@ def test_nonfinite_gradient_is_detectable_and_skippable():
     """A NaN gradient makes the update non-finite (detectable); optax.apply_if_finite skips it
     and leaves the Dion3 state bit-for-bit unchanged, so training continues unpoisoned."""
     rng = np.random.default_rng(4)
-    params = {"w": jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
-              "b": jnp.zeros((24,))}
+    params = committed({"w": jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
+                        "b": jnp.zeros((24,))})
     good = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
             for _ in range(2)]
     bad = jax.tree.map(lambda x: x, good[0])
     bad["w"] = bad["w"].at[3, 5].set(jnp.nan)
 
     plain = dion3_jax.dion3(0.02, 0.5)
-    upd, _ = plain.update(bad, plain.init(params), params)
+    upd, _ = jax.jit(plain.update)(bad, plain.init(params), params)
     assert not bool(jnp.all(jnp.isfinite(upd["w"])))
 
     tx = optax.apply_if_finite(dion3_jax.dion3(0.02, 0.5), max_consecutive_errors=3)
     step = jax.jit(tx.update)
-    s0 = tx.init(params)
+    s0 = committed(tx.init(params))
     u1, s1 = step(good[0], s0, params)
     p1 = optax.apply_updates(params, u1)
     u_bad, s_bad = step(bad, s1, p1)
@@ -393,9 +400,10 @@ def test_custom_orthogonalizer_gets_batches():
         return dion3_jax.polar(x)
 
     params = {"a": jnp.ones((16, 32)), "b": jnp.ones((16, 32)), "c": jnp.ones((8, 32))}
-    g = jax.tree.map(lambda x: jax.random.normal(jax.random.key(0), x.shape), params)
+    rng = np.random.default_rng(0)
+    g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)), params)
     tx = dion3_jax.scale_by_dion3(0.25, orthogonalizer=ortho)
-    tx.update(g, tx.init(params))
+    jax.jit(tx.update)(g, tx.init(params))
     # a and b (same shape) share one call: selected 8 rows of 16 inputs → (2, 8, 16) wide
     assert sorted(seen) == sorted([(2, 8, 16), (1, 8, 8)])
 
@@ -531,7 +539,8 @@ def test_stacked_layers_trace_independent_of_depth(fraction):
 
 def test_default_mu_follows_the_fraction_and_the_reference_default_stays_reachable():
     """mu=None (default) is 0.95^(1/f); mu=0.95 is the reference's constant. Checked on the
-    momentum after one step: unselected rows keep G, selected rows decay by the chosen mu."""
+    momentum after one step: unselected rows keep G, selected rows decay by the chosen mu.
+    Run eagerly (op by op, without jit); the other steps in this file are jitted."""
     g = np.zeros((8, 16), np.float32)
     g[:, :4] = 2.0                               # rows 0..3 (outputs) are the top-4 at f = 1/4
     g[:, 4:] = 1.0
