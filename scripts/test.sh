@@ -7,5 +7,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-# --dist loadgroup: the tests of one xdist_group run on one worker (they share a module fixture).
-exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadgroup -q --durations=15 "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -n 2 -q --durations=15 "$@"

@@ -129,7 +129,7 @@ def test_learning_rate_schedule_and_injected_lr_change():
     s = inj.init(params)
     update = jax.jit(inj.update)
     ua, _ = update(grads, s, params)
-    s.hyperparams["learning_rate"] = jnp.asarray(0.02)
+    s.hyperparams["learning_rate"] = jnp.float32(0.02)     # its dtype: the step compiles once
     ub, _ = update(grads, s, params)
     np.testing.assert_allclose(ub["dense"]["kernel"], 2 * ua["dense"]["kernel"], rtol=1e-5)
 
@@ -227,6 +227,8 @@ def test_flax_nnx_optimizer_trains():
     model = _Tiny(nnx.Rngs(0))
     opt = nnx.Optimizer(model, dion3_jax.dion3(0.05, 0.25, adam_learning_rate=1e-2),
                         wrt=nnx.Param)
+    for obj in (model, opt):   # committed like the step's outputs: the step compiles once
+        nnx.update(obj, _committed(nnx.state(obj)))
     labels = dion3_jax.default_param_labels(nnx.state(model, nnx.Param))
     assert labels["l1"]["kernel"] == "dion3" and labels["embed"]["embedding"] == "scalar"
     assert labels["lm_head"]["kernel"] == "scalar" and labels["l1"]["bias"] == "scalar"

@@ -225,8 +225,9 @@ def test_replica_axis_resynchronise_before_save(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved_on_8(tmp_path_factory):
-    """The 8-device run of the test below, once for both device counts: the checkpoint's path,
-    what it holds (after 2 steps) and the state after 2 more steps on the 8 devices."""
+    """The 8-device run of the test below, once for both device counts (adjacent: one xdist
+    worker runs both): the checkpoint's path, what it holds (after 2 steps) and the state after
+    2 more steps on the 8 devices."""
     need(8)
     mesh8 = fsdp_mesh(8)
     grads = [host_tree(s + 1) for s in range(STEPS)]
@@ -244,7 +245,6 @@ def saved_on_8(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("checkpoint_saved_on_8")
 @pytest.mark.parametrize("devices", [4, 1])
 def test_checkpoint_from_8_devices_restores_onto_fewer(saved_on_8, devices):
     """Saved on the FSDP mesh (8,), restored with ``jax.ShapeDtypeStruct(..., sharding=...)``

@@ -13,6 +13,7 @@ default backend's devices with the CPU mesh (2, 4) (scripts/gpu_multi.sh).
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -131,6 +132,19 @@ def meshes():
 MESHES = meshes()
 
 
+@functools.cache
+def model_reference(scope: str, fraction: float):
+    """:func:`run_single` of :func:`model` (params: seed 0; two steps, grads: seeds 1 and 2) at
+    ``selection_scope=scope``: the single-device reference of the two tests below, compiled once
+    per worker (the 15-leaf step is the slow part; the tests are adjacent, so that one xdist
+    worker usually runs both)."""
+    leaves = model(make_mesh(MESHES[0]))      # shapes and options: the same on every mesh
+    params = random_tree(leaves, 0)
+    grads = [random_tree(leaves, s + 1) for s in range(2)]
+    kw = dict(mesh_options=MO(selection_scope=scope), **opts(leaves), **POLAR)
+    return run_single(dion3_jax.scale_by_dion3(fraction, **kw), params, grads)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("scope,fraction", [("global", 0.25), ("local", 1.0)])
@@ -140,7 +154,7 @@ def test_sharded_equals_single_device(mesh_shape, scope, fraction):
     params = random_tree(leaves, 0)
     grads = [random_tree(leaves, s + 1) for s in range(2)]
     kw = dict(mesh_options=MO(selection_scope=scope), **opts(leaves), **POLAR)
-    ref_u, ref_state = run_single(dion3_jax.scale_by_dion3(fraction, **kw), params, grads)
+    ref_u, ref_state = model_reference(scope, fraction)
     with jax.set_mesh(mesh):
         tx = dion3_jax.scale_by_dion3(fraction, **kw)
         state = tx.init(put(params, leaves, mesh))
@@ -154,6 +168,29 @@ def test_sharded_equals_single_device(mesh_shape, scope, fraction):
                 assert v.sharding.is_equivalent_to(NamedSharding(mesh, leaves[k][1]), v.ndim), k
     assert_close(state.momentum, ref_state.momentum, 2e-5, "momentum ")
     assert_close(state.variance, ref_state.variance, 2e-5, "variance ")
+
+
+@pytest.mark.slow
+def test_auto_axes_equal_single_device_and_keep_shardings():
+    mesh = make_mesh(need_2d(), AxisType.Auto)
+    leaves = model(mesh)
+    specs = {k: v[1] for k, v in leaves.items()}
+    params = random_tree(leaves, 0)
+    grads = [random_tree(leaves, 1)]
+    kw = dict(**opts(leaves), **POLAR)
+    ref_u, _ = model_reference("global", 0.25)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(
+            0.25, mesh_options=MO(selection_scope="global", param_specs=specs), **kw)
+        state = tx.init(put(params, leaves, mesh))
+        before = jax.tree.map(lambda x: x.sharding, state)
+        update = jax.jit(tx.update)
+        u, state = update(put(grads[0], leaves, mesh), state)
+        assert_close(u, ref_u[0], 2e-5, "auto ")
+        same = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state, before)
+        assert all(jax.tree.leaves(same))
+        hlo = update.lower(put(grads[0], leaves, mesh), state).compile().as_text()
+        assert count_op(hlo, "all-to-all") > 0
 
 
 def test_row_segments_of_one_leaf_keep_each_others_second_moments():
@@ -220,29 +257,6 @@ def test_bfloat16_sharded_equals_single_device():
                                                                     d_si.max())
                 assert d_sh.mean() <= 2 * d_si.mean() + ulp / 4 * scale, (step, k, d_sh.mean(),
                                                                           d_si.mean())
-
-
-@pytest.mark.slow
-def test_auto_axes_equal_single_device_and_keep_shardings():
-    mesh = make_mesh(need_2d(), AxisType.Auto)
-    leaves = model(mesh)
-    specs = {k: v[1] for k, v in leaves.items()}
-    params = random_tree(leaves, 0)
-    grads = [random_tree(leaves, 3)]
-    kw = dict(**opts(leaves), **POLAR)
-    ref_u, _ = run_single(dion3_jax.scale_by_dion3(0.25, **kw), params, grads)
-    with jax.set_mesh(mesh):
-        tx = dion3_jax.scale_by_dion3(
-            0.25, mesh_options=MO(selection_scope="global", param_specs=specs), **kw)
-        state = tx.init(put(params, leaves, mesh))
-        before = jax.tree.map(lambda x: x.sharding, state)
-        update = jax.jit(tx.update)
-        u, state = update(put(grads[0], leaves, mesh), state)
-        assert_close(u, ref_u[0], 2e-5, "auto ")
-        same = jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim), state, before)
-        assert all(jax.tree.leaves(same))
-        hlo = update.lower(put(grads[0], leaves, mesh), state).compile().as_text()
-        assert count_op(hlo, "all-to-all") > 0
 
 
 def test_local_scope_selects_per_shard():

@@ -118,8 +118,12 @@ def test_selected_rows_reference_matches_float64(row_axis):
     assert np.all(got[0, -2:] == 0)
 
 
-@pytest.mark.parametrize("row_axis,shape", [(1, (64, 96)), (2, (32, 128)), (2, (24, 160))])
-@pytest.mark.parametrize("padded", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Padding rows (slow) once per row axis: which rows are padding does not depend on the column
+# blocks that (24, 160) adds.
+@pytest.mark.parametrize("row_axis,shape,padded", [
+    (1, (64, 96), False), (2, (32, 128), False), (2, (24, 160), False),
+    pytest.param(1, (64, 96), True, marks=pytest.mark.slow),
+    pytest.param(2, (32, 128), True, marks=pytest.mark.slow)])
 def test_selected_rows_kernel_interpreted_equals_reference_bitwise(row_axis, shape, padded):
     seed = np.random.randint(1 << 30)
     ms, gs, ds = _members(seed, [2, 1, 3], *shape, g_dtype=jnp.bfloat16)
@@ -194,10 +198,12 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
 _SPECS = {"a": P(None, "x"), "b": P(None, "x"), "c": P("x", None, None), "d": P("x", None)}
 
 
-# The fast loop: f = 1 with float32 momenta and f = 1/4 with bfloat16 ones (each once).
+# The fast loop: f = 1 with float32 momenta and f = 1/4 with bfloat16 ones. (Float32 momenta at
+# f = 1/4 on one device add nothing: the kernel's float32 selected rows are checked bitwise
+# above, the step's selected rows here with bfloat16 and on the mesh.)
 @pytest.mark.parametrize("sharded,mu_dtype,fraction", [
     (False, None, 1.0), pytest.param(False, jnp.bfloat16, 1.0, marks=pytest.mark.slow),
-    pytest.param(False, None, 0.25, marks=pytest.mark.slow), (False, jnp.bfloat16, 0.25),
+    (False, jnp.bfloat16, 0.25),
     pytest.param(True, None, 1.0, marks=pytest.mark.slow),
     pytest.param(True, jnp.bfloat16, 0.25, marks=pytest.mark.slow)])
 def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_dtype, fraction):

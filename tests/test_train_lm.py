@@ -29,14 +29,13 @@ TINY = dict(d_model=32, layers=1, heads=2, seq_len=32, batch=8, steps=60, warmup
 @pytest.fixture(scope="module")
 def tiny_run(train_lm, tmp_path_factory):
     """``(cfg, train(cfg))`` of TINY: ~20 s on the 2-core machine (two optimizers compile and
-    train), run once for both tests that use it (an xdist group: ``scripts/test.sh`` runs it on
-    one worker)."""
+    train), run once for the two tests that use it (adjacent, so that one xdist worker runs
+    both)."""
     cfg = train_lm.Config(**TINY, out=str(tmp_path_factory.mktemp("tiny_run")))
     return cfg, train_lm.train(cfg)
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("train_lm_tiny_run")
 def test_tiny_run_learns(tiny_run):
     cfg, out = tiny_run
 
@@ -72,6 +71,61 @@ def test_tiny_run_learns(tiny_run):
     with open(os.path.join(cfg.out, "table.txt")) as f:
         assert f.read().strip() == out["table"]
     assert os.path.getsize(out["json"]) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint and resume: a run stopped halfway and resumed equals the uninterrupted run, bitwise.
+
+def _params(model):
+    import jax
+    from flax import nnx
+
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
+
+
+@pytest.mark.slow  # the runs reuse the steps tiny_run compiled
+def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(train_lm, tiny_run, tmp_path):
+    full = tiny_run[1]
+    half = TINY["steps"] // 2
+    run = str(tmp_path / "run")
+    stopped = train_lm.train(train_lm.Config(**TINY, out=run, checkpoint_every=20,
+                                             stop_after=half))
+    assert stopped["stopped"] and stopped["results"] is None
+    assert not os.path.exists(os.path.join(run, "results.json"))
+    for name in TINY["optimizers"].split(","):
+        # Saved after steps 20 and 30 (every 20 steps and where it stopped), both kept.
+        assert sorted(os.listdir(os.path.join(run, "checkpoints", name))) == ["20", "30"], name
+        # The stopped model really is halfway: it differs from the finished one.
+        a, b = _params(stopped["models"][name]), _params(full["models"][name])
+        assert any(not np.array_equal(a[k], b[k]) for k in a), name
+
+    resumed = train_lm.train(train_lm.Config(**TINY, resume=run, checkpoint_every=20))
+    assert not resumed["stopped"] and resumed["out"] == run
+    for r_full, r_res in zip(full["results"], resumed["results"]):
+        name = r_full["optimizer"]
+        assert r_res["optimizer"] == name
+        # The losses of every step (the resumed ones included) and the final losses, bitwise.
+        assert len(r_res["train_losses"]) == TINY["steps"]
+        assert r_res["train_losses"] == r_full["train_losses"], name
+        assert r_res["heldout_curve"] == r_full["heldout_curve"], name
+        assert r_res["heldout_loss"] == r_full["heldout_loss"], name
+        a, b = _params(resumed["models"][name]), _params(full["models"][name])
+        assert sorted(a) == sorted(b) and len(a) > 5
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
+    assert sorted(os.listdir(os.path.join(run, "checkpoints", "dion3"))) == ["40", "60"]
+
+    # Resuming the finished run again trains nothing, gives the same results and keeps the
+    # earlier outputs: the new ones get a suffix.
+    with open(os.path.join(run, "results.json")) as f:
+        first = f.read()
+    again = train_lm.train(train_lm.Config(**TINY, resume=run))
+    assert again["json"] == os.path.join(run, "results-resumed1.json")
+    with open(os.path.join(run, "results.json")) as f:
+        assert f.read() == first
+    assert [r["train_losses"] for r in again["results"]] == \
+        [r["train_losses"] for r in full["results"]]
 
 
 def test_heldout_split_is_disjoint_and_deterministic(train_lm):
@@ -127,62 +181,6 @@ def test_dion3_defaults_follow_the_transfer_rules(train_lm):
     assert cfg.matrix_lr("dion3") == 0.1 and cfg.matrix_mu("dion3") == 0.5
     _, hp = train_lm.make_optimizer("dion3", train_lm.Config(fraction=0.125))
     assert hp["fraction"] == 0.125 and hp["mu"] == pytest.approx(0.95**8)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoint and resume: a run stopped halfway and resumed equals the uninterrupted run, bitwise.
-
-def _params(model):
-    import jax
-    from flax import nnx
-
-    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in flat}
-
-
-@pytest.mark.slow  # the runs reuse the steps tiny_run compiled
-@pytest.mark.xdist_group("train_lm_tiny_run")
-def test_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(train_lm, tiny_run, tmp_path):
-    full = tiny_run[1]
-    half = TINY["steps"] // 2
-    run = str(tmp_path / "run")
-    stopped = train_lm.train(train_lm.Config(**TINY, out=run, checkpoint_every=20,
-                                             stop_after=half))
-    assert stopped["stopped"] and stopped["results"] is None
-    assert not os.path.exists(os.path.join(run, "results.json"))
-    for name in TINY["optimizers"].split(","):
-        # Saved after steps 20 and 30 (every 20 steps and where it stopped), both kept.
-        assert sorted(os.listdir(os.path.join(run, "checkpoints", name))) == ["20", "30"], name
-        # The stopped model really is halfway: it differs from the finished one.
-        a, b = _params(stopped["models"][name]), _params(full["models"][name])
-        assert any(not np.array_equal(a[k], b[k]) for k in a), name
-
-    resumed = train_lm.train(train_lm.Config(**TINY, resume=run, checkpoint_every=20))
-    assert not resumed["stopped"] and resumed["out"] == run
-    for r_full, r_res in zip(full["results"], resumed["results"]):
-        name = r_full["optimizer"]
-        assert r_res["optimizer"] == name
-        # The losses of every step (the resumed ones included) and the final losses, bitwise.
-        assert len(r_res["train_losses"]) == TINY["steps"]
-        assert r_res["train_losses"] == r_full["train_losses"], name
-        assert r_res["heldout_curve"] == r_full["heldout_curve"], name
-        assert r_res["heldout_loss"] == r_full["heldout_loss"], name
-        a, b = _params(resumed["models"][name]), _params(full["models"][name])
-        assert sorted(a) == sorted(b) and len(a) > 5
-        for k in a:
-            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{name} {k}")
-    assert sorted(os.listdir(os.path.join(run, "checkpoints", "dion3"))) == ["40", "60"]
-
-    # Resuming the finished run again trains nothing, gives the same results and keeps the
-    # earlier outputs: the new ones get a suffix.
-    with open(os.path.join(run, "results.json")) as f:
-        first = f.read()
-    again = train_lm.train(train_lm.Config(**TINY, resume=run))
-    assert again["json"] == os.path.join(run, "results-resumed1.json")
-    with open(os.path.join(run, "results.json")) as f:
-        assert f.read() == first
-    assert [r["train_losses"] for r in again["results"]] == \
-        [r["train_losses"] for r in full["results"]]
 
 
 def test_batch_order_depends_on_seed_and_step_only(train_lm):

@@ -106,7 +106,15 @@ def _reference_run(w0, grads, kind, f, *, lr, mu, beta2, wd, flavour, adjust, nu
     return mats_to_leaf(mats, w0.shape, kind, num_heads, splits), ms, vs
 
 
-@pytest.mark.parametrize("name,kind,shape,f,opts", CASES, ids=[c[0] for c in CASES])
+# With the slow tests only: what the fast loop checks elsewhere (f = 1 and the Muon flavour:
+# test_fraction_one_is_muon_momentum; torch layout and heads: their own cases here, and their
+# composition in tests/test_layout.py).
+SLOW_CASES = {"fraction_one", "muon_flavour", "torch_heads"}
+
+
+@pytest.mark.parametrize("name,kind,shape,f,opts", [
+    pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW_CASES else [])
+    for c in CASES])
 def test_matches_float64_reference(name, kind, shape, f, opts):
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     lr, mu, beta2, wd = 0.05, 0.9, 0.8, 0.1
