@@ -6,7 +6,9 @@ for ``syrk`` of ``(n, m)``, ``n(n+1)·k`` for ``sym_matmul`` of ``(n, k)·(k, n)
 error against a float64 product, XLA's own error, and whether the output is exactly symmetric.
 
 Times: ``jax.block_until_ready`` around each call, warm-up first, the median of ``--reps`` calls;
-all variants in one run.
+all variants in one run. The ``--polar`` and ``--peers`` tables also give each call's device time
+(``_trace.device_ms``: the kernels' own time in a profiler trace), which leaves out the host's
+dispatch and synchronisation that a wall-clock time of a short call includes.
 
 Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py                # default shapes, every available backend
@@ -33,6 +35,7 @@ import numpy as np
 import pallas_kernels
 from pallas_kernels import _mosaic, _schedule, _triton
 from _timing import median_ms, median_ms_rotated, rotated_sets
+from _trace import device_ms
 
 # (name, op, batch, n, m, dtype): syrk of (batch, n, m); sym_matmul of (batch, n, n)·(batch, n, n).
 CASES = [
@@ -204,12 +207,14 @@ def bench_polar(args, log):
         ("gram", b) for b in pallas_kernels.available_implementations() if b != "xla"]
     ref = None
     title = "polar " + "x".join(map(str, shape)) + " fp16"
-    log(f"{title:<24} {'method':<9} {'backend':<8} {'ms':>8} {'rel.diff vs gram/xla':>21}")
+    log(f"{title:<24} {'method':<9} {'backend':<8} {'ms':>8} {'device ms':>9} "
+        f"{'rel.diff vs gram/xla':>21}")
     for method, backend in runs:
         try:
             fn = jax.jit(lambda v, m=method, b=backend: polar(v, method=m, backend=b))
             out = jax.block_until_ready(fn(x)).astype(jnp.float32)
             ms = timed(fn, x, reps=args.reps)
+            dev_ms = device_ms(fn, x, reps=min(args.reps, 5))
         except Exception as e:
             log(f"polar FAILED {method}/{backend}: {type(e).__name__}: {str(e)[:400]}")
             continue
@@ -217,7 +222,7 @@ def bench_polar(args, log):
             ref = out
         diff = (float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
                 if ref is not None else float("nan"))
-        log(f"{'':<24} {method:<9} {backend:<8} {ms:8.3f} {diff:21.2e}")
+        log(f"{'':<24} {method:<9} {backend:<8} {ms:8.3f} {_fmt(dev_ms, 9, 3)} {diff:21.2e}")
     polar_breakdown(args, log, x, polar)
 
 
@@ -304,11 +309,20 @@ def bench_peers(args, log):
                  ("sym_matmul (mosaic)", lambda x: _mosaic.sym_matmul_mosaic(x, x), (a,),
                   n * (n + 1) * n, _schedule.num_lower_tiles(n // 128))]
     log(f"\n{n}³ products, float16, {args.rotate} rotated input sets per call, median of "
-        f"{args.reps}")
-    log(f"{'product':<24} {'ms':>8} {'TFLOP/s':>8} {'tiles':>6} {'µs/tile':>8}")
+        f"{args.reps}; device: the kernels' own time in a trace of single calls")
+    log(f"{'product':<24} {'ms':>8} {'TFLOP/s':>8} {'tiles':>6} {'µs/tile':>8} "
+        f"{'device ms':>9} {'device µs/tile':>14}")
     for name, fn, xs, flops, tiles in runs:
         ms = median_ms_rotated(fn, rotated_sets(xs, args.rotate), reps=args.reps)
-        log(f"{name:<24} {ms:8.4f} {flops / ms / 1e9:8.0f} {tiles:6d} {ms * 1e3 / tiles:8.4f}")
+        dev_ms = device_ms(jax.jit(fn), *xs, reps=min(args.reps, 10))
+        per_tile = None if dev_ms is None else dev_ms * 1e3 / tiles
+        log(f"{name:<24} {ms:8.4f} {flops / ms / 1e9:8.0f} {tiles:6d} {ms * 1e3 / tiles:8.4f} "
+            f"{_fmt(dev_ms, 9, 4)} {_fmt(per_tile, 14, 4)}")
+
+
+def _fmt(value: float | None, width: int, digits: int) -> str:
+    """``value`` right-aligned with ``digits`` decimals, or "-" (no GPU trace)."""
+    return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
 
 
 def main(argv=None):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import glob
 import gzip
 import json
 import os
@@ -37,26 +36,7 @@ from jax.profiler import ProfileData
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
-
-
-def _op_lines(plane):
-    """The lines of a GPU plane that hold the device ops: "XLA Ops" where the trace has it,
-    else every line but the module and step summaries."""
-    return [ln for ln in plane.lines if ln.name == "XLA Ops"] or [
-        ln for ln in plane.lines if ln.name not in ("XLA Modules", "Steps")]
-
-
-def load_trace(trace_dir: str) -> ProfileData:
-    """The ``jax.profiler`` trace written under ``trace_dir``."""
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    return ProfileData.from_file(path)
-
-
-def first_gpu(data: ProfileData):
-    """The plane of the first GPU (all devices run the same program), or None on CPU."""
-    planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU")),
-                    key=lambda p: p.name)
-    return planes[0] if planes else None
+from _trace import first_gpu, load_trace, op_lines  # noqa: E402
 
 
 def op_times(data: ProfileData) -> dict[str, float]:
@@ -64,7 +44,7 @@ def op_times(data: ProfileData) -> dict[str, float]:
     totals: dict[str, float] = collections.defaultdict(float)
     plane = first_gpu(data)
     if plane is not None:
-        for line in _op_lines(plane):
+        for line in op_lines(plane):
             for event in line.events:
                 totals[event.name] += event.duration_ns
     else:
@@ -77,14 +57,14 @@ def op_times(data: ProfileData) -> dict[str, float]:
 
 
 def device_gaps(data: ProfileData) -> list[tuple[float, str]]:
-    """Idle stretches of the first GPU (its :func:`_op_lines` merged into one timeline): ``(ns
+    """Idle stretches of the first GPU (its :func:`op_lines` merged into one timeline): ``(ns
     idle, name of the op that ended it)`` for every gap between consecutive ops (empty on
     CPU)."""
     plane = first_gpu(data)
     if plane is None:
         return []
     gaps, end = [], None
-    for e in sorted((e for line in _op_lines(plane) for e in line.events),
+    for e in sorted((e for line in op_lines(plane) for e in line.events),
                     key=lambda e: e.start_ns):
         if end is not None and e.start_ns > end:
             gaps.append((e.start_ns - end, e.name))
@@ -121,7 +101,7 @@ def collective_overlap(data: ProfileData):
     if plane is None:
         return []
     lines = [ln for ln in plane.lines
-             if ln.name not in ("XLA Modules", "Steps", "XLA Ops")] or _op_lines(plane)
+             if ln.name not in ("XLA Modules", "Steps", "XLA Ops")] or op_lines(plane)
     print("# first GPU's lines (events): "
           + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in plane.lines))
     events = [(ln.name, e.name, e.start_ns, e.start_ns + e.duration_ns)
