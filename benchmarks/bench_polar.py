@@ -1,8 +1,10 @@
 """Polar-operator timings: XLA standard NS, XLA Gram NS (and kernel backends), optax's NS.
 
-Prints a table: shape, method, backend, compute dtype, ms (median), TFLOP/s (useful FLOPs of
-standard NS with symmetric products counted once, so methods compare on one scale), relative
-error against a float32 standard-NS run with the same coefficients.
+Prints a table: shape, method, backend, compute dtype, ms (median wall time of synchronised
+calls), device ms (the GPU ops' own time in a profiler trace: ``_trace.device_ms``; "-" on a CPU),
+TFLOP/s (of the wall time; useful FLOPs of standard NS with symmetric products counted once, so
+methods compare on one scale), relative error against a float32 standard-NS run with the same
+coefficients.
 
 Usage:
   python benchmarks/bench_polar.py                  # the 7B model's polar shapes (GPU)
@@ -22,6 +24,7 @@ import optax
 import dion3_jax
 import pallas_kernels
 from _timing import median_ms
+from _trace import device_ms
 
 FULL_SHAPES = [(4096, 4096), (4096, 16384), (8192, 28672), (32, 1024, 4096)]
 SMALL_SHAPES = [(128, 128), (128, 512), (4, 64, 256)]
@@ -66,13 +69,14 @@ def main(argv=None) -> None:
                 y, method=m, backend=b, compute_dtype=jnp.dtype(c)))
             try:
                 ms = median_ms(fn, x, reps=args.reps)
+                dev = device_ms(fn, x, reps=min(args.reps, 5))
                 out = fn(x).astype(jnp.float32)
                 err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
             except Exception as e:  # report, keep going with the other variants
-                rows.append((shape, method, backend, cdt, float("nan"), float("nan"),
+                rows.append((shape, method, backend, cdt, float("nan"), None, float("nan"),
                              f"{type(e).__name__}: {str(e)[:60]}"))
                 continue
-            rows.append((shape, method, backend, cdt, ms, _useful_flops(shape) / ms / 1e9,
+            rows.append((shape, method, backend, cdt, ms, dev, _useful_flops(shape) / ms / 1e9,
                          f"{err:.2e}"))
         if args.no_optax:
             continue
@@ -83,13 +87,15 @@ def main(argv=None) -> None:
         ofn = jax.jit(lambda y: jax.vmap(optax_ns)(y.reshape((-1, *y.shape[-2:]))))
         ms = median_ms(ofn, ox, reps=args.reps)
         rows.append((shape, "optax NS (jordan)", "xla", "bfloat16", ms,
-                     _useful_flops(shape) / ms / 1e9, "-"))
-    hdr = ("shape", "method", "backend", "compute", "ms", "TFLOP/s*", "rel.err vs f32")
-    fmt = "{:<18} {:<18} {:<8} {:<9} {:>9} {:>9} {:>16}"
+                     device_ms(ofn, ox, reps=min(args.reps, 5)), _useful_flops(shape) / ms / 1e9,
+                     "-"))
+    hdr = ("shape", "method", "backend", "compute", "ms", "device ms", "TFLOP/s*",
+           "rel.err vs f32")
+    fmt = "{:<18} {:<18} {:<8} {:<9} {:>9} {:>9} {:>9} {:>16}"
     print(fmt.format(*hdr))
-    for shape, method, backend, cdt, ms, tf, err in rows:
+    for shape, method, backend, cdt, ms, dev, tf, err in rows:
         print(fmt.format("x".join(map(str, shape)), method, backend, cdt, f"{ms:.3f}",
-                         f"{tf:.0f}", err))
+                         "-" if dev is None else f"{dev:.3f}", f"{tf:.0f}", err))
     print("* TFLOP/s of standard NS's useful work (symmetric products counted once), 5 steps")
 
 
