@@ -10,7 +10,10 @@ of a step then overlaps the device's run of the one before, so the queued time l
 device's idle time between synchronised steps.
 Every row also gives the variant's compile time: tracing, lowering and compiling the step, in
 seconds (with ``--compile-workers`` the variants compile concurrently, so each one's time
-includes waiting for the CPU).
+includes waiting for the CPU); its memory on the first device: the optimizer state's shards
+("state MiB") and the temporary buffers of the compiled step beyond its arguments and outputs
+("temp MiB", from XLA's memory analysis); and its collectives: counts per kind, MiB sent per
+device and those MiB per element type ("by dtype": the wire format).
 
 Variants: optax.adamw, optax.contrib.muon, and Dion3 (NorMuon flavour) at f ∈ {1, 1/2, 1/4, 1/8}
 × {standard, Gram} Newton-Schulz × every matmul backend available on the device. For Dion3 the
@@ -99,12 +102,14 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
                 "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 
 
-def _shape_bytes(text: str) -> int:
-    total = 0
+def _shape_bytes_by_dtype(text: str) -> dict[str, int]:
+    """Bytes of the array shapes printed in ``text`` (HLO, e.g. ``f16[8,4096]``), per dtype."""
+    out: dict[str, int] = {}
     for dt, dims in re.findall(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text):
         if dt in _DTYPE_BYTES:
-            total += _DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-    return total
+            n = int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            out[dt] = out.get(dt, 0) + _DTYPE_BYTES[dt] * n
+    return out
 
 
 def collective_lines(hlo: str, per_kind: int = 4) -> list[str]:
@@ -118,14 +123,13 @@ def collective_lines(hlo: str, per_kind: int = 4) -> list[str]:
     return out
 
 
-def collective_stats(hlo: str) -> dict:
-    """Per collective kind: instruction count and bytes (sum of operand sizes) in compiled HLO.
+def _collectives(hlo: str):
+    """``(kind, operand bytes by dtype)`` of every collective instruction in compiled HLO.
 
     Async pairs count once (the ``-start``; ``-done`` is skipped). Operands are read from the
     instruction's argument list (compiled HLO prints operand shapes); where an operand's shape is
     not printed, the result's size is used instead.
     """
-    stats = {op: [0, 0] for op in COLLECTIVES}
     for line in hlo.splitlines():
         for op in COLLECTIVES:
             m = re.search(rf"= (.*?) {op}(?:-start)?\((.*)$", line)
@@ -138,11 +142,40 @@ def collective_stats(hlo: str) -> dict:
                 if depth == 0:
                     break
                 args += ch
-            nbytes = _shape_bytes(args) or _shape_bytes(m.group(1))
-            stats[op][0] += 1
-            stats[op][1] += nbytes
+            yield op, _shape_bytes_by_dtype(args) or _shape_bytes_by_dtype(m.group(1))
             break
+
+
+def collective_stats(hlo: str) -> dict:
+    """Per collective kind: instruction count and bytes (sum of operand sizes) in compiled HLO
+    (see :func:`_collectives`)."""
+    stats = {op: [0, 0] for op in COLLECTIVES}
+    for op, by_dtype in _collectives(hlo):
+        stats[op][0] += 1
+        stats[op][1] += sum(by_dtype.values())
     return stats
+
+
+def collective_bytes_by_dtype(hlo: str) -> dict[str, int]:
+    """Bytes of all collectives' operands per element type (``{"f16": ..., "f32": ...}``): the
+    wire format of the step's traffic."""
+    out: dict[str, int] = {}
+    for _, by_dtype in _collectives(hlo):
+        for dt, n in by_dtype.items():
+            out[dt] = out.get(dt, 0) + n
+    return out
+
+
+def memory_mib(step, state) -> tuple[float, float | None]:
+    """``(state, temp)`` in MiB on the first device: the optimizer state's shards there, and the
+    temporary buffers XLA allocates for the compiled ``step`` beyond its arguments and outputs
+    (None where the backend gives no memory analysis)."""
+    dev = jax.devices()[0]
+    state_bytes = sum(s.data.nbytes for x in jax.tree.leaves(state)
+                      for s in x.addressable_shards if s.device == dev)
+    analysis = step.memory_analysis()
+    temp = None if analysis is None else analysis.temp_size_in_bytes / 2**20
+    return state_bytes / 2**20, temp
 
 
 #: The compute dtype of each Newton-Schulz method (``dion3_jax.polar``'s defaults); Dion3's own
@@ -239,8 +272,11 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
       options: XLA compiler options (:func:`compile_step`), when compiled here.
 
     Returns:
-      ``(median ms, queued ms, compile seconds, collective stats)``: the median of ``reps``
-      synchronised steps, and the mean of ``reps`` steps dispatched back to back.
+      ``(median ms, queued ms, compile seconds, stats)``: the median of ``reps`` synchronised
+      steps, the mean of ``reps`` steps dispatched back to back, and ``stats``: collective
+      counts and bytes per kind (:func:`collective_stats`), collective bytes per dtype, and the
+      optimizer state's and the step's temporary memory on the first device
+      (:func:`memory_mib`).
     """
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx:
@@ -250,7 +286,9 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
             compiled = compile_step(tx, params, grads, mesh, state, options)
         step, compile_s = compiled.result() if hasattr(compiled, "result") else compiled
         hlo = step.as_text()
-        stats = collective_stats(hlo)
+        state_mib, temp_mib = memory_mib(step, state)
+        stats = {"collectives": collective_stats(hlo), "by_dtype": collective_bytes_by_dtype(hlo),
+                 "state_mib": state_mib, "temp_mib": temp_mib}
         if show_collectives:
             for line in collective_lines(hlo):
                 print(f"    | {line}", flush=True)
@@ -395,7 +433,8 @@ def compile_all(plan, workers: int, params, grads, mesh) -> dict:
 def row(name, ms, queued_ms, compile_s, stats, polar_ms=None) -> dict:
     """One table row, also printed as a progress line."""
     extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
-    coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB" for op, (c, b) in stats.items() if c)
+    coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB"
+                     for op, (c, b) in stats["collectives"].items() if c)
     print(f"  {name}: {ms:.2f} ms ({queued_ms:.2f} queued), compiled in {compile_s:.1f} s"
           f"{extra}  [{coll or 'no collectives'}]", flush=True)
     return {"variant": name, "ms": ms, "queued_ms": queued_ms, "compile_s": compile_s,
@@ -406,20 +445,25 @@ def print_table(rows) -> None:
     adamw = next((r for r in rows if r["variant"] == "optax.adamw"), None)
     print()
     print("| step | ms (median) | × AdamW | queued ms | × AdamW queued | compile s | polar ms | "
-          "rest ms | all-to-all | all-gather | all-reduce | other coll. | MiB moved / device |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "rest ms | state MiB | temp MiB | all-to-all | all-gather | all-reduce | other coll. | "
+          "MiB moved / device | by dtype |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         rel = f"{r['ms'] / adamw['ms']:.2f}" if adamw else "–"
         rel_q = f"{r['queued_ms'] / adamw['queued_ms']:.2f}" if adamw else "–"
         pol = f"{r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
         rest = f"{r['ms'] - r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
-        st = r["stats"]
+        st = r["stats"]["collectives"]
         other = sum(st[op][0] for op in COLLECTIVES[3:])
         moved = sum(b for _, b in st.values()) / 2**20
+        temp = r["stats"]["temp_mib"]
+        dtypes = ", ".join(f"{dt} {b / 2**20:.2f}"
+                           for dt, b in sorted(r["stats"]["by_dtype"].items())) or "–"
         print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {r['queued_ms']:.2f} | {rel_q} | "
-              f"{r['compile_s']:.1f} | {pol} | "
-              f"{rest} | {st['all-to-all'][0]} | {st['all-gather'][0]} | "
-              f"{st['all-reduce'][0]} | {other} | {moved:.2f} |")
+              f"{r['compile_s']:.1f} | {pol} | {rest} | {r['stats']['state_mib']:.1f} | "
+              f"{'–' if temp is None else f'{temp:.1f}'} | {st['all-to-all'][0]} | "
+              f"{st['all-gather'][0]} | {st['all-reduce'][0]} | {other} | {moved:.2f} | "
+              f"{dtypes} |")
 
 
 def main(argv=None) -> list[dict]:
