@@ -1,14 +1,16 @@
 """Benchmark of the symmetric-product kernels (pallas_kernels) against XLA.
 
-Prints one table: case, shape, dtype, implementation (and config), ms, speed-up over XLA, TFLOP/s
+Prints one table: case, shape, dtype, implementation (and config), ms, speed-up over XLA, the
+same two by device time (``dev ms``, ``dev xXLA``: the kernels' own time in a profiler trace,
+without the host's dispatch and synchronisation), TFLOP/s
 counting only the useful half of the work (the ``n(n+1)/2`` distinct entries: ``n(n+1)·m`` FLOPs
 for ``syrk`` of ``(n, m)``, ``n(n+1)·k`` for ``sym_matmul`` of ``(n, k)·(k, n)``), the relative
 error against a float64 product, XLA's own error, and whether the output is exactly symmetric.
 
 Times: ``jax.block_until_ready`` around each call, warm-up first, the median of ``--reps`` calls;
-all variants in one run. The ``--polar`` and ``--peers`` tables also give each call's device time
-(``_trace.device_ms``: the kernels' own time in a profiler trace), which leaves out the host's
-dispatch and synchronisation that a wall-clock time of a short call includes.
+all variants in one run. Every table also gives each call's device time (``_trace.device_ms``:
+the kernels' own time in a profiler trace of single calls), which leaves out the host's dispatch
+and synchronisation that a wall-clock time of a short call includes.
 
 Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py                # default shapes, every available backend
@@ -138,7 +140,7 @@ def bench_kernels(args, log):
         args_, kw, ref = make_inputs(op, batch, n, m, dtype, jax.random.key(ci))
         count = int(np.prod(batch)) if batch else 1
         useful_flops = count * n * (n + 1) * m
-        xla_ms = None
+        xla_ms = xla_dev = None
         xla_err = None
         for label, syrk_fn, sym_fn in impls:
             # Variants only on the two headline shapes.
@@ -153,15 +155,17 @@ def bench_kernels(args, log):
                 sym = exactly_symmetric(out)
                 finite = bool(jnp.isfinite(out).all())
                 ms = median_ms_rotated(fn_j, rotated_sets(args_, args.rotate), reps=args.reps)
+                dev = device_ms(fn_j, *args_, reps=min(args.reps, 5))
             except Exception as e:  # Report and go on: one failing variant must not hide others.
                 log(f"FAILED {name} {batch}x{n}x{m} {jnp.dtype(dtype).name} {label}: "
                     f"{type(e).__name__}: {str(e)[:400]}")
                 traceback.print_exc(file=sys.stderr)
                 continue
             if label == "xla":
-                xla_ms, xla_err = ms, err
+                xla_ms, xla_dev, xla_err = ms, dev, err
             row = dict(case=name, batch=list(batch), n=n, m=m, dtype=jnp.dtype(dtype).name,
                        impl=label, ms=ms, speedup=(xla_ms / ms) if xla_ms else None,
+                       device_ms=dev, device_speedup=(xla_dev / dev) if xla_dev and dev else None,
                        tflops=useful_flops / ms / 1e9, rel_err=err,
                        err_vs_xla=(err / xla_err) if xla_err else None, symmetric=sym,
                        finite=finite)
@@ -175,7 +179,7 @@ def bench_kernels(args, log):
 
 
 HEADER = (f"{'case':<11} {'shape':<18} {'dtype':<8} {'impl':<19} {'ms':>8} {'xXLA':>6} "
-          f"{'TFLOP/s':>8} {'rel.err':>9} {'err/XLA':>7} {'sym':>4}")
+          f"{'dev ms':>8} {'dev xXLA':>8} {'TFLOP/s':>8} {'rel.err':>9} {'err/XLA':>7} {'sym':>4}")
 
 
 def format_row(r):
@@ -185,8 +189,10 @@ def format_row(r):
     sym = "yes" if r["symmetric"] else "NO"
     if not r["finite"]:
         sym += " NaN!"
+    dsp = f"{r['device_speedup']:.2f}" if r.get("device_speedup") else "-"
     return (f"{r['case']:<11} {shape:<18} {r['dtype']:<8} {r['impl']:<19} {r['ms']:8.3f} "
-            f"{sp:>6} {r['tflops']:8.1f} {r['rel_err']:9.2e} {ex:>7} {sym:>4}")
+            f"{sp:>6} {_fmt(r.get('device_ms'), 8, 3)} {dsp:>8} {r['tflops']:8.1f} "
+            f"{r['rel_err']:9.2e} {ex:>7} {sym:>4}")
 
 
 def bench_polar(args, log):
