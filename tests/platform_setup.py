@@ -30,3 +30,10 @@ def on_platform():
         return
     with jax.default_matmul_precision("highest"), jax.default_device(DEVICES[0]):
         yield
+
+
+def committed(tree):
+    """``tree`` on the default device 0, committed like the params a jitted step returns, so that
+    a step fed its own outputs compiles once (uncommitted inputs would make the first call
+    another cache entry)."""
+    return jax.device_put(tree, jax.devices()[0])

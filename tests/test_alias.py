@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import dion3_jax
+from platform_setup import committed
 
 ALIASES = {
     "dion3": lambda **kw: dion3_jax.dion3(fraction=0.5, **kw),
@@ -19,16 +20,10 @@ ALIASES = {
 }
 
 
-def _committed(tree):
-    """``tree`` on device 0, committed like the outputs of a jitted step, so that a step fed its
-    own outputs compiles once (uncommitted inputs would make the first call another entry)."""
-    return jax.device_put(tree, jax.devices()[0])
-
-
 def _params(dtype=jnp.float32):
     # NumPy draws here and below: jax.random would compile its sampler anew for every shape.
     rng = np.random.default_rng(0)
-    return _committed({"dense": {"kernel": rng.standard_normal((16, 24)).astype(dtype),
+    return committed({"dense": {"kernel": rng.standard_normal((16, 24)).astype(dtype),
                                  "bias": np.zeros((24,), dtype)},
                        "embed": {"embedding": rng.standard_normal((50, 16)).astype(dtype)},
                        "out": {"kernel": rng.standard_normal((24, 8)).astype(dtype)}})
@@ -97,7 +92,7 @@ def test_inject_hyperparams_equals_plain(name):
     if name == "dion3_lion":
         kw = {"scalar_optimizer": "lion"}
     injected = optax.inject_hyperparams(factory, static_args=static)(learning_rate=0.02, **kw)
-    s1, s2 = _committed(plain.init(params)), _committed(injected.init(params))
+    s1, s2 = committed(plain.init(params)), committed(injected.init(params))
     for _ in range(2):
         u1, s1 = jax.jit(plain.update)(grads, s1, params)
         u2, s2 = jax.jit(injected.update)(grads, s2, params)
@@ -138,7 +133,7 @@ def test_learning_rate_schedule_and_injected_lr_change():
 def test_multisteps_accumulates():
     params, grads = _params(), _grads(_params())
     tx = optax.MultiSteps(dion3_jax.dion3(0.02, 0.5), every_k_schedule=3)
-    state = _committed(tx.init(params))
+    state = committed(tx.init(params))
     step = jax.jit(tx.update)
     for i in range(3):
         upd, state = step(grads, state, params)
@@ -192,7 +187,7 @@ def test_transfer_learning_rate():
 
 def test_matrix_parabola_converges():
     target = jnp.asarray(np.random.default_rng(3).standard_normal((32, 48), np.float32))
-    params = _committed({"w": jnp.zeros((32, 48))})
+    params = committed({"w": jnp.zeros((32, 48))})
     loss = lambda p: jnp.mean((p["w"] - target) ** 2)
     tx = dion3_jax.dion3(optax.cosine_decay_schedule(0.3, 400), 0.25, weight_decay=0.0)
     state = tx.init(params)
@@ -228,7 +223,7 @@ def test_flax_nnx_optimizer_trains():
     opt = nnx.Optimizer(model, dion3_jax.dion3(0.05, 0.25, adam_learning_rate=1e-2),
                         wrt=nnx.Param)
     for obj in (model, opt):   # committed like the step's outputs: the step compiles once
-        nnx.update(obj, _committed(nnx.state(obj)))
+        nnx.update(obj, committed(nnx.state(obj)))
     labels = dion3_jax.default_param_labels(nnx.state(model, nnx.Param))
     assert labels["l1"]["kernel"] == "dion3" and labels["embed"]["embedding"] == "scalar"
     assert labels["lm_head"]["kernel"] == "scalar" and labels["l1"]["bias"] == "scalar"

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import dion3_jax
+from platform_setup import committed
 
 POLAR = dict(orthogonalizer=dion3_jax.make_orthogonalizer(method="standard",
                                                           compute_dtype=jnp.float32))
@@ -29,9 +30,8 @@ POLAR = dict(orthogonalizer=dion3_jax.make_orthogonalizer(method="standard",
 def test_orbax_round_trip_and_resume(tmp_path):
     rng = np.random.default_rng(0)
     normal = lambda shape: rng.standard_normal(shape, np.float32)  # noqa: E731
-    # Committed like the params the step's updates give: the jitted step compiles once.
-    params = jax.device_put({"w": normal((16, 24)), "b": np.zeros((24,), np.float32),
-                             "embed": normal((10, 16))}, jax.devices()[0])
+    params = committed({"w": normal((16, 24)), "b": np.zeros((24,), np.float32),
+                        "embed": normal((10, 16))})
     grads = [jax.tree.map(lambda x: jnp.asarray(normal(x.shape)), params) for _ in range(2)]
     tx = dion3_jax.dion3(0.02, 0.5)
     step = jax.jit(tx.update)

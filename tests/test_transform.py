@@ -15,17 +15,11 @@ import pytest
 import dion3_jax
 from dion3_jax import DimensionNumbers
 import dion3_reference as ref
+from platform_setup import committed
 
 STEPS = 3
 def f64_polar():
     return dion3_jax.make_orthogonalizer(compute_dtype=jnp.float64)  # under enable_x64
-
-
-def committed(tree):
-    """``tree`` on device 0, committed like the params a jitted step returns, so that a step
-    fed its own outputs compiles once (uncommitted inputs would make the first call another
-    cache entry)."""
-    return jax.device_put(tree, jax.devices()[0])
 
 
 # --- leaf <-> (out × in) matrices, written independently of dion3_jax._layout -----------------
