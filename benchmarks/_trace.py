@@ -22,7 +22,7 @@ import jax
 from jax.profiler import ProfileData
 
 #: Lines of a GPU plane that summarise rather than hold device ops.
-_SUMMARY_LINES = ("XLA Modules", "Steps")
+SUMMARY_LINES = ("XLA Modules", "Steps")
 
 
 def load_trace(trace_dir: str) -> ProfileData:
@@ -42,7 +42,7 @@ def op_lines(plane):
     """The lines of a GPU plane that hold the device ops: "XLA Ops" where the trace has it,
     else every line but the module and step summaries."""
     return [ln for ln in plane.lines if ln.name == "XLA Ops"] or [
-        ln for ln in plane.lines if ln.name not in _SUMMARY_LINES]
+        ln for ln in plane.lines if ln.name not in SUMMARY_LINES]
 
 
 def busy_ns(plane) -> float:

@@ -36,7 +36,7 @@ from jax.profiler import ProfileData
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
-from _trace import first_gpu, load_trace, op_lines  # noqa: E402
+from _trace import SUMMARY_LINES, first_gpu, load_trace, op_lines  # noqa: E402
 
 
 def op_times(data: ProfileData) -> dict[str, float]:
@@ -101,7 +101,7 @@ def collective_overlap(data: ProfileData):
     if plane is None:
         return []
     lines = [ln for ln in plane.lines
-             if ln.name not in ("XLA Modules", "Steps", "XLA Ops")] or op_lines(plane)
+             if ln.name not in (*SUMMARY_LINES, "XLA Ops")] or op_lines(plane)
     print("# first GPU's lines (events): "
           + ", ".join(f"{ln.name} ({len(list(ln.events))})" for ln in plane.lines))
     events = [(ln.name, e.name, e.start_ns, e.start_ns + e.duration_ns)
