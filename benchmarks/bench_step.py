@@ -7,7 +7,11 @@ parameters. Each variant is ``jit(update + apply_updates)`` with donated buffers
 Each row also gives the "queued" time: ``--reps`` steps dispatched back to back, as a training
 loop runs them, and one synchronisation at the end, divided by ``--reps``. The host's dispatch
 of a step then overlaps the device's run of the one before, so the queued time leaves out the
-device's idle time between synchronised steps.
+device's idle time between synchronised steps. On a GPU each row also gives the step's "device
+ms": the summed duration of the GPU ops of one step (``_trace.device_ms``, a trace of 3
+synchronised steps), and "host ms", the synchronised median minus it: the host's share of a
+synchronised step (argument handling, the launch of the step's kernels and CUDA graphs before
+the first op runs, the synchronisation).
 Every row also gives the variant's compile time: tracing, lowering and compiling the step, in
 seconds (with ``--compile-workers`` the variants compile concurrently, so each one's time
 includes waiting for the CPU); its memory on the first device: the optimizer state's shards
@@ -29,8 +33,8 @@ adds, per Dion3 variant, the same optimizer without megabatching: ``optax.partit
 parameter its own label and its own Dion3, so each parameter is a shape group of one (one
 all-to-all each way per parameter; the same update). Polar-only timings are single-device and are
 skipped with ``--fsdp`` and for the variants without megabatching. ``--xla-option NAME=VALUE``
-adds, per megabatched Dion3 variant, the same step compiled with those XLA options (that
-executable alone: ``compiler_options``), timed in the same process.
+adds, for AdamW and per megabatched Dion3 variant, the same step compiled with those XLA options
+(that executable alone: ``compiler_options``), timed in the same process.
 
 Every row also reports, from the compiled step's HLO (the per-device SPMD program): the number
 of all-to-all, all-gather and all-reduce instructions (async ``-start`` forms counted once; other
@@ -73,6 +77,7 @@ except ImportError:  # running from a source checkout
     import dion3_jax
 import pallas_kernels
 from _timing import median_ms
+from _trace import device_ms
 
 FULL = dict(layers=8, d=4096, ff=11008)
 SMALL = dict(layers=2, d=64, ff=176)
@@ -274,9 +279,9 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
     Returns:
       ``(median ms, queued ms, compile seconds, stats)``: the median of ``reps`` synchronised
       steps, the mean of ``reps`` steps dispatched back to back, and ``stats``: collective
-      counts and bytes per kind (:func:`collective_stats`), collective bytes per dtype, and the
+      counts and bytes per kind (:func:`collective_stats`), collective bytes per dtype, the
       optimizer state's and the step's temporary memory on the first device
-      (:func:`memory_mib`).
+      (:func:`memory_mib`), and the device time of one step (``device_ms``, None off GPU).
     """
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx:
@@ -304,7 +309,14 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
             params, state = step(params, state, grads)
         jax.block_until_ready((params, state))
         queued = (time.perf_counter() - t0) / reps
-        del params, state
+        carried = [params, state]
+
+        def advance():  # one step on the carried (donated) buffers
+            carried[:] = step(carried[0], carried[1], grads)
+            return carried
+
+        stats["device_ms"] = device_ms(advance, reps=3)
+        del params, state, carried
     return statistics.median(times) * 1e3, queued * 1e3, compile_s, stats
 
 
@@ -347,7 +359,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "parallel, so all variants fit one time-limited run), then time them in "
                         "order; 0: compile each just before timing it")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="also time every Dion3 variant compiled with this XLA option (repeat "
+                   help="also time AdamW and every Dion3 variant compiled with this XLA option (repeat "
                         "for several options, all applied together to that second build; e.g. "
                         "xla_gpu_enable_latency_hiding_scheduler=true)")
     p.add_argument("--cpu-devices", type=int, default=None,
@@ -395,14 +407,16 @@ def xla_options(pairs: list[str]) -> dict[str, bool | int | str]:
 
 def build_plan(a, shapes, backends) -> list[tuple]:
     """Every variant: ``(name, optax transformation, (method, backend, f, megabatch) or None,
-    XLA options)``; the baselines, the megabatched Dion3 variants (each also with
-    ``--xla-option``'s options, if any), then those without megabatching."""
+    XLA options)``; the baselines (AdamW also with ``--xla-option``'s options, if any), the
+    megabatched Dion3 variants (each also with those options), then those without
+    megabatching."""
     plan = []
-    if not a.no_baselines:
-        plan += [("optax.adamw", optax.adamw(1e-3), None, {}),
-                 ("optax.contrib.muon", optax.contrib.muon(1e-3), None, {})]
     extra = xla_options(a.xla_option)
     builds = [("", {})] + ([(" [" + " ".join(a.xla_option) + "]", extra)] if extra else [])
+    if not a.no_baselines:
+        plan += [("optax.adamw" + suffix, optax.adamw(1e-3), None, options)
+                 for suffix, options in builds]
+        plan.append(("optax.contrib.muon", optax.contrib.muon(1e-3), None, {}))
     for megabatch in [True] + ([False] if a.no_megabatch else []):
         for method in a.methods:
             for backend in backends:
@@ -435,8 +449,10 @@ def row(name, ms, queued_ms, compile_s, stats, polar_ms=None) -> dict:
     extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
     coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB"
                      for op, (c, b) in stats["collectives"].items() if c)
-    print(f"  {name}: {ms:.2f} ms ({queued_ms:.2f} queued), compiled in {compile_s:.1f} s"
-          f"{extra}  [{coll or 'no collectives'}]", flush=True)
+    dev = stats.get("device_ms")
+    on_gpu = "" if dev is None else f", {dev:.2f} on the device"
+    print(f"  {name}: {ms:.2f} ms ({queued_ms:.2f} queued{on_gpu}), compiled in "
+          f"{compile_s:.1f} s{extra}  [{coll or 'no collectives'}]", flush=True)
     return {"variant": name, "ms": ms, "queued_ms": queued_ms, "compile_s": compile_s,
             "polar_ms": polar_ms, "stats": stats}
 
@@ -444,13 +460,18 @@ def row(name, ms, queued_ms, compile_s, stats, polar_ms=None) -> dict:
 def print_table(rows) -> None:
     adamw = next((r for r in rows if r["variant"] == "optax.adamw"), None)
     print()
-    print("| step | ms (median) | × AdamW | queued ms | × AdamW queued | compile s | polar ms | "
-          "rest ms | state MiB | temp MiB | all-to-all | all-gather | all-reduce | other coll. | "
-          "MiB moved / device | by dtype |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| step | ms (median) | × AdamW | queued ms | × AdamW queued | device ms | "
+          "× AdamW device | host ms | compile s | polar ms | rest ms | state MiB | temp MiB | "
+          "all-to-all | all-gather | all-reduce | other coll. | MiB moved / device | by dtype |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+          "---:|---|")
     for r in rows:
         rel = f"{r['ms'] / adamw['ms']:.2f}" if adamw else "–"
         rel_q = f"{r['queued_ms'] / adamw['queued_ms']:.2f}" if adamw else "–"
+        dev, dev_a = r["stats"].get("device_ms"), adamw and adamw["stats"].get("device_ms")
+        device = "–" if dev is None else f"{dev:.2f}"
+        rel_d = f"{dev / dev_a:.2f}" if dev is not None and dev_a else "–"
+        host = "–" if dev is None else f"{r['ms'] - dev:.2f}"
         pol = f"{r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
         rest = f"{r['ms'] - r['polar_ms']:.2f}" if r["polar_ms"] is not None else "–"
         st = r["stats"]["collectives"]
@@ -460,8 +481,9 @@ def print_table(rows) -> None:
         dtypes = ", ".join(f"{dt} {b / 2**20:.2f}"
                            for dt, b in sorted(r["stats"]["by_dtype"].items())) or "–"
         print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {r['queued_ms']:.2f} | {rel_q} | "
-              f"{r['compile_s']:.1f} | {pol} | {rest} | {r['stats']['state_mib']:.1f} | "
-              f"{'–' if temp is None else f'{temp:.1f}'} | {st['all-to-all'][0]} | "
+              f"{device} | {rel_d} | {host} | {r['compile_s']:.1f} | {pol} | {rest} | "
+              f"{r['stats']['state_mib']:.1f} | {'–' if temp is None else f'{temp:.1f}'} | "
+              f"{st['all-to-all'][0]} | "
               f"{st['all-gather'][0]} | {st['all-reduce'][0]} | {other} | {moved:.2f} | "
               f"{dtypes} |")
 

@@ -10,9 +10,17 @@ collective op on the first device, when it ran and how much of it overlapped com
 streams of that device: the evidence of whether the shape groups' all-to-alls hide behind other
 groups' polar work.
 
+With ``--host`` the trace is taken without the Python tracer, and the script also lists what the
+host did while the GPU sat idle before each traced step's first op (the events of the host
+planes that overlap those gaps, summed per name; nested events each count their own time): the
+host's share of a synchronised step. ``--optimizer adamw`` profiles ``optax.adamw``'s step on the
+same model, the baseline the targets are stated against.
+
 Usage::
 
     python benchmarks/profile_step.py --fraction 0.25            # 7B shapes, one device
+    python benchmarks/profile_step.py --fraction 0.25 --host     # and the host before each step
+    python benchmarks/profile_step.py --optimizer adamw --host   # the baseline's step
     python benchmarks/profile_step.py --small --fraction 0.25    # CPU smoke run
     python benchmarks/profile_step.py --fsdp --fraction 0.25 \
         --xla-option xla_gpu_enable_latency_hiding_scheduler=true   # several GPUs
@@ -31,6 +39,7 @@ import sys
 import tempfile
 
 import jax
+import optax
 from jax.profiler import ProfileData
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +79,51 @@ def device_gaps(data: ProfileData) -> list[tuple[float, str]]:
             gaps.append((e.start_ns - end, e.name))
         end = max(end or 0, e.start_ns + e.duration_ns)
     return gaps
+
+
+def idle_windows(data: ProfileData, min_ns: float = 2e5) -> list[tuple[int, int]]:
+    """``(start, end)`` of the first GPU's idle stretches of at least ``min_ns`` (its op lines
+    merged): in a trace of synchronised steps, the host's time before each step's first op."""
+    plane = first_gpu(data)
+    if plane is None:
+        return []
+    out, end = [], None
+    for e in sorted((e for line in op_lines(plane) for e in line.events),
+                    key=lambda e: e.start_ns):
+        if end is not None and e.start_ns - end >= min_ns:
+            out.append((end, e.start_ns))
+        end = max(end or 0, e.start_ns + e.duration_ns)
+    return out
+
+
+def host_in_windows(data: ProfileData, windows) -> dict[str, tuple[float, int]]:
+    """Per host event name: ``(ns inside the windows, events)`` over the host planes' lines."""
+    out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+    for plane in data.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                inside = _covered(e.start_ns, e.start_ns + e.duration_ns, windows)
+                if inside > 0:
+                    out[e.name][0] += inside
+                    out[e.name][1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def print_host(data: ProfileData, top: int) -> None:
+    """The GPU's idle windows before the traced steps and the host events inside them."""
+    windows = idle_windows(data)
+    if not windows:
+        print("\n# no GPU idle window of ≥ 0.2 ms in the trace")
+        return
+    mean = sum(e - s for s, e in windows) / len(windows) / 1e6
+    print(f"\n# GPU idle before a step's first op: {mean:.2f} ms on average over "
+          f"{len(windows)} windows; host events inside them (ms per window, events):")
+    print("\n| host event | ms | events |\n|---|---:|---:|")
+    rows = sorted(host_in_windows(data, windows).items(), key=lambda kv: -kv[1][0])
+    for name, (ns, n) in rows[:top]:
+        print(f"| {name[:80]} | {ns / len(windows) / 1e6:.3f} | {n} |")
 
 
 COLLECTIVE = re.compile(r"all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute"
@@ -164,6 +218,11 @@ def fusion_text(hlo: str, op: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
+    p.add_argument("--optimizer", default="dion3", choices=["dion3", "adamw"],
+                   help="the step profiled: Dion3 (the options below) or optax.adamw(1e-3)")
+    p.add_argument("--host", action="store_true",
+                   help="trace without the Python tracer and list the host's events while the "
+                        "GPU is idle before each step")
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--method", default="gram", choices=["gram", "standard"])
     p.add_argument("--backend", default="auto")
@@ -194,7 +253,8 @@ def main(argv=None):
     mesh = bench_step.fsdp_meshes(shapes)[0] if a.fsdp else None
     if mesh is not None:
         params, grads = bench_step.place(params, mesh), bench_step.place(grads, mesh)
-    tx = bench_step.dion3_step(a.fraction, a.method, a.backend)
+    tx = (optax.adamw(1e-3) if a.optimizer == "adamw"
+          else bench_step.dion3_step(a.fraction, a.method, a.backend))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = tx.init(params)
         step, _ = bench_step.compile_step(tx, params, grads, mesh, state,
@@ -206,7 +266,10 @@ def main(argv=None):
         for _ in range(2):  # Warm-up.
             params, state = jax.block_until_ready(step(params, state, grads))
         trace_dir = tempfile.mkdtemp(prefix="dion3_profile_")
-        with jax.profiler.trace(trace_dir):
+        options = jax.profiler.ProfileOptions()
+        if a.host:  # Python's function events would swamp the host planes.
+            options.python_tracer_level = 0
+        with jax.profiler.trace(trace_dir, profiler_options=options):
             for _ in range(a.steps):
                 params, state = jax.block_until_ready(step(params, state, grads))
     data = load_trace(trace_dir)
@@ -217,9 +280,11 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump(per_step, f, indent=0, sort_keys=True)
     dev = jax.devices()[0]
+    what = ("optax.adamw" if a.optimizer == "adamw"
+            else f"dion3 f={a.fraction:g} {a.method} {a.backend}")
     print(f"# {dev.device_kind}{' × %d, FSDP' % len(jax.devices()) if a.fsdp else ''}"
           f"{' ' + ' '.join(a.xla_option) if a.xla_option else ''}: "
-          f"dion3 f={a.fraction:g} {a.method} {a.backend}, "
+          f"{what}, "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
           f"{total:.2f} ms (summed over {len(per_step)} ops)")
     by_kind: dict[str, float] = collections.defaultdict(float)
@@ -242,6 +307,8 @@ def main(argv=None):
         for k, v in sorted(by_next.items(), key=lambda kv: -kv[1])[:12]:
             print(f"| {k} | {v:.2f} |")
     print_overlap(collective_overlap(data), a.steps)
+    if a.host:
+        print_host(data, a.top)
     print("\n| op | ms / step |\n|---|---:|")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:a.top]:
         print(f"| {k[:80]} | {v:.3f} |")
