@@ -359,9 +359,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "parallel, so all variants fit one time-limited run), then time them in "
                         "order; 0: compile each just before timing it")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
-                   help="also time AdamW and every Dion3 variant compiled with this XLA option (repeat "
-                        "for several options, all applied together to that second build; e.g. "
-                        "xla_gpu_enable_latency_hiding_scheduler=true)")
+                   help="also time AdamW and every Dion3 variant compiled with this XLA option "
+                        "(repeat for several options, all applied together to that second "
+                        "build; e.g. xla_gpu_enable_latency_hiding_scheduler=true)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (jax_num_cpu_devices; CPU smoke runs)")
     return p.parse_args(argv)
