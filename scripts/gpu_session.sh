@@ -6,6 +6,7 @@
 #   bash scripts/gpu_session.sh kernels   # GPU kernel tests + kernel table with variants + polar
 #   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes), all variants
 #   bash scripts/gpu_session.sh commits   # the step of an older commit against the working tree
+#   bash scripts/gpu_session.sh host      # device and host time per step, command buffers on/off
 #   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
 #
 #   bash scripts/gpu_session.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
@@ -90,12 +91,21 @@ case "$PART" in
   profile)  # Where the f = 1/4 step spends its time (jax.profiler, per op kind).
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25
     ;;
+  host)  # Device and host time per step, with and without XLA's command buffers (CUDA graphs),
+         # AdamW and Dion3 Gram NS (Mosaic) at f = 1, 1/4, 1/8 in one process; then the host's
+         # events while the GPU idles before each step, for Dion3 at f = 1/4 and for AdamW.
+    run bench_step_host 300 python3 benchmarks/bench_step.py --methods gram --backends mosaic \
+      --fractions 1 0.25 0.125 --no-polar --compile-workers 8 --reps 10 \
+      --xla-option xla_gpu_enable_command_buffer=
+    run profile_host 100 python3 benchmarks/profile_step.py --fraction 0.25 --host --top 20
+    run profile_host_adamw 60 python3 benchmarks/profile_step.py --optimizer adamw --host --top 12
+    ;;
   selection)  # Row write-back / gather formulations alone, then where the f = 1/4 step's time goes.
     run bench_selection 90 python3 benchmarks/bench_selection.py
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | host | selection)"
      exit 2 ;;
 esac
 done
