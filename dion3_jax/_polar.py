@@ -44,12 +44,6 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc).astype(a.dtype)
 
 
-def _add_identity(z: jax.Array, a: float) -> jax.Array:
-    """``z + a·I``: a full pass over ``z`` (``z`` stays readable)."""
-    n = z.shape[-1]
-    return z + a * jnp.eye(n, dtype=z.dtype)
-
-
 def _add_to_diagonal(z: jax.Array, a: float) -> jax.Array:
     """``z + a·I`` written into the diagonal only: in place when ``z`` has no other reader
     (an update of ``n`` elements per matrix, not a pass over all ``n²``)."""
@@ -110,13 +104,16 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
             r = _gram(x, backend)
             q = None
         z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
-        if q is None:
-            q = _add_identity(z, a)
-        else:
+        fresh = q is None
+        if not fresh:
             q = pallas_kernels.sym_matmul(q, z, q, alpha=1.0, beta=a, implementation=backend)
         if i != last and (i + 1) not in restart_set:
             rz = pallas_kernels.sym_matmul(r, z, r, alpha=1.0, beta=a, implementation=backend)
             r = pallas_kernels.sym_matmul(z, rz, rz, alpha=1.0, beta=a, implementation=backend)
+            if fresh:  # Z's last readers come first, so Q = Z + a·I can update Z in place.
+                z, r = jax.lax.optimization_barrier((z, r))
+        if fresh:
+            q = _add_to_diagonal(z, a)
     return _apply(q, x)
 
 

@@ -304,3 +304,22 @@ def test_of_normalized_is_polar_of_the_normalised_input(shape):
     got = jax.jit(orth.of_normalized)(y)
     assert got.dtype == want.dtype == jnp.float16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("restarts", [(2,), (1, 3)])
+def test_gram_ns_adds_the_identity_in_place(restarts):
+    """Each (re)start's ``Q = Z + a·I`` updates ``Z``'s diagonal in place once ``Z``'s other
+    readers are done: one scatter per (re)start and no pass that copies a Gram-sized matrix
+    (before, ``Z + a·eye`` read and wrote all of ``Z`` while ``Z`` stayed live)."""
+    import re
+
+    from dion3_jax import _polar
+    from dion3_jax._coefficients import get_coefficients
+
+    x = jnp.asarray(_rand((2, 48, 160), 3), jnp.float32)
+    coeffs = get_coefficients("polar_express")
+    hlo = jax.jit(lambda x: _polar.gram_newton_schulz(x, coeffs, restarts, backend="xla")
+                  ).lower(x).compile().as_text()
+    assert hlo.count(" scatter(") == len(restarts) + 1, hlo
+    assert not re.search(r"f32\[2,48,48\]\{[0-9,]*\} copy\(", hlo), hlo
+    assert not re.search(r"\[(2,)?48,48\]\{[0-9,]*\} iota\(", hlo), hlo  # no identity is built
