@@ -65,35 +65,31 @@ def op_times(data: ProfileData) -> dict[str, float]:
     return totals
 
 
-def device_gaps(data: ProfileData) -> list[tuple[float, str]]:
-    """Idle stretches of the first GPU (its :func:`op_lines` merged into one timeline): ``(ns
-    idle, name of the op that ended it)`` for every gap between consecutive ops (empty on
+def _idle(data: ProfileData) -> list[tuple[int, int, str]]:
+    """The first GPU's idle stretches (its :func:`op_lines` merged into one timeline): ``(start
+    ns, end ns, name of the op that ended it)`` for every gap between consecutive ops (empty on
     CPU)."""
-    plane = first_gpu(data)
-    if plane is None:
-        return []
-    gaps, end = [], None
-    for e in sorted((e for line in op_lines(plane) for e in line.events),
-                    key=lambda e: e.start_ns):
-        if end is not None and e.start_ns > end:
-            gaps.append((e.start_ns - end, e.name))
-        end = max(end or 0, e.start_ns + e.duration_ns)
-    return gaps
-
-
-def idle_windows(data: ProfileData, min_ns: float = 2e5) -> list[tuple[int, int]]:
-    """``(start, end)`` of the first GPU's idle stretches of at least ``min_ns`` (its op lines
-    merged): in a trace of synchronised steps, the host's time before each step's first op."""
     plane = first_gpu(data)
     if plane is None:
         return []
     out, end = [], None
     for e in sorted((e for line in op_lines(plane) for e in line.events),
                     key=lambda e: e.start_ns):
-        if end is not None and e.start_ns - end >= min_ns:
-            out.append((end, e.start_ns))
+        if end is not None and e.start_ns > end:
+            out.append((end, e.start_ns, e.name))
         end = max(end or 0, e.start_ns + e.duration_ns)
     return out
+
+
+def device_gaps(data: ProfileData) -> list[tuple[float, str]]:
+    """``(ns idle, name of the op that ended it)`` for every idle stretch of the first GPU."""
+    return [(end - start, name) for start, end, name in _idle(data)]
+
+
+def idle_windows(data: ProfileData, min_ns: float = 2e5) -> list[tuple[int, int]]:
+    """``(start, end)`` of the first GPU's idle stretches of at least ``min_ns``: in a trace of
+    synchronised steps, the host's time before each step's first op."""
+    return [(start, end) for start, end, _ in _idle(data) if end - start >= min_ns]
 
 
 def host_in_windows(data: ProfileData, windows) -> dict[str, tuple[float, int]]:
