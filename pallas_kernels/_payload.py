@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,24 @@ except ImportError:  # pragma: no cover - a jax without it: "auto" resolves to X
 PayloadImplementation = Literal["auto", "xla", "pallas"]
 _KNOWN = ("auto", "xla", "pallas")
 
-#: Elements of one block of the kernel (rows × columns, powers of two).
-_BLOCK_ELEMENTS = 4096
-#: The widest block row; a member's columns must be a multiple of some power of two ≥ 32.
-_MAX_BLOCK_COLS, _MIN_BLOCK_COLS = 512, 32
+#: A member's columns must be a multiple of some power of two ≥ 32 (the narrowest block row).
+_MIN_BLOCK_COLS = 32
+
+
+class PayloadConfig(NamedTuple):
+    """The kernel's launch parameters (the defaults are what :func:`stack_payloads` runs;
+    ``benchmarks/bench_payload.py`` times others).
+
+    Attributes:
+      block_elements: elements of one block, rows × columns (a power of two).
+      max_block_cols: the widest block row (a power of two ≥ 32); a block takes the widest power
+        of two up to it that divides the columns.
+      num_warps: warps per block.
+    """
+
+    block_elements: int = 4096
+    max_block_cols: int = 512
+    num_warps: int = 4
 
 
 def _check(ms, gs, denoms, rows, row_axis) -> None:
@@ -153,15 +167,17 @@ def stack_payloads_reference(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
     return stack, decayed
 
 
-def block_shape(rows: int, cols: int) -> tuple[int, int] | None:
+def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
+                ) -> tuple[int, int] | None:
     """The kernel's ``(rows, cols)`` block for matrices of that shape (powers of two dividing
-    them, ``_BLOCK_ELEMENTS`` at most), or None when the columns have no such divisor ≥ 32."""
-    bc = _MAX_BLOCK_COLS
+    them, ``config.block_elements`` at most), or None when the columns have no such divisor
+    ≥ 32."""
+    bc = config.max_block_cols
     while bc >= _MIN_BLOCK_COLS and cols % bc:
         bc //= 2
     if bc < _MIN_BLOCK_COLS:
         return None
-    br = max(1, _BLOCK_ELEMENTS // bc)
+    br = max(1, config.block_elements // bc)
     while rows % br:
         br //= 2
     return br, bc
@@ -199,16 +215,16 @@ def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_
 
 
 @functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
-                                             "interpret"))
+                                             "interpret", "config"))
 def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
-                  out_dtype, row_axis: int, interpret: bool):
+                  out_dtype, row_axis: int, interpret: bool, config: PayloadConfig):
     """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
     batch]``, its decayed momentum in place of ``m``; ``pos`` None: every row, else each row's
     payload position. ``stack`` None: the first member allocates the stack of ``total`` matrices
     (the members after it write the other slots). Jitted so that all members of one shape share
     one lowering."""
     b, rows, cols = m.shape
-    br, bc = block_shape(rows, cols)
+    br, bc = block_shape(rows, cols, config)
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
     per_matrix = pl.BlockSpec((1,), lambda k, i, j: (k,))
@@ -235,7 +251,8 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
         out_specs=(blk, anywhere),
         input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
         compiler_params=(None if pltriton is None
-                         else pltriton.CompilerParams(num_warps=4, num_stages=1)),
+                         else pltriton.CompilerParams(num_warps=config.num_warps,
+                                                      num_stages=1)),
         interpret=interpret, name="stack_payloads",
     )(*operands, *([] if fresh else [stack]))
 
@@ -326,6 +343,16 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
     if _resolve(implementation, a, b, interpret) == "xla":
         return stack_payloads_reference(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
+    return _stack_with_kernel(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
+                              row_axis=row_axis, padded=padded, interpret=interpret,
+                              config=PayloadConfig())
+
+
+def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, padded: bool,
+                       interpret: bool, config: PayloadConfig):
+    """:func:`stack_payloads` through the kernel (checked arguments), one launch per member with
+    the launch parameters ``config``."""
+    _, a, b = ms[0].shape
     total = sum(m.shape[0] for m in ms)
     part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
                                          else (a, rows[0].shape[1]))
@@ -339,7 +366,7 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
         new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32),
                                      jnp.asarray(d, jnp.float32), mu, m, g, p, total=total,
                                      part=part, out_dtype=jnp.dtype(out_dtype),
-                                     row_axis=row_axis, interpret=interpret)
+                                     row_axis=row_axis, interpret=interpret, config=config)
         decayed.append(new_m)
         slot += m.shape[0]
     return stack, decayed

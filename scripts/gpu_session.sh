@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes), all variants
 #   bash scripts/gpu_session.sh commits   # the step of an older commit against the working tree
 #   bash scripts/gpu_session.sh host      # device and host time per step, command buffers on/off
+#   bash scripts/gpu_session.sh payload   # the payload kernel's launch parameters, per shape group
 #   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
 #
 #   bash scripts/gpu_session.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
@@ -100,12 +101,16 @@ case "$PART" in
     run profile_host 100 python3 benchmarks/profile_step.py --fraction 0.25 --host --top 20
     run profile_host_adamw 60 python3 benchmarks/profile_step.py --optimizer adamw --host --top 12
     ;;
+  payload)  # The payload pass alone per shape group of the 7B-shapes step, default launch
+            # parameters against variants (device time, bandwidth, bitwise check), f = 1/4 and 1.
+    run bench_payload 240 python3 benchmarks/bench_payload.py --fractions 0.25 1
+    ;;
   selection)  # Row write-back / gather formulations alone, then where the f = 1/4 step's time goes.
     run bench_selection 90 python3 benchmarks/bench_selection.py
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | host | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | host | payload | selection)"
      exit 2 ;;
 esac
 done

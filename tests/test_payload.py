@@ -20,7 +20,8 @@ import dion3_jax
 import pallas_kernels
 from dion3_jax import _step
 from pallas_kernels import stack_payloads, stack_payloads_reference
-from pallas_kernels._payload import block_shape
+from pallas_kernels import _payload
+from pallas_kernels._payload import PayloadConfig, block_shape
 
 
 def _members(seed, batches, rows, cols, m_dtype=jnp.float32, g_dtype=jnp.float32):
@@ -144,6 +145,24 @@ def test_block_shapes():
     assert block_shape(11008, 4096) == (8, 512)
     assert block_shape(24, 96) == (8, 32)
     assert block_shape(64, 20) is None      # no power-of-two column block of 32 or more
+    assert block_shape(4096, 11008, PayloadConfig(block_elements=2048)) == (8, 256)
+    assert block_shape(4096, 4096, PayloadConfig(max_block_cols=128)) == (32, 128)
+
+
+def test_launch_parameters_do_not_change_the_result():
+    """Other blocks and warps (``PayloadConfig``, what ``bench_payload.py`` times) give the
+    default's bits: every element is computed alone."""
+    seed = np.random.randint(1 << 30)
+    ms, gs, ds = _members(seed, [2, 1], 32, 128, g_dtype=jnp.bfloat16)
+    rows = _rows(seed, [2, 1], 128, 32, padded=False)
+    outs = [jax.jit(functools.partial(
+        _payload._stack_with_kernel, out_dtype=jnp.float16, rows=rows, row_axis=2, padded=False,
+        interpret=True, config=c))(ms, gs, ds, jnp.float32(0.8))
+        for c in (PayloadConfig(), PayloadConfig(block_elements=512, max_block_cols=32,
+                                                 num_warps=8))]
+    assert block_shape(32, 128, PayloadConfig(block_elements=512, max_block_cols=32)) == (16, 32)
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bad_input_raises():

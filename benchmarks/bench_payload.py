@@ -1,0 +1,141 @@
+"""The payload pass alone: ``pallas_kernels.stack_payloads`` on the shape groups of the 7B-shapes
+step, with the kernel's default launch parameters and with variants of them.
+
+Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected along the output
+axis as the step selects them at ``--fractions``) and per variant (a
+``pallas_kernels._payload.PayloadConfig``), the table gives the block shape, the device time of
+one group's pass (``_trace.device_ms``: the summed GPU op time of a traced call), the wall time
+(median of ``--reps`` synchronised calls), the bandwidth by device time, and whether the
+variant's outputs (the payload stack and the new momenta) are bitwise the default's. The
+momenta are donated and carried from call to call, as in the step. The bytes are those the pass
+must move: ``M`` and ``G`` read, ``M`` written, the float16 payloads written.
+
+Usage::
+
+    python benchmarks/bench_payload.py                      # GPU: every group and variant
+    python benchmarks/bench_payload.py --variants b2048 c256 --fractions 0.25 1
+    python benchmarks/bench_payload.py --small              # CPU smoke run (interpreted)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    import dion3_jax
+except ImportError:  # running from a source checkout
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import dion3_jax
+from pallas_kernels import _payload
+from pallas_kernels._payload import PayloadConfig
+from _timing import median_ms
+from _trace import device_ms
+
+VARIANTS = {
+    "default": PayloadConfig(),
+    "b2048": PayloadConfig(block_elements=2048),
+    "b8192": PayloadConfig(block_elements=8192),
+    "b8192w8": PayloadConfig(block_elements=8192, num_warps=8),
+    "c256": PayloadConfig(max_block_cols=256),
+    "c1024": PayloadConfig(max_block_cols=1024),
+    "w2": PayloadConfig(num_warps=2),
+    "w8": PayloadConfig(num_warps=8),
+}
+#: (name, matrices, fan_in, fan_out): the 7B-shapes step's groups, 8 layers.
+FULL = [("q/k/v/o", 32, 4096, 4096), ("gate/up", 16, 4096, 11008), ("down", 8, 11008, 4096)]
+SMALL = [("square", 3, 64, 64), ("wide", 2, 32, 192), ("tall", 2, 96, 64)]
+
+
+def _members(count: int, shape: tuple[int, int], seed: int):
+    """``count`` momenta (fresh buffers: they are donated), gradients and norms."""
+    key = jax.random.key(seed)
+    ms = [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)) for i in range(count)]
+    gs = [1e-3 * jax.random.normal(jax.random.fold_in(key, count + i), (1, *shape))
+          for i in range(count)]
+    ds = [jnp.full((1,), 100.0 + i, jnp.float32) for i in range(count)]
+    return ms, gs, ds
+
+
+def _rows(count: int, n: int, pick: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(np.sort(rng.choice(n, pick, replace=False))[None], jnp.int32)
+            for _ in range(count)]
+
+
+def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
+    """One group's pass with ``config``: ``(outputs of the first call, device ms, wall ms)``.
+
+    ``pick`` None: every row (Dion3 at f = 1); else that many output columns per matrix."""
+    ms, gs, ds = _members(count, shape, 0)
+    rows = None if pick is None else _rows(count, shape[1], pick, 1)
+
+    def one_pass(ms):
+        return _payload._stack_with_kernel(ms, gs, ds, jnp.float32(0.9),
+                                           out_dtype=jnp.float16, rows=rows, row_axis=2,
+                                           padded=False, interpret=interpret, config=config)
+
+    run = jax.jit(one_pass, donate_argnums=0)
+    first = jax.tree.map(np.asarray, run(ms))
+    carried = [_members(count, shape, 0)[0]]
+
+    def advance():  # the momenta carried from call to call (donated)
+        stack, carried[0] = run(carried[0])
+        return stack
+
+    wall = median_ms(advance, reps=reps)
+    return first, device_ms(advance, reps=3), wall
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--small", action="store_true", help="tiny groups, interpreted (CPU smoke)")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.25])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--reps", type=int, default=None, help="synchronised calls (default 10)")
+    a = p.parse_args(argv)
+    groups, reps = (SMALL, a.reps or 2) if a.small else (FULL, a.reps or 10)
+    names = ["default"] + [v for v in a.variants if v != "default"]
+    interpret = a.small or jax.default_backend() != "gpu"
+    print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+          f"{'interpreted' if interpret else 'Triton lowering'}", flush=True)
+    rows = []
+    for f in a.fractions:
+        for name, count, fan_in, fan_out in groups:
+            pick = None if f == 1 else dion3_jax.num_selected(f, fan_out)
+            base = None
+            for v in names:
+                config = VARIANTS[v]
+                out, dev, wall = time_group(count, (fan_in, fan_out), pick, config, reps=reps,
+                                            interpret=interpret)
+                base = out if base is None else base
+                same = all(np.array_equal(x, y) for x, y in
+                           zip(jax.tree.leaves(out), jax.tree.leaves(base)))
+                moved = count * fan_in * (12 * fan_out + 2 * (pick or fan_out))
+                rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out),
+                                 pick=pick, variant=v,
+                                 block=_payload.block_shape(fan_in, fan_out, config),
+                                 warps=config.num_warps, device_ms=dev, wall_ms=wall,
+                                 gbps=None if dev is None else moved / dev / 1e6, same=same))
+                print(f"  f={f:g} {name} {v}: {wall:.3f} ms wall"
+                      + ("" if dev is None else f", {dev:.3f} ms device"), flush=True)
+    print("\n| f | group | matrices | shape | columns picked | variant | block | warps | "
+          "device ms | wall ms | GB/s (device) | bitwise = default |")
+    print("|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        dev = "–" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
+        gbps = "–" if r["gbps"] is None else f"{r['gbps']:.0f}"
+        print(f"| {r['f']:g} | {r['group']} | {r['count']} | {r['shape'][0]}×{r['shape'][1]} | "
+              f"{r['pick'] or 'all'} | {r['variant']} | {r['block'][0]}×{r['block'][1]} | "
+              f"{r['warps']} | {dev} | {r['wall_ms']:.3f} | {gbps} | "
+              f"{'yes' if r['same'] else 'NO'} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
