@@ -52,14 +52,17 @@ FULL = [("q/k/v/o", 32, 4096, 4096), ("gate/up", 16, 4096, 11008), ("down", 8, 1
 SMALL = [("square", 3, 64, 64), ("wide", 2, 32, 192), ("tall", 2, 96, 64)]
 
 
-def _members(count: int, shape: tuple[int, int], seed: int):
-    """``count`` momenta (fresh buffers: they are donated), gradients and norms."""
-    key = jax.random.key(seed)
-    ms = [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)) for i in range(count)]
-    gs = [1e-3 * jax.random.normal(jax.random.fold_in(key, count + i), (1, *shape))
+def _momenta(count: int, shape: tuple[int, int]):
+    """``count`` momenta, the same values on every call in fresh buffers (they are donated)."""
+    key = jax.random.key(0)
+    return [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)) for i in range(count)]
+
+
+def _grads_and_norms(count: int, shape: tuple[int, int]):
+    key = jax.random.key(1)
+    gs = [1e-3 * jax.random.normal(jax.random.fold_in(key, i), (1, *shape))
           for i in range(count)]
-    ds = [jnp.full((1,), 100.0 + i, jnp.float32) for i in range(count)]
-    return ms, gs, ds
+    return gs, [jnp.full((1,), 100.0 + i, jnp.float32) for i in range(count)]
 
 
 def _rows(count: int, n: int, pick: int, seed: int):
@@ -72,7 +75,7 @@ def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
     """One group's pass with ``config``: ``(outputs of the first call, device ms, wall ms)``.
 
     ``pick`` None: every row (Dion3 at f = 1); else that many output columns per matrix."""
-    ms, gs, ds = _members(count, shape, 0)
+    gs, ds = _grads_and_norms(count, shape)
     rows = None if pick is None else _rows(count, shape[1], pick, 1)
 
     def one_pass(ms):
@@ -81,8 +84,8 @@ def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
                                            padded=False, interpret=interpret, config=config)
 
     run = jax.jit(one_pass, donate_argnums=0)
-    first = jax.tree.map(np.asarray, run(ms))
-    carried = [_members(count, shape, 0)[0]]
+    first = jax.tree.map(np.asarray, run(_momenta(count, shape)))
+    carried = [_momenta(count, shape)]
 
     def advance():  # the momenta carried from call to call (donated)
         stack, carried[0] = run(carried[0])
