@@ -6,9 +6,10 @@ axis as the step selects them at ``--fractions``) and per variant (a
 ``pallas_kernels._payload.PayloadConfig``), the table gives the block shape, the device time of
 one group's pass (``_trace.device_ms``: the summed GPU op time of a traced call), the wall time
 (median of ``--reps`` synchronised calls), the bandwidth by device time, and whether the
-variant's outputs (the payload stack and the new momenta) are bitwise the default's. The
-momenta are donated and carried from call to call, as in the step. The bytes are those the pass
-must move: ``M`` and ``G`` read, ``M`` written, the float16 payloads written.
+variant's outputs (the payload stack and the new momenta) are bitwise the default's. One
+launch per group, as in the step; the momenta are donated and carried from call to call. The
+bytes are those the pass must move: ``M`` and ``G`` read, ``M`` written, the float16 payloads
+written.
 
 Usage::
 
@@ -78,17 +79,18 @@ def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
     gs, ds = _grads_and_norms(count, shape)
     rows = None if pick is None else _rows(count, shape[1], pick, 1)
 
-    def one_pass(ms):
+    def one_pass(ms, gs, ds):  # (the gradients are arguments: as constants they would be
+        #                          embedded in the program, gigabytes of it)
         return _payload._stack_with_kernel(ms, gs, ds, jnp.float32(0.9),
                                            out_dtype=jnp.float16, rows=rows, row_axis=2,
                                            padded=False, interpret=interpret, config=config)
 
     run = jax.jit(one_pass, donate_argnums=0)
-    first = jax.tree.map(np.asarray, run(_momenta(count, shape)))
+    first = jax.tree.map(np.asarray, run(_momenta(count, shape), gs, ds))
     carried = [_momenta(count, shape)]
 
     def advance():  # the momenta carried from call to call (donated)
-        stack, carried[0] = run(carried[0])
+        stack, carried[0] = run(carried[0], gs, ds)
         return stack
 
     wall = median_ms(advance, reps=reps)
