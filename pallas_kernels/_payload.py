@@ -106,12 +106,14 @@ def _split(x: jax.Array, sizes) -> list[jax.Array]:
             for o, n in zip(offsets, sizes)]
 
 
-def _member_selection(rows, n: int) -> list[tuple[jax.Array, jax.Array]]:
-    """Per member: its rows clamped into ``[0, n)`` and which of the ``n`` rows are selected.
-    The index work runs once for all members."""
+def _member_selection(rows, n: int, positions: bool) -> list[tuple[jax.Array, ...]]:
+    """Per member: with ``positions``, its :func:`_positions`; else its rows clamped into
+    ``[0, n)`` and which of the ``n`` rows are selected. The index work runs once for all
+    members."""
     r = jnp.concatenate(rows)
+    pos = _positions(r, n)
     sizes = [x.shape[0] for x in rows]
-    arrays = (jnp.minimum(r, n - 1), _positions(r, n) < r.shape[1])
+    arrays = (pos,) if positions else (jnp.minimum(r, n - 1), pos < r.shape[1])
     return list(zip(*(_split(x, sizes) for x in arrays)))
 
 
@@ -130,7 +132,7 @@ def _select_reference(sums, denoms, rows, mu, row_axis, out_dtype):
     """:func:`stack_payloads_reference` with ``rows``: the gathers and decays per member, the
     padding mask, normalisation and cast once on the stack."""
     n = sums[0].shape[row_axis]
-    sel = _member_selection(rows, n)
+    sel = _member_selection(rows, n, positions=False)
     stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, (idx, _) in zip(sums, sel)])
     valid = jnp.expand_dims(jnp.concatenate(rows) < n, 3 - row_axis)
     d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
@@ -181,21 +183,23 @@ def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
     return br, bc
 
 
-def _store_all(s, ids, at, mu_ref, denom_ref, m_out_ref, stack_ref, *, br: int, bc: int):
-    """Every row selected: ``μ·S`` into the momentum's block ``at``, ``S / denom`` into the same
-    block of stack slot ``k`` (``ids``: the program ids ``(k, i, j)``)."""
-    del br, bc
-    k = ids[0]
-    m_out_ref[at] = (mu_ref[0] * s).astype(m_out_ref.dtype)
+def _kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, stack_in_ref, m_out_ref, stack_ref, *,
+            br: int, bc: int):
+    del stack_in_ref  # the same buffer as stack_ref (aliased)
+    k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
+    m_out_ref[...] = (mu_ref[0] * s).astype(m_out_ref.dtype)
     payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
-    stack_ref[(k, *at[1:])] = payload
+    stack_ref[slot_ref[0] + k, pl.ds(i * br, br), pl.ds(j * bc, bc)] = payload
 
 
-def _store_selected(s, ids, at, mu_ref, denom_ref, pos_ref, m_out_ref, stack_ref, *, br: int,
-                    bc: int, pick: int, row_axis: int):
-    """:func:`_store_all` for selected rows: ``pos_ref`` holds the block's rows' payload
-    positions (``pick``: not selected); the selected ones are stored at them under a mask."""
-    k, i, j = ids
+def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_ref, m_out_ref,
+                   stack_ref, *, br: int, bc: int, pick: int, row_axis: int):
+    """:func:`_kernel` for selected rows: ``pos_ref`` holds the block's rows' payload positions
+    (``pick``: not selected); the selected ones are stored at them under a mask."""
+    del stack_in_ref  # the same buffer as stack_ref (aliased)
+    k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
     pos = pos_ref[...]
     if row_axis == 2:   # the selected rows are columns of the block
         keep = jnp.broadcast_to((pos < pick)[None, :], (br, bc))
@@ -205,69 +209,58 @@ def _store_selected(s, ids, at, mu_ref, denom_ref, pos_ref, m_out_ref, stack_ref
         keep = jnp.broadcast_to((pos < pick)[:, None], (br, bc))
         at_row = jnp.broadcast_to(pos[:, None], (br, bc))
         at_col = j * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
-    m_out_ref[at] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
+    m_out_ref[...] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
     payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
-    pltriton.store(stack_ref.at[k, at_row, at_col], payload, mask=keep)
+    pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
 
 
-def _kernel(*refs, starts: tuple[int, ...], fresh: bool, br: int, bc: int, store):
-    """One launch for a whole group, grid ``(stack slot k, block row i, block column j)``.
-
-    The members' momenta and gradients are whole arrays (``pl.ANY``): the branch of the member
-    whose matrices are the slots ``starts[t] … starts[t + 1] - 1`` reads the block of
-    ``S = M + G`` and hands it to ``store`` (:func:`_store_all` or :func:`_store_selected`).
-    ``refs``: the scalars (``mu``, ``denom``, and ``pos`` for selected rows), ``m_0 … m_{n-1}``,
-    ``g_0 … g_{n-1}``, ``stack_in`` unless ``fresh`` (``stack``'s buffer), then the outputs
-    ``m_out_0 … m_out_{n-1}, stack``."""
-    n = len(starts) - 1
-    head = len(refs) - 3 * n - 1 - (0 if fresh else 1)
-    scalars, ms, gs = refs[:head], refs[head:head + n], refs[head + n:head + 2 * n]
-    m_outs, stack_ref = refs[-n - 1:-1], refs[-1]
-    k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    for t, (lo, hi) in enumerate(zip(starts[:-1], starts[1:])):
-        @pl.when((k == lo) if hi == lo + 1 else ((k >= lo) & (k < hi)))
-        def _(t=t, lo=lo):
-            at = (k - lo, pl.ds(i * br, br), pl.ds(j * bc, bc))
-            s = ms[t][at] + gs[t][at].astype(ms[t].dtype)
-            store(s, (k, i, j), at, *scalars, m_outs[t], stack_ref, br=br, bc=bc)
-
-
-def _write_group(stack, denoms, mu, ms, gs, pos, *, part: tuple[int, int], out_dtype,
-                 row_axis: int, interpret: bool, config: PayloadConfig):
-    """The group's one launch: every member's payload into its slots of the stack (``part``:
-    a payload's shape), its decayed momentum in place of its ``m``. ``denoms``: ``(total,)``,
-    a norm per slot; ``pos`` None: every row, else ``(total, n)`` each row's payload position.
-    ``stack`` None: the launch allocates the stack (every element of it is written), else
-    writes into it."""
-    _, rows, cols = ms[0].shape
+@functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
+                                             "interpret", "config"))
+def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
+                  out_dtype, row_axis: int, interpret: bool, config: PayloadConfig):
+    """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
+    batch]``, its decayed momentum in place of ``m``; ``pos`` None: every row, else each row's
+    payload position. ``stack`` None: the first member allocates the stack of ``total`` matrices
+    (the members after it write the other slots). Jitted so that all members of one shape share
+    one lowering."""
+    b, rows, cols = m.shape
     br, bc = block_shape(rows, cols, config)
-    starts = tuple(itertools.accumulate((m.shape[0] for m in ms), initial=0))
-    total, fresh = starts[-1], stack is None
+    blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
+    scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
+    per_matrix = pl.BlockSpec((1,), lambda k, i, j: (k,))
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    fresh = stack is None
     if pos is None:
-        store, pos_spec = _store_all, []
+        kernel, pos_spec = functools.partial(_kernel, br=br, bc=bc), []
     else:
-        store = functools.partial(_store_selected, pick=part[row_axis - 1], row_axis=row_axis)
+        kernel = functools.partial(_select_kernel, br=br, bc=bc, pick=part[row_axis - 1],
+                                   row_axis=row_axis)
         pos_spec = [pl.BlockSpec((None, bc), lambda k, i, j: (k, j)) if row_axis == 2
                     else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    scalars = [mu, denoms] + ([] if pos is None else [pos])
-    head, n = len(scalars), len(ms)
-    aliases = {head + t: t for t in range(n)} | ({} if fresh else {head + 2 * n: n})
+    if fresh:
+        kernel = functools.partial(_fresh_kernel, kernel)
+    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m, g]
+    m_index = len(operands) - 2
     return pl.pallas_call(
-        functools.partial(_kernel, starts=starts, fresh=fresh, br=br, bc=bc, store=store),
-        out_shape=(*(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in ms),
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
                    jax.ShapeDtypeStruct((total, *part), out_dtype)),
-        grid=(total, rows // br, cols // bc),
-        in_specs=[pl.BlockSpec((1,), lambda k, i, j: (0,)),
-                  pl.BlockSpec((1,), lambda k, i, j: (k,))] + pos_spec
-                 + [anywhere] * (2 * n + (0 if fresh else 1)),
-        out_specs=(*[anywhere] * n, anywhere),
-        input_output_aliases=aliases,
+        grid=(b, rows // br, cols // bc),
+        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
+                 + ([] if fresh else [anywhere]),
+        out_specs=(blk, anywhere),
+        input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
         compiler_params=(None if pltriton is None
                          else pltriton.CompilerParams(num_warps=config.num_warps,
                                                       num_stages=1)),
         interpret=interpret, name="stack_payloads",
-    )(*scalars, *ms, *gs, *([] if fresh else [stack]))
+    )(*operands, *([] if fresh else [stack]))
+
+
+def _fresh_kernel(kernel, *refs):
+    """``kernel`` for the member that allocates the stack: no stack input (``refs``: the
+    inputs, then the two outputs)."""
+    kernel(*refs[:-2], None, *refs[-2:])
 
 
 def _target() -> tuple[str, str]:
@@ -357,18 +350,23 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
 
 def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, padded: bool,
                        interpret: bool, config: PayloadConfig):
-    """:func:`stack_payloads` through the kernel (checked arguments), one launch for all
-    members with the launch parameters ``config``."""
+    """:func:`stack_payloads` through the kernel (checked arguments), one launch per member with
+    the launch parameters ``config``."""
     _, a, b = ms[0].shape
     total = sum(m.shape[0] for m in ms)
     part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
                                          else (a, rows[0].shape[1]))
     mu = jnp.reshape(jnp.asarray(mu, jnp.float32), (1,))
-    denoms = jnp.concatenate([jnp.asarray(d, jnp.float32) for d in denoms])
     # Payload rows of padding indices are never written: the stack starts zeroed then.
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
-    pos = None if rows is None else _positions(jnp.concatenate(rows), ms[0].shape[row_axis])
-    *decayed, stack = _write_group(stack, denoms, mu, ms, gs, pos, part=part,
-                                   out_dtype=jnp.dtype(out_dtype), row_axis=row_axis,
-                                   interpret=interpret, config=config)
+    pos = ([None] * len(ms) if rows is None
+           else [x[0] for x in _member_selection(rows, ms[0].shape[row_axis], positions=True)])
+    decayed, slot = [], 0
+    for m, g, d, p in zip(ms, gs, denoms, pos):
+        new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32),
+                                     jnp.asarray(d, jnp.float32), mu, m, g, p, total=total,
+                                     part=part, out_dtype=jnp.dtype(out_dtype),
+                                     row_axis=row_axis, interpret=interpret, config=config)
+        decayed.append(new_m)
+        slot += m.shape[0]
     return stack, decayed
