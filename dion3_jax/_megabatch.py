@@ -127,16 +127,22 @@ def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
     The offsets are runtime values (NumPy constants, cheap to trace, behind an optimization
     barrier), so that the kernels consuming the pieces of many same-shaped members are one
     program compiled once rather than one program per offset; each piece is a fused dynamic
-    slice, as cheap as a static one. With ``computed_once``, ``x`` goes behind the barrier too: XLA materialises it
-    instead of fusing the work that makes it into every piece's consumer (for small
-    per-matrix arrays, whose work is then compiled and run once per stack).
+    slice, as cheap as a static one.
+
+    With ``computed_once``, ``x`` goes behind the barrier too: XLA materialises it instead of
+    fusing the work that makes it into every piece's consumer (for small per-matrix arrays,
+    whose work is then compiled and run once per stack; or for an ``x`` that is a kernel's
+    output anyway). Each piece is then sliced from its own output of the barrier (the same
+    buffer): the pieces' consumers share no operand, so XLA:GPU does not merge them into one
+    multi-output fusion, which it would for slices at run-time offsets of one shared array
+    (the merged fusion of a group's parameter updates runs slower than its parts).
     """
     if len(sizes) == 1:
         return [x]
-    offsets = list(itertools.accumulate(sizes, initial=0))[:-1]
+    offsets = [np.int32(o) for o in itertools.accumulate(sizes, initial=0)][:-1]
     if computed_once:
-        x, offsets = jax.lax.optimization_barrier((x, [np.int32(o) for o in offsets]))
+        xs, offsets = jax.lax.optimization_barrier(([x] * len(sizes), offsets))
     else:
-        offsets = jax.lax.optimization_barrier([np.int32(o) for o in offsets])
-    return [jax.lax.dynamic_slice_in_dim(x, o, s, axis=0, allow_negative_indices=False)
-            for o, s in zip(offsets, sizes)]
+        xs, offsets = [x] * len(sizes), jax.lax.optimization_barrier(offsets)
+    return [jax.lax.dynamic_slice_in_dim(piece, o, s, axis=0, allow_negative_indices=False)
+            for piece, o, s in zip(xs, offsets, sizes)]

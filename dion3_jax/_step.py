@@ -489,7 +489,7 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
             selected = _megabatch.unstack(b.stacked, sizes)
-        for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes)):
+        for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes, True)):
             swap = plan.units[i].swap
             out[i] = Polar(None if s is None else _orient(s, swap), _orient(f, swap))
         per_batch.update(_batch_factors(plan, g, o))

@@ -1,0 +1,37 @@
+"""``dion3_jax._megabatch.unstack``: the pieces of a stacked group, and how they reach XLA."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dion3_jax import _megabatch
+
+
+@pytest.mark.parametrize("computed_once", [False, True])
+def test_unstack_inverts_stack(computed_once):
+    rng = np.random.default_rng()
+    sizes = [int(s) for s in rng.integers(1, 4, size=4)]
+    parts = [jnp.asarray(rng.standard_normal((s, 3, 5)), jnp.float32) for s in sizes]
+    got = jax.jit(lambda x: _megabatch.unstack(x, sizes, computed_once))(
+        _megabatch.stack(parts))
+    for g, p in zip(got, parts, strict=True):
+        np.testing.assert_array_equal(g, p)
+
+
+def test_computed_once_pieces_share_no_operand():
+    """With ``computed_once`` each piece is sliced from its own output of the optimization
+    barrier: consumers of different pieces share no operand (XLA:GPU would otherwise merge them
+    into one slower multi-output fusion). Without it, the pieces slice ``x`` itself."""
+    sizes = [1, 2, 1]
+    fn = lambda once: jax.jit(  # noqa: E731
+        lambda x: [2 * p for p in _megabatch.unstack(x, sizes, once)])
+    x = jnp.ones((4, 8, 8))
+    for once, distinct in ((True, 3), (False, 1)):
+        text = fn(once).lower(x).as_text()
+        sliced = re.findall(r"stablehlo\.dynamic_slice (%[\w#]+),", text)
+        assert len(sliced) == 3 and len(set(sliced)) == distinct, (once, sliced)
