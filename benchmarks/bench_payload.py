@@ -6,8 +6,10 @@ axis as the step selects them at ``--fractions``) and per variant (a
 ``pallas_kernels._payload.PayloadConfig``), the table gives the block shape, the device time of
 one group's pass (``_trace.device_ms``: the summed GPU op time of a traced call), the wall time
 (median of ``--reps`` synchronised calls), the bandwidth by device time, and whether the
-variant's outputs (the payload stack and the new momenta) are bitwise the default's. One
-launch per group, as in the step; the momenta are donated and carried from call to call. The
+variant's outputs (the payload stack and the new momenta) are bitwise the default's. A last
+row per group is XLA's pass that writes only the new momenta, the same reads and
+writes without the payloads: the rate a pass of this traffic reaches on the machine. One
+launch per member, as in the step; the momenta are donated and carried from call to call. The
 bytes are those the pass must move: ``M`` and ``G`` read, ``M`` written, the float16 payloads
 written.
 
@@ -97,6 +99,29 @@ def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
     return first, device_ms(advance, reps=3), wall
 
 
+def time_momentum_only(count, shape, pick, *, reps: int):
+    """The reference row: XLA's pass that only writes the new momenta (``μ·S`` on the selected
+    columns, ``S`` elsewhere) from ``M`` and ``G``, no payload: ``(device ms, wall ms)``. The
+    payload kernel moves the same bytes plus the payloads'."""
+    gs, _ = _grads_and_norms(count, shape)
+    keeps = [jnp.ones((1, 1, shape[1]), bool) if pick is None else
+             jnp.zeros((1, 1, shape[1]), bool).at[0, 0, r[0]].set(True)
+             for r in _rows(count, shape[1], pick or 1, 1)]
+
+    def one_pass(ms, gs, keeps):
+        return [jnp.where(k, 0.9 * (m + g), m + g) for m, g, k in zip(ms, gs, keeps)]
+
+    run = jax.jit(one_pass, donate_argnums=0)
+    carried = [_momenta(count, shape)]
+
+    def advance():
+        carried[0] = run(carried[0], gs, keeps)
+        return carried[0]
+
+    wall = median_ms(advance, reps=reps)
+    return device_ms(advance, reps=3), wall
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny groups, interpreted (CPU smoke)")
@@ -129,6 +154,13 @@ def main(argv=None) -> list[dict]:
                                  gbps=None if dev is None else moved / dev / 1e6, same=same))
                 print(f"  f={f:g} {name} {v}: {wall:.3f} ms wall"
                       + ("" if dev is None else f", {dev:.3f} ms device"), flush=True)
+            dev, wall = time_momentum_only(count, (fan_in, fan_out), pick, reps=reps)
+            rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out), pick=pick,
+                             variant="XLA, momenta only", block=None, warps=None,
+                             device_ms=dev, wall_ms=wall, same=None,
+                             gbps=None if dev is None else
+                             count * fan_in * fan_out * 12 / dev / 1e6))
+            print(f"  f={f:g} {name} XLA momenta only: {wall:.3f} ms wall", flush=True)
     print("\n| f | group | matrices | shape | columns picked | variant | block | warps | "
           "device ms | wall ms | GB/s (device) | bitwise = default |")
     print("|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---|")
@@ -136,9 +168,10 @@ def main(argv=None) -> list[dict]:
         dev = "–" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
         gbps = "–" if r["gbps"] is None else f"{r['gbps']:.0f}"
         print(f"| {r['f']:g} | {r['group']} | {r['count']} | {r['shape'][0]}×{r['shape'][1]} | "
-              f"{r['pick'] or 'all'} | {r['variant']} | {r['block'][0]}×{r['block'][1]} | "
-              f"{r['warps']} | {dev} | {r['wall_ms']:.3f} | {gbps} | "
-              f"{'yes' if r['same'] else 'NO'} |")
+              f"{r['pick'] or 'all'} | {r['variant']} | "
+              f"{'–' if r['block'] is None else '×'.join(map(str, r['block']))} | "
+              f"{r['warps'] or '–'} | {dev} | {r['wall_ms']:.3f} | {gbps} | "
+              f"{'–' if r['same'] is None else 'yes' if r['same'] else 'NO'} |")
     return rows
 
 

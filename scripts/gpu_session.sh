@@ -101,9 +101,11 @@ case "$PART" in
     run profile_host 100 python3 benchmarks/profile_step.py --fraction 0.25 --host --top 20
     run profile_host_adamw 60 python3 benchmarks/profile_step.py --optimizer adamw --host --top 12
     ;;
-  payload)  # The payload pass alone per shape group of the 7B-shapes step, default launch
-            # parameters against variants (device time, bandwidth, bitwise check), f = 1/4.
-    run bench_payload 300 python3 benchmarks/bench_payload.py --fractions 0.25
+  payload)  # The payload pass alone per shape group of the 7B-shapes step at f = 1/4 and 1:
+            # the kernel (default launch parameters) against XLA's pass that writes only the
+            # momenta, the same traffic without the payloads (device time, bandwidth).
+    run bench_payload 200 python3 benchmarks/bench_payload.py --fractions 0.25 1 \
+      --variants default
     ;;
   selection)  # Row write-back / gather formulations alone, then where the f = 1/4 step's time goes.
     run bench_selection 90 python3 benchmarks/bench_selection.py
