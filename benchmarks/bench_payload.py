@@ -3,15 +3,15 @@ step, with the kernel's default launch parameters and with variants of them.
 
 Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected along the output
 axis as the step selects them at ``--fractions``) and per variant (a
-``pallas_kernels._payload.PayloadConfig``), the table gives the block shape, the device time of
-one group's pass (``_trace.device_ms``: the summed GPU op time of a traced call), the wall time
-(median of ``--reps`` synchronised calls), the bandwidth by device time, and whether the
-variant's outputs (the payload stack and the new momenta) are bitwise the default's. A last
-row per group is XLA's pass that writes only the new momenta, the same reads and
-writes without the payloads: the rate a pass of this traffic reaches on the machine. One
-launch per member, as in the step; the momenta are donated and carried from call to call. The
-bytes are those the pass must move: ``M`` and ``G`` read, ``M`` written, the float16 payloads
-written.
+``pallas_kernels._payload.PayloadConfig``: tiles, or "flat" blocks of consecutive elements), the
+table gives the block shape, the device time of one group's pass (``_trace.device_ms``: the
+summed GPU op time of a traced call), the wall time (median of ``--reps`` synchronised calls),
+the bandwidth by device time, and whether the variant's outputs (the payload stack and the new
+momenta) are bitwise the default's. A last row per group is XLA's pass that writes only the new
+momenta, the same reads and writes without the payloads: the rate a pass of this traffic
+reaches on the machine. One launch per member, as in the step; the momenta are donated and
+carried from call to call. The bytes are those the pass must move: ``M`` and ``G`` read, ``M``
+written, the float16 payloads written.
 
 Usage::
 
@@ -49,6 +49,9 @@ VARIANTS = {
     "c1024": PayloadConfig(max_block_cols=1024),
     "w2": PayloadConfig(num_warps=2),
     "w8": PayloadConfig(num_warps=8),
+    "flat": PayloadConfig(flat=True),
+    "flat2048": PayloadConfig(flat=True, block_elements=2048),
+    "flat8192": PayloadConfig(flat=True, block_elements=8192),
 }
 #: (name, matrices, fan_in, fan_out): the 7B-shapes step's groups, 8 layers.
 FULL = [("q/k/v/o", 32, 4096, 4096), ("gate/up", 16, 4096, 11008), ("down", 8, 11008, 4096)]
@@ -72,6 +75,12 @@ def _rows(count: int, n: int, pick: int, seed: int):
     rng = np.random.default_rng(seed)
     return [jnp.asarray(np.sort(rng.choice(n, pick, replace=False))[None], jnp.int32)
             for _ in range(count)]
+
+
+def _block(rows: int, cols: int, config: PayloadConfig) -> str:
+    if config.flat:
+        return f"{_payload.flat_block(rows, cols, config)} flat"
+    return "×".join(map(str, _payload.block_shape(rows, cols, config)))
 
 
 def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
@@ -149,7 +158,7 @@ def main(argv=None) -> list[dict]:
                 moved = count * fan_in * (12 * fan_out + 2 * (pick or fan_out))
                 rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out),
                                  pick=pick, variant=v,
-                                 block=_payload.block_shape(fan_in, fan_out, config),
+                                 block=_block(fan_in, fan_out, config),
                                  warps=config.num_warps, device_ms=dev, wall_ms=wall,
                                  gbps=None if dev is None else moved / dev / 1e6, same=same))
                 print(f"  f={f:g} {name} {v}: {wall:.3f} ms wall"
@@ -169,7 +178,7 @@ def main(argv=None) -> list[dict]:
         gbps = "–" if r["gbps"] is None else f"{r['gbps']:.0f}"
         print(f"| {r['f']:g} | {r['group']} | {r['count']} | {r['shape'][0]}×{r['shape'][1]} | "
               f"{r['pick'] or 'all'} | {r['variant']} | "
-              f"{'–' if r['block'] is None else '×'.join(map(str, r['block']))} | "
+              f"{r['block'] or '–'} | "
               f"{r['warps'] or '–'} | {dev} | {r['wall_ms']:.3f} | {gbps} | "
               f"{'–' if r['same'] is None else 'yes' if r['same'] else 'NO'} |")
     return rows

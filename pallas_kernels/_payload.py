@@ -58,11 +58,18 @@ class PayloadConfig(NamedTuple):
       max_block_cols: the widest block row (a power of two ≥ 32); a block takes the widest power
         of two up to it that divides the columns.
       num_warps: warps per block.
+      flat: blocks of ``block_elements`` consecutive elements of each (row-major) matrix,
+        whole rows or not, instead of ``(rows, cols)`` tiles: every block is one contiguous
+        stretch of ``M`` and ``G``, and a column count without a power-of-two divisor ≥ 32
+        (11008 = 43·256) does not narrow the blocks. Each element's row and column come from
+        its flat index; with selected rows, its payload position is a gather from the
+        positions.
     """
 
     block_elements: int = 4096
     max_block_cols: int = 512
     num_warps: int = 4
+    flat: bool = False
 
 
 def _check(ms, gs, denoms, rows, row_axis) -> None:
@@ -214,6 +221,89 @@ def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_
     pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
 
 
+def flat_block(rows: int, cols: int, config: PayloadConfig = PayloadConfig()) -> int:
+    """The kernel's block of consecutive elements with ``config.flat``: the largest power of two
+    up to ``config.block_elements`` that divides ``rows · cols``."""
+    block = config.block_elements
+    while (rows * cols) % block:
+        block //= 2
+    return block
+
+
+def _flat_kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, stack_in_ref, m_out_ref, stack_ref,
+                 *, block: int):
+    """:func:`_kernel` on ``block`` consecutive elements (``M``, ``G`` and the stack seen as
+    ``(batch, rows · cols)``)."""
+    del stack_in_ref  # the same buffer as stack_ref (aliased)
+    k, i = pl.program_id(0), pl.program_id(1)
+    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
+    m_out_ref[...] = (mu_ref[0] * s).astype(m_out_ref.dtype)
+    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
+    stack_ref[slot_ref[0] + k, pl.ds(i * block, block)] = payload
+
+
+def _flat_select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_ref,
+                        m_out_ref, stack_ref, *, block: int, cols: int, pick: int,
+                        row_axis: int):
+    """:func:`_select_kernel` on ``block`` consecutive elements: each element's row and column
+    from its flat index, its payload position gathered from ``pos_ref`` (``(batch, n)``, whole)
+    and, if selected, its payload stored there (the stack ``(total, *part)``, whole)."""
+    del stack_in_ref  # the same buffer as stack_ref (aliased)
+    k, i = pl.program_id(0), pl.program_id(1)
+    at = i * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+    row, col = at // cols, at % cols
+    pos = pltriton.load(pos_ref.at[k, col if row_axis == 2 else row])
+    keep = pos < pick
+    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
+    m_out_ref[...] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
+    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
+    where = (row, pos) if row_axis == 2 else (pos, col)
+    pltriton.store(stack_ref.at[slot_ref[0] + k, *where], payload, mask=keep)
+
+
+@functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
+                                             "interpret", "config"))
+def _write_member_flat(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
+                       out_dtype, row_axis: int, interpret: bool, config: PayloadConfig):
+    """:func:`_write_member` with ``config.flat``: ``M`` and ``G`` seen as ``(batch, rows ·
+    cols)``; without ``pos`` the stack too (``(total, rows · cols)``, reshaped by the caller)."""
+    b, rows, cols = m.shape
+    block = flat_block(rows, cols, config)
+    blk = pl.BlockSpec((None, block), lambda k, i: (k, i))
+    scalar = pl.BlockSpec((1,), lambda k, i: (0,))
+    per_matrix = pl.BlockSpec((1,), lambda k, i: (k,))
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    fresh = stack is None
+    if pos is None:
+        kernel, pos_spec = functools.partial(_flat_kernel, block=block), []
+        out_part = (rows * cols,)
+    else:
+        kernel = functools.partial(_flat_select_kernel, block=block, cols=cols,
+                                   pick=part[row_axis - 1], row_axis=row_axis)
+        pos_spec, out_part = [anywhere], part
+    if fresh:
+        kernel = functools.partial(_fresh_kernel, kernel)
+    flat = (b, rows * cols)
+    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m.reshape(flat),
+                                                                       g.reshape(flat)]
+    m_index = len(operands) - 2
+    new_m, stack = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct(flat, m.dtype),
+                   jax.ShapeDtypeStruct((total, *out_part), out_dtype)),
+        grid=(b, rows * cols // block),
+        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
+                 + ([] if fresh else [anywhere]),
+        out_specs=(blk, anywhere),
+        input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
+        compiler_params=(None if pltriton is None
+                         else pltriton.CompilerParams(num_warps=config.num_warps,
+                                                      num_stages=1)),
+        interpret=interpret, name="stack_payloads_flat",
+    )(*operands, *([] if fresh else [stack]))
+    return new_m.reshape(m.shape), stack
+
+
 @functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
                                              "interpret", "config"))
 def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
@@ -361,12 +451,14 @@ def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, pa
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
     pos = ([None] * len(ms) if rows is None
            else [x[0] for x in _member_selection(rows, ms[0].shape[row_axis], positions=True)])
+    write = _write_member_flat if config.flat else _write_member
     decayed, slot = [], 0
     for m, g, d, p in zip(ms, gs, denoms, pos):
-        new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32),
-                                     jnp.asarray(d, jnp.float32), mu, m, g, p, total=total,
-                                     part=part, out_dtype=jnp.dtype(out_dtype),
-                                     row_axis=row_axis, interpret=interpret, config=config)
+        new_m, stack = write(stack, jnp.asarray([slot], jnp.int32), jnp.asarray(d, jnp.float32),
+                             mu, m, g, p, total=total, part=part,
+                             out_dtype=jnp.dtype(out_dtype), row_axis=row_axis,
+                             interpret=interpret, config=config)
         decayed.append(new_m)
         slot += m.shape[0]
-    return stack, decayed
+    # (With every row selected and flat blocks, the stack is (total, a·b) until here.)
+    return stack.reshape((total, *part)), decayed

@@ -21,7 +21,7 @@ import pallas_kernels
 from dion3_jax import _step
 from pallas_kernels import stack_payloads, stack_payloads_reference
 from pallas_kernels import _payload
-from pallas_kernels._payload import PayloadConfig, block_shape
+from pallas_kernels._payload import PayloadConfig, block_shape, flat_block
 
 
 def _members(seed, batches, rows, cols, m_dtype=jnp.float32, g_dtype=jnp.float32):
@@ -149,20 +149,31 @@ def test_block_shapes():
     assert block_shape(4096, 4096, PayloadConfig(max_block_cols=128)) == (32, 128)
 
 
-def test_launch_parameters_do_not_change_the_result():
-    """Other blocks and warps (``PayloadConfig``, what ``bench_payload.py`` times) give the
-    default's bits: every element is computed alone."""
+@pytest.mark.parametrize("row_axis", [None, 1, 2])
+def test_launch_parameters_do_not_change_the_result(row_axis):
+    """Other blocks and warps (``PayloadConfig``, what ``bench_payload.py`` times), tiles or
+    flat blocks, give the default's bits: every element is computed alone. ``row_axis`` None:
+    every row."""
     seed = np.random.randint(1 << 30)
     ms, gs, ds = _members(seed, [2, 1], 32, 128, g_dtype=jnp.bfloat16)
-    rows = _rows(seed, [2, 1], 128, 32, padded=False)
+    rows = None if row_axis is None else _rows(seed, [2, 1], (32, 128)[row_axis - 1],
+                                               (8, 32)[row_axis - 1], padded=False)
+    configs = (PayloadConfig(), PayloadConfig(block_elements=512, max_block_cols=32, num_warps=8),
+               PayloadConfig(flat=True), PayloadConfig(flat=True, block_elements=512))
     outs = [jax.jit(functools.partial(
-        _payload._stack_with_kernel, out_dtype=jnp.float16, rows=rows, row_axis=2, padded=False,
-        interpret=True, config=c))(ms, gs, ds, jnp.float32(0.8))
-        for c in (PayloadConfig(), PayloadConfig(block_elements=512, max_block_cols=32,
-                                                 num_warps=8))]
-    assert block_shape(32, 128, PayloadConfig(block_elements=512, max_block_cols=32)) == (16, 32)
-    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _payload._stack_with_kernel, out_dtype=jnp.float16, rows=rows, row_axis=row_axis or 1,
+        padded=False, interpret=True, config=c))(ms, gs, ds, jnp.float32(0.8)) for c in configs]
+    assert block_shape(32, 128, configs[1]) == (16, 32)
+    for out in outs[1:]:
+        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_flat_blocks():
+    assert flat_block(4096, 11008) == 4096
+    assert flat_block(24, 20) == 32                     # 480 = 32 · 15
+    assert flat_block(3, 5) == 1
+    assert flat_block(64, 64, PayloadConfig(block_elements=1024)) == 1024
 
 
 def test_bad_input_raises():
@@ -212,6 +223,29 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
                             f32(), rows=rows).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert text.count("stack_payloads") >= 2, text[:2000]
+
+
+@pytest.mark.parametrize("shape,pick,row_axis", [((4096, 11008), None, 2),
+                                                 ((4096, 11008), 2752, 2),
+                                                 ((11008, 4096), 2752, 1)])
+def test_flat_kernel_lowers_for_h200_at_benchmark_shapes(shape, pick, row_axis):
+    """The flat-block kernel (``PayloadConfig(flat=True)``): its Triton lowering for an H200,
+    with the positions' gather and the masked payload store (no GPU needed; not compiled)."""
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
+                        abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+
+    def run(ms, gs, ds, mu, rows):
+        return _payload._stack_with_kernel(ms, gs, ds, mu, out_dtype=jnp.float16, rows=rows,
+                                           row_axis=row_axis, padded=False, interpret=False,
+                                           config=PayloadConfig(flat=True))
+
+    rows = None if pick is None else [jax.ShapeDtypeStruct((1, pick), jnp.int32)] * 2
+    with use_abstract_mesh(mesh):
+        text = jax.jit(run).trace([f32(1, *shape)] * 2, [f32(1, *shape)] * 2, [f32(1)] * 2,
+                                  f32(), rows).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 2, text[:2000]
+    assert "stack_payloads_flat" in text, text[:2000]
 
 
 _SPECS = {"a": P(None, "x"), "b": P(None, "x"), "c": P("x", None, None), "d": P("x", None)}
