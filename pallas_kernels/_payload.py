@@ -272,35 +272,19 @@ def _write_member_flat(stack, slot, denom, mu, m, g, pos, *, total: int, part: t
     blk = pl.BlockSpec((None, block), lambda k, i: (k, i))
     scalar = pl.BlockSpec((1,), lambda k, i: (0,))
     per_matrix = pl.BlockSpec((1,), lambda k, i: (k,))
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    fresh = stack is None
     if pos is None:
         kernel, pos_spec = functools.partial(_flat_kernel, block=block), []
         out_part = (rows * cols,)
     else:
         kernel = functools.partial(_flat_select_kernel, block=block, cols=cols,
                                    pick=part[row_axis - 1], row_axis=row_axis)
-        pos_spec, out_part = [anywhere], part
-    if fresh:
-        kernel = functools.partial(_fresh_kernel, kernel)
+        pos_spec, out_part = [pl.BlockSpec(memory_space=pl.ANY)], part
     flat = (b, rows * cols)
-    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m.reshape(flat),
-                                                                       g.reshape(flat)]
-    m_index = len(operands) - 2
-    new_m, stack = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct(flat, m.dtype),
-                   jax.ShapeDtypeStruct((total, *out_part), out_dtype)),
-        grid=(b, rows * cols // block),
-        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
-                 + ([] if fresh else [anywhere]),
-        out_specs=(blk, anywhere),
-        input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
-        compiler_params=(None if pltriton is None
-                         else pltriton.CompilerParams(num_warps=config.num_warps,
-                                                      num_stages=1)),
-        interpret=interpret, name="stack_payloads_flat",
-    )(*operands, *([] if fresh else [stack]))
+    new_m, stack = _launch(kernel, stack, [slot, denom, mu] + ([] if pos is None else [pos]),
+                           m.reshape(flat), g.reshape(flat), grid=(b, rows * cols // block),
+                           head_specs=[scalar, per_matrix, scalar] + pos_spec, blk=blk,
+                           stack_shape=(total, *out_part), out_dtype=out_dtype, config=config,
+                           interpret=interpret, name="stack_payloads_flat")
     return new_m.reshape(m.shape), stack
 
 
@@ -318,8 +302,6 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
     per_matrix = pl.BlockSpec((1,), lambda k, i, j: (k,))
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    fresh = stack is None
     if pos is None:
         kernel, pos_spec = functools.partial(_kernel, br=br, bc=bc), []
     else:
@@ -327,24 +309,37 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
                                    row_axis=row_axis)
         pos_spec = [pl.BlockSpec((None, bc), lambda k, i, j: (k, j)) if row_axis == 2
                     else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
+    return _launch(kernel, stack, [slot, denom, mu] + ([] if pos is None else [pos]), m, g,
+                   grid=(b, rows // br, cols // bc),
+                   head_specs=[scalar, per_matrix, scalar] + pos_spec, blk=blk,
+                   stack_shape=(total, *part), out_dtype=out_dtype, config=config,
+                   interpret=interpret, name="stack_payloads")
+
+
+def _launch(kernel, stack, head, m, g, *, grid, head_specs, blk, stack_shape, out_dtype,
+            config: PayloadConfig, interpret: bool, name: str):
+    """The ``pallas_call`` of one member: ``head`` (slot, norm, decay and maybe positions, with
+    ``head_specs``), ``m`` and ``g`` in blocks ``blk`` (the new momentum written in place of
+    ``m``), and the stack (``stack_shape``) as a whole array: allocated by this launch when
+    ``stack`` is None, else written in place."""
+    fresh = stack is None
     if fresh:
         kernel = functools.partial(_fresh_kernel, kernel)
-    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m, g]
-    m_index = len(operands) - 2
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    m_index = len(head)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
-                   jax.ShapeDtypeStruct((total, *part), out_dtype)),
-        grid=(b, rows // br, cols // bc),
-        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
-                 + ([] if fresh else [anywhere]),
+                   jax.ShapeDtypeStruct(stack_shape, out_dtype)),
+        grid=grid,
+        in_specs=head_specs + [blk, blk] + ([] if fresh else [anywhere]),
         out_specs=(blk, anywhere),
         input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
         compiler_params=(None if pltriton is None
                          else pltriton.CompilerParams(num_warps=config.num_warps,
                                                       num_stages=1)),
-        interpret=interpret, name="stack_payloads",
-    )(*operands, *([] if fresh else [stack]))
+        interpret=interpret, name=name,
+    )(*head, m, g, *([] if fresh else [stack]))
 
 
 def _fresh_kernel(kernel, *refs):
