@@ -223,7 +223,15 @@ def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_
 
 def flat_block(rows: int, cols: int, config: PayloadConfig = PayloadConfig()) -> int:
     """The kernel's block of consecutive elements with ``config.flat``: the largest power of two
-    up to ``config.block_elements`` that divides ``rows · cols``."""
+    up to ``config.block_elements`` that divides ``rows · cols``.
+
+    Raises:
+      ValueError: for a matrix of ``2**31`` elements or more (the kernel's flat indices are
+        int32).
+    """
+    if rows * cols >= 2**31:
+        raise ValueError(f"flat payload blocks index a matrix's elements in int32: ({rows}, "
+                         f"{cols}) has {rows * cols} ≥ 2**31; use tiles (flat=False)")
     block = config.block_elements
     while (rows * cols) % block:
         block //= 2

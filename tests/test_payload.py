@@ -174,6 +174,8 @@ def test_flat_blocks():
     assert flat_block(24, 20) == 32                     # 480 = 32 · 15
     assert flat_block(3, 5) == 1
     assert flat_block(64, 64, PayloadConfig(block_elements=1024)) == 1024
+    with pytest.raises(ValueError, match=r"\(65536, 32768\) has 2147483648"):
+        flat_block(65536, 32768)
 
 
 def test_bad_input_raises():
