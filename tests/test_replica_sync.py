@@ -140,7 +140,7 @@ def test_bytes_over_replica_axis_scale_with_fraction():
     params = trees(0)
     g = trees(1, replicas=2)
     sizes = {}
-    for f in (1.0, 0.5, 0.125):
+    for f in (1.0, 0.125):   # (each fraction compiles the step: two are enough for the law)
         with jax.set_mesh(m):
             tx = dion3_jax.scale_by_dion3(f, mesh_options=MO(replica_axis="dcn"))
             state = tx.init(put(params, m))
@@ -154,7 +154,6 @@ def test_bytes_over_replica_axis_scale_with_fraction():
                      for n, cols in ((64 // FSDP, 16), (24, 32 // FSDP), (24, 16)))
               for f in sizes}
     assert sizes == expect, (sizes, expect)
-    assert sizes[0.125] < sizes[0.5] < sizes[1.0]
     assert sizes[1.0] / sizes[0.125] > 7
 
 
