@@ -83,6 +83,20 @@ def _block(rows: int, cols: int, config: PayloadConfig) -> str:
     return "×".join(map(str, _payload.block_shape(rows, cols, config)))
 
 
+def _timed(run, count, shape, gs, extra, *, reps: int):
+    """``(device ms, wall ms)`` of ``run(ms, gs, extra)``, whose last output is the new momenta:
+    they are carried from call to call (donated), as in the step."""
+    carried = [_momenta(count, shape)]
+
+    def advance():
+        out = run(carried[0], gs, extra)
+        carried[0] = out[-1]
+        return out
+
+    wall = median_ms(advance, reps=reps)
+    return device_ms(advance, reps=3), wall
+
+
 def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
     """One group's pass with ``config``: ``(outputs of the first call, device ms, wall ms)``.
 
@@ -98,14 +112,7 @@ def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
 
     run = jax.jit(one_pass, donate_argnums=0)
     first = jax.tree.map(np.asarray, run(_momenta(count, shape), gs, ds))
-    carried = [_momenta(count, shape)]
-
-    def advance():  # the momenta carried from call to call (donated)
-        stack, carried[0] = run(carried[0], gs, ds)
-        return stack
-
-    wall = median_ms(advance, reps=reps)
-    return first, device_ms(advance, reps=3), wall
+    return first, *_timed(run, count, shape, gs, ds, reps=reps)
 
 
 def time_momentum_only(count, shape, pick, *, reps: int):
@@ -113,22 +120,14 @@ def time_momentum_only(count, shape, pick, *, reps: int):
     columns, ``S`` elsewhere) from ``M`` and ``G``, no payload: ``(device ms, wall ms)``. The
     payload kernel moves the same bytes plus the payloads'."""
     gs, _ = _grads_and_norms(count, shape)
-    keeps = [jnp.ones((1, 1, shape[1]), bool) if pick is None else
-             jnp.zeros((1, 1, shape[1]), bool).at[0, 0, r[0]].set(True)
-             for r in _rows(count, shape[1], pick or 1, 1)]
+    keeps = ([jnp.ones((1, 1, shape[1]), bool)] * count if pick is None else
+             [jnp.zeros((1, 1, shape[1]), bool).at[0, 0, r[0]].set(True)
+              for r in _rows(count, shape[1], pick, 1)])
 
     def one_pass(ms, gs, keeps):
-        return [jnp.where(k, 0.9 * (m + g), m + g) for m, g, k in zip(ms, gs, keeps)]
+        return ([jnp.where(k, 0.9 * (m + g), m + g) for m, g, k in zip(ms, gs, keeps)],)
 
-    run = jax.jit(one_pass, donate_argnums=0)
-    carried = [_momenta(count, shape)]
-
-    def advance():
-        carried[0] = run(carried[0], gs, keeps)
-        return carried[0]
-
-    wall = median_ms(advance, reps=reps)
-    return device_ms(advance, reps=3), wall
+    return _timed(jax.jit(one_pass, donate_argnums=0), count, shape, gs, keeps, reps=reps)
 
 
 def main(argv=None) -> list[dict]:
