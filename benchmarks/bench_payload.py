@@ -3,7 +3,7 @@ step, with the kernel's default launch parameters and with variants of them.
 
 Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected along the output
 axis as the step selects them at ``--fractions``) and per variant (a
-``pallas_kernels._payload.PayloadConfig``: tiles, or "flat" blocks of consecutive elements), the
+``pallas_kernels._payload.PayloadConfig``: the tile and the warps per tile), the
 table gives the block shape, the device time of one group's pass (``_trace.device_ms``: the
 summed GPU op time of a traced call), the wall time (median of ``--reps`` synchronised calls),
 the bandwidth by device time, and whether the variant's outputs (the payload stack and the new
@@ -49,9 +49,6 @@ VARIANTS = {
     "c1024": PayloadConfig(max_block_cols=1024),
     "w2": PayloadConfig(num_warps=2),
     "w8": PayloadConfig(num_warps=8),
-    "flat": PayloadConfig(flat=True),
-    "flat2048": PayloadConfig(flat=True, block_elements=2048),
-    "flat8192": PayloadConfig(flat=True, block_elements=8192),
 }
 #: (name, matrices, fan_in, fan_out): the 7B-shapes step's groups, 8 layers.
 FULL = [("q/k/v/o", 32, 4096, 4096), ("gate/up", 16, 4096, 11008), ("down", 8, 11008, 4096)]
@@ -78,8 +75,6 @@ def _rows(count: int, n: int, pick: int, seed: int):
 
 
 def _block(rows: int, cols: int, config: PayloadConfig) -> str:
-    if config.flat:
-        return f"{_payload.flat_block(rows, cols, config)} flat"
     return "×".join(map(str, _payload.block_shape(rows, cols, config)))
 
 

@@ -19,7 +19,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from dion3_jax._polar import _polar_normalized, _polar_parts, polar, resolved_compute_dtype
+from dion3_jax._polar import (_polar_normalized, _polar_parts, iteration_shape, polar,
+                              resolved_compute_dtype)
 
 _POLAR_DEFAULTS = {name: p.default for name, p in inspect.signature(polar).parameters.items()
                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
@@ -81,6 +82,13 @@ class Orthogonalizer:
         (``X / (‖X‖_F + eps)``) and cast to :attr:`input_dtype`: the iteration alone."""
         return _polar_normalized(x, **{**_POLAR_DEFAULTS, **self.polar_kwargs})
 
+    def padded_shape(self, shape: tuple[int, int, int]) -> tuple[int, int]:
+        """The ``(rows, cols)`` :meth:`of_normalized` iterates on for a ``(batch, rows, cols)``
+        batch: padded with zeros to the kernels' tile multiples (the shape itself on XLA). A
+        batch the caller writes so padded is iterated on as it is (no pad pass), and its zero
+        rows and columns stay exactly zero in the factors."""
+        return iteration_shape(shape, self.input_dtype, self.backend)
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.polar_kwargs.items())
         return f"Orthogonalizer({args})"
@@ -105,6 +113,9 @@ class CallableOrthogonalizer(Orthogonalizer):
 
     def of_normalized(self, x: jax.Array) -> jax.Array:
         return self.fn(x)
+
+    def padded_shape(self, shape: tuple[int, int, int]) -> tuple[int, int]:
+        return tuple(shape[1:])  # the callable gets the batch as it is
 
     def __repr__(self) -> str:
         return f"CallableOrthogonalizer({self.fn!r})"

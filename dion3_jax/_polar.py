@@ -136,6 +136,17 @@ def _multiples(y: jax.Array, backend: str) -> tuple[int, int] | None:
     return pallas_kernels.padding_multiples(gram_operand, y.dtype, backend)
 
 
+def iteration_shape(shape: tuple[int, int, int], dtype, backend: str) -> tuple[int, int]:
+    """The ``(rows, cols)`` the iteration runs on for a ``(B, n, m)`` batch in ``dtype`` (the
+    compute dtype): ``(n, m)`` zero-padded to the kernels' tile multiples, ``(n, m)`` on XLA.
+
+    A caller that writes its batch so padded (zeros past ``(n, m)``) saves the iteration's pad
+    pass, and slices the factors back itself."""
+    _, n, m = shape
+    multiples = _multiples(jax.ShapeDtypeStruct(shape, dtype), backend)
+    return (n, m) if multiples is None else _padded_shape(n, m, multiples)
+
+
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
              backend: str, multiples: tuple[int, int] | None) -> jax.Array:
     """Newton-Schulz on the normalised batch ``y`` of shape ``(B, n, m)``, wide or tall.

@@ -389,19 +389,32 @@ def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
     return _norms_by_batch(plan, whole, "all_to_all")
 
 
-def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, uids, norms: dict,
+def _pad_to(orth, u: Unit, total: int, shape: tuple[int, int]) -> int | None:
+    """The picked axis' length the orthogonalizer iterates on for ``total`` payloads of
+    ``shape`` when it pads that axis alone (the stack is then written so padded: no pad pass
+    before the iteration); else None."""
+    padded, picked = orth.padded_shape((total, *shape)), u.layout.row_axis - 1
+    if padded[1 - picked] != shape[1 - picked] or padded[picked] == shape[picked]:
+        return None
+    return padded[picked]
+
+
+def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, key, uids, norms: dict,
                        rows: dict) -> tuple[jax.Array, dict[int, jax.Array]]:
     """A group of one-pass units: its stacked normalised payloads and its new momentum
     blocks, from one pass over ``M`` and ``G`` (:func:`pallas_kernels.stack_payloads`, with the
     units' selected rows ``rows`` unless they are full; XLA when the orthogonalizer's backend is
-    ``"xla"``)."""
+    ``"xla"``). An on-device group's stack is padded as the iteration pads it (:func:`_pad_to`;
+    :func:`megabatched_polar` drops the padding from the factors)."""
     orth, u = cfg.orthogonalizer, plan.units[uids[0]]
+    pad_to = (_pad_to(orth, u, sum(_sizes(plan, uids)), key.shape)
+              if key.route == "on_device" and not u.full else None)
     stacked, decayed = pallas_kernels.stack_payloads(
         [acc.terms[i][0] for i in uids], [acc.terms[i][1] for i in uids],
         [norms[i] + orth.eps for i in uids], jnp.asarray(cfg.mu, jnp.float32),
         out_dtype=orth.input_dtype, rows=None if u.full else [rows[i] for i in uids],
         row_axis=u.layout.row_axis, padded=any(plan.units[i].shard == "rows" for i in uids),
-        implementation="xla" if orth.backend == "xla" else "auto")
+        pad_to=pad_to, implementation="xla" if orth.backend == "xla" else "auto")
     return stacked, dict(zip(uids, decayed))
 
 
@@ -438,7 +451,7 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
         normalized = ((key.route == "all_to_all" and plan.send_normalized)
                       or (on_device and one_pass))
         if one_pass:
-            stacked, decayed = _one_pass_payloads(cfg, plan, acc, uids,
+            stacked, decayed = _one_pass_payloads(cfg, plan, acc, key, uids,
                                                   local if on_device else sent, unit_rows)
         elif normalized:
             stacked = _megabatch.stack([
@@ -489,7 +502,11 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
             selected = _megabatch.unstack(b.stacked, sizes)
-        for i, s, f in zip(b.uids, selected, _megabatch.unstack(o, sizes, True)):
+        pieces = _megabatch.unstack(o, sizes, True)
+        if o.shape[1:] != b.key.shape:  # a padded stack (_pad_to): sliced after the barrier,
+            rows, cols = b.key.shape    # so that no unpadded copy is written
+            pieces, o = [f[:, :rows, :cols] for f in pieces], o[:, :rows, :cols]
+        for i, s, f in zip(b.uids, selected, pieces):
             swap = plan.units[i].swap
             out[i] = Polar(None if s is None else _orient(s, swap), _orient(f, swap))
         per_batch.update(_batch_factors(plan, g, o))

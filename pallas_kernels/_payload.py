@@ -58,18 +58,11 @@ class PayloadConfig(NamedTuple):
       max_block_cols: the widest block row (a power of two ≥ 32); a block takes the widest power
         of two up to it that divides the columns.
       num_warps: warps per block.
-      flat: blocks of ``block_elements`` consecutive elements of each (row-major) matrix,
-        whole rows or not, instead of ``(rows, cols)`` tiles: every block is one contiguous
-        stretch of ``M`` and ``G``, and a column count without a power-of-two divisor ≥ 32
-        (11008 = 43·256) does not narrow the blocks. Each element's row and column come from
-        its flat index; with selected rows, its payload position is a gather from the
-        positions.
     """
 
     block_elements: int = 4096
     max_block_cols: int = 512
     num_warps: int = 4
-    flat: bool = False
 
 
 def _check(ms, gs, denoms, rows, row_axis) -> None:
@@ -221,81 +214,6 @@ def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_
     pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
 
 
-def flat_block(rows: int, cols: int, config: PayloadConfig = PayloadConfig()) -> int:
-    """The kernel's block of consecutive elements with ``config.flat``: the largest power of two
-    up to ``config.block_elements`` that divides ``rows · cols``.
-
-    Raises:
-      ValueError: for a matrix of ``2**31`` elements or more (the kernel's flat indices are
-        int32).
-    """
-    if rows * cols >= 2**31:
-        raise ValueError(f"flat payload blocks index a matrix's elements in int32: ({rows}, "
-                         f"{cols}) has {rows * cols} ≥ 2**31; use tiles (flat=False)")
-    block = config.block_elements
-    while (rows * cols) % block:
-        block //= 2
-    return block
-
-
-def _flat_kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, stack_in_ref, m_out_ref, stack_ref,
-                 *, block: int):
-    """:func:`_kernel` on ``block`` consecutive elements (``M``, ``G`` and the stack seen as
-    ``(batch, rows · cols)``)."""
-    del stack_in_ref  # the same buffer as stack_ref (aliased)
-    k, i = pl.program_id(0), pl.program_id(1)
-    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
-    m_out_ref[...] = (mu_ref[0] * s).astype(m_out_ref.dtype)
-    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
-    stack_ref[slot_ref[0] + k, pl.ds(i * block, block)] = payload
-
-
-def _flat_select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_ref,
-                        m_out_ref, stack_ref, *, block: int, cols: int, pick: int,
-                        row_axis: int):
-    """:func:`_select_kernel` on ``block`` consecutive elements: each element's row and column
-    from its flat index, its payload position gathered from ``pos_ref`` (``(batch, n)``, whole)
-    and, if selected, its payload stored there (the stack ``(total, *part)``, whole)."""
-    del stack_in_ref  # the same buffer as stack_ref (aliased)
-    k, i = pl.program_id(0), pl.program_id(1)
-    at = i * block + jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
-    row, col = at // cols, at % cols
-    pos = pltriton.load(pos_ref.at[k, col if row_axis == 2 else row])
-    keep = pos < pick
-    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
-    m_out_ref[...] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
-    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
-    where = (row, pos) if row_axis == 2 else (pos, col)
-    pltriton.store(stack_ref.at[slot_ref[0] + k, *where], payload, mask=keep)
-
-
-@functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
-                                             "interpret", "config"))
-def _write_member_flat(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
-                       out_dtype, row_axis: int, interpret: bool, config: PayloadConfig):
-    """:func:`_write_member` with ``config.flat``: ``M`` and ``G`` seen as ``(batch, rows ·
-    cols)``; without ``pos`` the stack too (``(total, rows · cols)``, reshaped by the caller)."""
-    b, rows, cols = m.shape
-    block = flat_block(rows, cols, config)
-    blk = pl.BlockSpec((None, block), lambda k, i: (k, i))
-    scalar = pl.BlockSpec((1,), lambda k, i: (0,))
-    per_matrix = pl.BlockSpec((1,), lambda k, i: (k,))
-    if pos is None:
-        kernel, pos_spec = functools.partial(_flat_kernel, block=block), []
-        out_part = (rows * cols,)
-    else:
-        kernel = functools.partial(_flat_select_kernel, block=block, cols=cols,
-                                   pick=part[row_axis - 1], row_axis=row_axis)
-        pos_spec, out_part = [pl.BlockSpec(memory_space=pl.ANY)], part
-    flat = (b, rows * cols)
-    new_m, stack = _launch(kernel, stack, [slot, denom, mu] + ([] if pos is None else [pos]),
-                           m.reshape(flat), g.reshape(flat), grid=(b, rows * cols // block),
-                           head_specs=[scalar, per_matrix, scalar] + pos_spec, blk=blk,
-                           stack_shape=(total, *out_part), out_dtype=out_dtype, config=config,
-                           interpret=interpret, name="stack_payloads_flat")
-    return new_m.reshape(m.shape), stack
-
-
 @functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
                                              "interpret", "config"))
 def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
@@ -387,8 +305,9 @@ def _resolve(implementation: str, rows: int, cols: int, interpret: bool) -> str:
 def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
                    denoms: Sequence[jax.Array], mu, *, out_dtype,
                    rows: Sequence[jax.Array] | None = None, row_axis: int = 1,
-                   padded: bool = True, implementation: PayloadImplementation = "auto",
-                   interpret: bool = False) -> tuple[jax.Array, list[jax.Array]]:
+                   padded: bool = True, pad_to: int | None = None,
+                   implementation: PayloadImplementation = "auto", interpret: bool = False
+                   ) -> tuple[jax.Array, list[jax.Array]]:
     """Normalised payloads stacked, and decayed momenta, of selected rows.
 
     For members ``i`` with ``S_i = M_i + G_i`` (in ``M_i``'s dtype) returns ``(stack,
@@ -396,7 +315,8 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
     (per matrix, in float32, cast to ``out_dtype``) and ``decayed_i`` is ``S_i`` with ``μ·S_i``
     in the selected rows, in ``M_i``'s dtype. Without ``rows`` every row is selected and
     ``P_i = S_i``; with them, ``P_i`` holds the rows ``rows_i`` of ``S_i`` in their order (along
-    ``row_axis``), and zeros where an index is ``≥ n`` (padding).
+    ``row_axis``), and zeros where an index is ``≥ n`` (padding), then zero rows up to
+    ``pad_to``.
 
     Args:
       ms: momenta, each ``(batch_i, a, b)``; one matrix shape for all.
@@ -409,13 +329,16 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
       row_axis: the axis of the rows (1 or 2; ``n`` is its length).
       padded: whether ``rows`` may hold padding. With False (every index in range) the
         kernel's stack is not zeroed first: every payload row is written by the kernel.
+      pad_to: with ``rows``, the payload's row count (``≥ pick``): zero rows follow the
+        selected ones (a consumer that pads its input to tile multiples finds it so; with the
+        kernel only the zero rows are written twice). None: ``pick``.
       implementation: ``"pallas"`` (the kernel; NVIDIA GPUs, or ``interpret``), ``"xla"``, or
         ``"auto"``: the kernel on an NVIDIA GPU when ``b`` is a multiple of 32, else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:
       ``(stack, decayed)``: ``(Σ batch_i, *payload)`` in ``out_dtype`` (the payload is ``(a,
-      b)``, or ``pick`` rows along ``row_axis``), and a list like ``ms``.
+      b)``, or ``pad_to`` (``pick``) rows along ``row_axis``), and a list like ``ms``.
 
     Raises:
       ValueError: for mismatched members, an unknown implementation, or ``"pallas"`` where it
@@ -432,19 +355,40 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
     """
     ms, gs, denoms = list(ms), list(gs), list(denoms)
     _check(ms, gs, denoms, rows, row_axis)
+    pick = _check_pad_to(rows, pad_to)
     _, a, b = ms[0].shape
+    if pad_to is not None and pad_to > pick:
+        rows = _padded_rows(rows, ms[0].shape[row_axis], pad_to)
     if _resolve(implementation, a, b, interpret) == "xla":
         return stack_payloads_reference(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
     return _stack_with_kernel(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
-                              row_axis=row_axis, padded=padded, interpret=interpret,
-                              config=PayloadConfig())
+                              row_axis=row_axis, padded=padded, zero_from=pick,
+                              interpret=interpret, config=PayloadConfig())
+
+
+def _padded_rows(rows, n: int, pad_to: int) -> list[jax.Array]:
+    """``rows`` followed by distinct padding indices ``n, n + 1, …`` up to ``pad_to`` each."""
+    pad = pad_to - rows[0].shape[1]
+    return [jnp.concatenate([r, jnp.broadcast_to(jnp.arange(n, n + pad, dtype=r.dtype),
+                                                 (r.shape[0], pad))], axis=1) for r in rows]
+
+
+def _check_pad_to(rows, pad_to) -> int | None:
+    """The selected rows' count (None without ``rows``); ``pad_to`` must not be below it."""
+    pick = None if rows is None else rows[0].shape[1]
+    if pad_to is not None and (pick is None or pad_to < pick):
+        raise ValueError(f"pad_to needs rows and must be at least their count {pick}, got "
+                         f"{pad_to=}")
+    return pick
 
 
 def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, padded: bool,
-                       interpret: bool, config: PayloadConfig):
+                       interpret: bool, config: PayloadConfig, zero_from: int | None = None):
     """:func:`stack_payloads` through the kernel (checked arguments), one launch per member with
-    the launch parameters ``config``."""
+    the launch parameters ``config``. ``zero_from``: the payload rows from it on are padding
+    (``rows`` holds indices ≥ n there), zeroed after the launches unless ``padded`` zeroed the
+    whole stack first."""
     _, a, b = ms[0].shape
     total = sum(m.shape[0] for m in ms)
     part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
@@ -454,14 +398,17 @@ def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, pa
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
     pos = ([None] * len(ms) if rows is None
            else [x[0] for x in _member_selection(rows, ms[0].shape[row_axis], positions=True)])
-    write = _write_member_flat if config.flat else _write_member
     decayed, slot = [], 0
     for m, g, d, p in zip(ms, gs, denoms, pos):
-        new_m, stack = write(stack, jnp.asarray([slot], jnp.int32), jnp.asarray(d, jnp.float32),
-                             mu, m, g, p, total=total, part=part,
-                             out_dtype=jnp.dtype(out_dtype), row_axis=row_axis,
-                             interpret=interpret, config=config)
+        new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32),
+                                     jnp.asarray(d, jnp.float32), mu, m, g, p, total=total,
+                                     part=part, out_dtype=jnp.dtype(out_dtype),
+                                     row_axis=row_axis, interpret=interpret, config=config)
         decayed.append(new_m)
         slot += m.shape[0]
-    # (With every row selected and flat blocks, the stack is (total, a·b) until here.)
-    return stack.reshape((total, *part)), decayed
+    if not padded and zero_from is not None and zero_from < part[row_axis - 1]:
+        tail = list(stack.shape)
+        tail[row_axis] -= zero_from
+        stack = jax.lax.dynamic_update_slice_in_dim(stack, jnp.zeros(tail, stack.dtype),
+                                                    zero_from, row_axis)
+    return stack, decayed

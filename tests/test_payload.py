@@ -21,7 +21,7 @@ import pallas_kernels
 from dion3_jax import _step
 from pallas_kernels import stack_payloads, stack_payloads_reference
 from pallas_kernels import _payload
-from pallas_kernels._payload import PayloadConfig, block_shape, flat_block
+from pallas_kernels._payload import PayloadConfig, block_shape
 
 
 def _members(seed, batches, rows, cols, m_dtype=jnp.float32, g_dtype=jnp.float32):
@@ -140,6 +140,30 @@ def test_selected_rows_kernel_interpreted_equals_reference_bitwise(row_axis, sha
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("row_axis,padded", [(1, False), (2, False), (2, True)])
+def test_pad_to_appends_zero_rows(row_axis, padded):
+    """``pad_to``: the payloads of the selected rows, then zero rows up to ``pad_to`` (the
+    kernel zeroes them after its launches unless the whole stack was zeroed; the interpreter
+    fills unwritten memory with NaN), the same momenta; kernel and XLA bitwise equal."""
+    seed = np.random.randint(1 << 30)
+    shape = (64, 96) if row_axis == 1 else (32, 128)
+    ms, gs, ds = _members(seed, [2, 1], *shape, g_dtype=jnp.bfloat16)
+    n = shape[row_axis - 1]
+    pick, rows = n // 4, _rows(seed, [2, 1], n, n // 4, padded)
+    run = lambda impl, pad_to: jax.jit(functools.partial(  # noqa: E731
+        stack_payloads, out_dtype=jnp.float16, row_axis=row_axis, padded=padded,
+        pad_to=pad_to, implementation=impl, interpret=True))(ms, gs, ds, 0.8, rows=rows)
+    plain = run("xla", None)
+    for impl in ("xla", "pallas"):
+        stack, decayed = run(impl, pick + 7)
+        assert stack.shape[row_axis] == pick + 7
+        head, tail = np.split(np.asarray(stack), [pick], axis=row_axis)
+        np.testing.assert_array_equal(head, np.asarray(plain[0]))
+        np.testing.assert_array_equal(tail, np.zeros_like(tail))
+        for a, b in zip(decayed, plain[1]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_block_shapes():
     assert block_shape(4096, 11008) == (16, 256)
     assert block_shape(11008, 4096) == (8, 512)
@@ -151,15 +175,13 @@ def test_block_shapes():
 
 @pytest.mark.parametrize("row_axis", [None, 1, 2])
 def test_launch_parameters_do_not_change_the_result(row_axis):
-    """Other blocks and warps (``PayloadConfig``, what ``bench_payload.py`` times), tiles or
-    flat blocks, give the default's bits: every element is computed alone. ``row_axis`` None:
-    every row."""
+    """Other blocks and warps (``PayloadConfig``, what ``bench_payload.py`` times) give the
+    default's bits: every element is computed alone. ``row_axis`` None: every row."""
     seed = np.random.randint(1 << 30)
     ms, gs, ds = _members(seed, [2, 1], 32, 128, g_dtype=jnp.bfloat16)
     rows = None if row_axis is None else _rows(seed, [2, 1], (32, 128)[row_axis - 1],
                                                (8, 32)[row_axis - 1], padded=False)
-    configs = (PayloadConfig(), PayloadConfig(block_elements=512, max_block_cols=32, num_warps=8),
-               PayloadConfig(flat=True), PayloadConfig(flat=True, block_elements=512))
+    configs = (PayloadConfig(), PayloadConfig(block_elements=512, max_block_cols=32, num_warps=8))
     outs = [jax.jit(functools.partial(
         _payload._stack_with_kernel, out_dtype=jnp.float16, rows=rows, row_axis=row_axis or 1,
         padded=False, interpret=True, config=c))(ms, gs, ds, jnp.float32(0.8)) for c in configs]
@@ -167,15 +189,6 @@ def test_launch_parameters_do_not_change_the_result(row_axis):
     for out in outs[1:]:
         for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(out), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_flat_blocks():
-    assert flat_block(4096, 11008) == 4096
-    assert flat_block(24, 20) == 32                     # 480 = 32 · 15
-    assert flat_block(3, 5) == 1
-    assert flat_block(64, 64, PayloadConfig(block_elements=1024)) == 1024
-    with pytest.raises(ValueError, match=r"\(65536, 32768\) has 2147483648"):
-        flat_block(65536, 32768)
 
 
 def test_bad_input_raises():
@@ -200,6 +213,11 @@ def test_bad_input_raises():
         stack_payloads(ms, gs, ds, 0.9, out_dtype=jnp.float16, rows=rows, row_axis=0)
     with pytest.raises(ValueError, match="one array per member, got 1 for 2"):
         stack_payloads(ms, gs, ds, 0.9, out_dtype=jnp.float16, rows=rows[:1])
+    with pytest.raises(ValueError, match=r"pad_to needs rows and must be at least their count 2, "
+                                         r"got pad_to=1"):
+        stack_payloads(ms, gs, ds, 0.9, out_dtype=jnp.float16, rows=rows, pad_to=1)
+    with pytest.raises(ValueError, match="pad_to needs rows"):
+        stack_payloads(ms, gs, ds, 0.9, out_dtype=jnp.float16, pad_to=4)
     with pytest.raises(ValueError, match=r"member 1: rows must be integer \(2, pick\)"):
         stack_payloads(ms, gs, ds, 0.9, out_dtype=jnp.float16,
                        rows=[rows[0], jnp.zeros((2, 2), jnp.float32)])
@@ -225,29 +243,6 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
                             f32(), rows=rows).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert text.count("stack_payloads") >= 2, text[:2000]
-
-
-@pytest.mark.parametrize("shape,pick,row_axis", [((4096, 11008), None, 2),
-                                                 ((4096, 11008), 2752, 2),
-                                                 ((11008, 4096), 2752, 1)])
-def test_flat_kernel_lowers_for_h200_at_benchmark_shapes(shape, pick, row_axis):
-    """The flat-block kernel (``PayloadConfig(flat=True)``): its Triton lowering for an H200,
-    with the positions' gather and the masked payload store (no GPU needed; not compiled)."""
-    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
-                        abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
-    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-
-    def run(ms, gs, ds, mu, rows):
-        return _payload._stack_with_kernel(ms, gs, ds, mu, out_dtype=jnp.float16, rows=rows,
-                                           row_axis=row_axis, padded=False, interpret=False,
-                                           config=PayloadConfig(flat=True))
-
-    rows = None if pick is None else [jax.ShapeDtypeStruct((1, pick), jnp.int32)] * 2
-    with use_abstract_mesh(mesh):
-        text = jax.jit(run).trace([f32(1, *shape)] * 2, [f32(1, *shape)] * 2, [f32(1)] * 2,
-                                  f32(), rows).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == 2, text[:2000]
-    assert "stack_payloads_flat" in text, text[:2000]
 
 
 _SPECS = {"a": P(None, "x"), "b": P(None, "x"), "c": P("x", None, None), "d": P("x", None)}
@@ -304,4 +299,50 @@ def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_
     assert calls and all(full == (fraction == 1) for full in calls), calls
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any(np.any(np.asarray(x) != 0) for x in want)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_step_with_a_padded_stack_equals_the_step_without(monkeypatch, kernel):
+    """Where the iteration pads the picked axis (here: multiples of 16 on XLA, as the kernels
+    pad to theirs), the payload pass writes the stack so padded (``pad_to``) and the factors are
+    sliced after the iteration. Three steps at f = 1/4 equal the step whose iteration pads the
+    stack itself, within float32 rounding (the padded products may sum in another order; fresh
+    inputs); ``kernel``: the payload pass through the interpreted kernel."""
+    from dion3_jax import _polar
+
+    params = {"a": jnp.ones((24, 224)), "b": jnp.ones((24, 224)), "c": jnp.ones((3, 48, 96))}
+    rng = np.random.default_rng()
+    grads = [{k: jnp.asarray(rng.standard_normal(v.shape, np.float32)) for k, v in params.items()}
+             for _ in range(3)]
+
+    def run():
+        tx = dion3_jax.scale_by_dion3(0.25)
+        state, outs, step = tx.init(params), [], jax.jit(tx.update)
+        for g in grads:
+            u, state = step(g, state)
+            outs.append(u)
+        return jax.tree.leaves((outs, state))
+
+    monkeypatch.setattr(_polar, "_multiples", lambda y, backend: (16, 8))
+    original, pads = pallas_kernels.stack_payloads, []
+
+    def no_pad(*args, **kwargs):
+        return original(*args, **{**kwargs, "pad_to": None})
+
+    monkeypatch.setattr(_step.pallas_kernels, "stack_payloads", no_pad)
+    want = run()  # the iteration pads the stack
+
+    def spy(*args, **kwargs):
+        pads.append((kwargs["pad_to"], kwargs["rows"][0].shape[1]))
+        extra = {"implementation": "pallas", "interpret": True} if kernel else {}
+        return original(*args, **{**kwargs, **extra})
+
+    monkeypatch.setattr(_step.pallas_kernels, "stack_payloads", spy)
+    got = run()
+    # c: 24 of 96 columns picked, padded to 32; a, b: (24, 56) payloads, whose other axis the
+    # iteration pads too (24 → 32), so their stack stays as it is.
+    assert sorted(pads, key=str) == [(32, 24), (None, 56)], pads
+    for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
     assert any(np.any(np.asarray(x) != 0) for x in want)
