@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
      "--cpu-devices", "8", "--fractions", "1", "--methods", "gram", "--backends", "xla"],
     ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
     ["benchmarks/bench_payload.py", "--small", "--reps", "1", "--variants", "default", "w8",
-     "flat", "--fractions", "0.25"],
+     "--fractions", "0.25"],
     ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "1",
      "--show-hlo", "sort", "--fsdp", "--cpu-devices", "4", "--xla-option",
      "xla_cpu_enable_fast_math=false"],
