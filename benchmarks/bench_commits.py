@@ -6,8 +6,12 @@ commit's, exported with ``git archive`` into a temporary directory and imported 
 names). From each, ``scale_by_dion3(f)`` (the fraction only, every other argument at its
 default) followed by ``optax.scale(-1e-3)`` is compiled as ``jit(update + apply_updates)`` with
 donated buffers on ``bench_step.py``'s model, and the two steps are timed in interleaved rounds
-(``_timing.median_ms_interleaved``), so both see the same machine state. Prints a table:
-fraction, old ms, new ms, new / old.
+(``_timing.median_ms_interleaved``), so both see the same machine state. On a GPU both
+compilations share one autotuning cache (``xla_gpu_per_fusion_autotune_cache_dir``, a fresh
+directory per run): a product both versions have gets the cuBLAS algorithm the first
+compilation picked, so the comparison does not also compare two draws of XLA's autotuner (which
+moved one program's f = 1 step by 1.7% between two compilations). Prints a table: fraction,
+old ms, new ms, new / old.
 
 Usage (repository root; the old commit must be in this checkout's git history)::
 
@@ -102,14 +106,15 @@ def working_tree_version() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def stepper(dion3, fraction: float, params, grads):
-    """Compiles one version's step and returns ``(run, compile seconds)``.
+def stepper(dion3, fraction: float, params, grads, options=None):
+    """Compiles one version's step (XLA compiler ``options``) and returns ``(run, compile
+    seconds)``.
 
     ``run()`` applies one step to this version's own copy of the parameters and its state (both
     donated and carried from call to call) and returns them.
     """
     tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
-    step, compile_s = bench_step.compile_step(tx, params, grads)
+    step, compile_s = bench_step.compile_step(tx, params, grads, options=options)
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def run():
@@ -118,11 +123,12 @@ def stepper(dion3, fraction: float, params, grads):
     return run, compile_s
 
 
-def time_fraction(versions: dict, fraction: float, params, grads, reps: int) -> dict:
+def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
+                  options=None) -> dict:
     """Compiles both versions' steps at one fraction and times them in interleaved rounds."""
     runs = {}
     for name, dion3 in versions.items():
-        runs[name], compile_s = stepper(dion3, fraction, params, grads)
+        runs[name], compile_s = stepper(dion3, fraction, params, grads, options)
         print(f"  f={fraction:g} {name}: compiled in {compile_s:.1f} s", flush=True)
     ms = median_ms_interleaved(runs, reps=reps)
     print(f"  f={fraction:g}: old {ms['old']:.2f} ms, new {ms['new']:.2f} ms", flush=True)
@@ -154,7 +160,8 @@ def main(argv=None) -> list[dict]:
     grads = bench_step.make_tree(shapes, 1, 1e-3)
     # The old version's modules are imported lazily too (at trace time): keep its files until
     # the end.
-    with tempfile.TemporaryDirectory(prefix="dion3_old_") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="dion3_old_") as tmp,
+          tempfile.TemporaryDirectory(prefix="dion3_autotune_") as tmp_cache):
         if a.old_dir:
             tmp = os.path.abspath(a.old_dir)
             old_commit = (pathlib.Path(tmp) / "COMMIT").read_text().strip()
@@ -164,12 +171,14 @@ def main(argv=None) -> list[dict]:
         versions = {"old": importlib.import_module(f"dion3_jax{SUFFIX}"),
                     "new": importlib.import_module("dion3_jax")}
         dev = jax.devices()[0]
+        options = ({"xla_gpu_per_fusion_autotune_cache_dir": os.path.join(tmp_cache, "autotune")}
+                   if dev.platform == "gpu" else None)
         print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
               f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; old = {old_commit} "
               f"({a.commit}), new = the working tree at {working_tree_version()} "
               f"({os.path.dirname(versions['new'].__file__)}); medians of {reps} interleaved "
-              "rounds", flush=True)
-        rows = [time_fraction(versions, f, params, grads, reps) for f in a.fractions]
+              f"rounds; autotuning cache shared: {options is not None}", flush=True)
+        rows = [time_fraction(versions, f, params, grads, reps, options) for f in a.fractions]
     print()
     print("| fraction | old ms | new ms | new / old |")
     print("|---:|---:|---:|---:|")
