@@ -358,6 +358,7 @@ class GroupBatch(NamedTuple):
     parts: list[jax.Array] | None    # per member, (batch, a, b): the payloads S (None: one pass)
     norms: list[jax.Array | None]    # on-device groups: ‖S‖_F per matrix, if known already
     stacked: jax.Array | None        # what the collective sends: None for on-device groups
+                                     # (one-pass ones: the stack, maybe padded past key.shape)
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
     decayed: dict[int, jax.Array]    # :func:`_payload_decays` units: their new momentum block
 

@@ -330,8 +330,9 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
       padded: whether ``rows`` may hold padding. With False (every index in range) the
         kernel's stack is not zeroed first: every payload row is written by the kernel.
       pad_to: with ``rows``, the payload's row count (``≥ pick``): zero rows follow the
-        selected ones (a consumer that pads its input to tile multiples finds it so; with the
-        kernel only the zero rows are written twice). None: ``pick``.
+        selected ones, so a consumer that pads its input to tile multiples finds it padded
+        (the kernel writes the zero rows after its launches, or zeroes the whole stack first
+        under ``padded``). None: ``pick``.
       implementation: ``"pallas"`` (the kernel; NVIDIA GPUs, or ``interpret``), ``"xla"``, or
         ``"auto"``: the kernel on an NVIDIA GPU when ``b`` is a multiple of 32, else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
