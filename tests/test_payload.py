@@ -248,6 +248,36 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
 _SPECS = {"a": P(None, "x"), "b": P(None, "x"), "c": P("x", None, None), "d": P("x", None)}
 
 
+def _three_steps(make_tx, params, sharded: bool, options=None) -> list:
+    """A function that runs three steps of ``make_tx()`` (compiled with XLA ``options``) and
+    returns the leaves of the updates and the final state: on one device or, with ``sharded``,
+    on an 8-device mesh with the leaves laid out by ``_SPECS``. The three gradients are drawn
+    here, fresh, so every call of the function sees the same ones."""
+    rng = np.random.default_rng()
+    grads = [{k: jnp.asarray(rng.standard_normal(v.shape, np.float32)) for k, v in params.items()}
+             for _ in range(3)]
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices("cpu")[:8]) if sharded else None
+
+    def put(tree):
+        if mesh is None:
+            return tree
+        return {k: jax.device_put(v, NamedSharding(mesh, _SPECS[k])) for k, v in tree.items()}
+
+    def run():
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            tx = make_tx()
+            state, outs = tx.init(put(params)), []
+            step = jax.jit(tx.update).lower(put(grads[0]), state).compile(
+                compiler_options=options)
+            for g in grads:
+                u, state = step(put(g), state)
+                outs.append(u)
+            return jax.tree.leaves((outs, state))
+
+    return run
+
+
 # The fast loop: f = 1/4 with bfloat16 momenta (the f = 1 kernel is checked bitwise against the
 # reference above; its step runs with the slow tests). Float32 momenta at f = 1/4 on one device
 # add nothing: the kernel's float32 selected rows are checked bitwise above, the step's selected
@@ -265,30 +295,10 @@ def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_
     same bits as with XLA, for float32 and bfloat16 momenta."""
     params = {"a": jnp.ones((16, 256)), "b": jnp.ones((16, 256)), "c": jnp.ones((8, 64, 32)),
               "d": jnp.ones((64, 32))}
-    rng = np.random.default_rng()
-    grads = [{k: jnp.asarray(rng.standard_normal(v.shape, np.float32)) for k, v in params.items()}
-             for _ in range(3)]
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,),
-                         devices=jax.devices("cpu")[:8]) if sharded else None
-
-    def put(tree):
-        if mesh is None:
-            return tree
-        return {k: jax.device_put(v, NamedSharding(mesh, _SPECS[k])) for k, v in tree.items()}
-
-    def run():
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            tx = dion3_jax.scale_by_dion3(fraction, mu_dtype=mu_dtype)
-            state, outs = tx.init(put(params)), []
-            # XLA may keep a bfloat16 M + G in float32 for the payload where the kernel rounds
-            # it; without that licence the two agree bitwise.
-            step = jax.jit(tx.update).lower(put(grads[0]), state).compile(
-                compiler_options={"xla_allow_excess_precision": False})
-            for g in grads:
-                u, state = step(put(g), state)
-                outs.append(u)
-            return jax.tree.leaves((outs, state))
-
+    # XLA may keep a bfloat16 M + G in float32 for the payload where the kernel rounds it;
+    # without that licence the two agree bitwise.
+    run = _three_steps(lambda: dion3_jax.scale_by_dion3(fraction, mu_dtype=mu_dtype), params,
+                       sharded, {"xla_allow_excess_precision": False})
     want = run()
     calls, original = [], pallas_kernels.stack_payloads
 
@@ -319,26 +329,7 @@ def test_step_with_a_padded_stack_equals_the_step_without(monkeypatch, kernel, s
 
     params = {"a": jnp.ones((24, 224)), "b": jnp.ones((24, 224)),
               "c": jnp.ones((8 if sharded else 3, 48, 96))}
-    rng = np.random.default_rng()
-    grads = [{k: jnp.asarray(rng.standard_normal(v.shape, np.float32)) for k, v in params.items()}
-             for _ in range(3)]
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,),
-                         devices=jax.devices("cpu")[:8]) if sharded else None
-
-    def put(tree):
-        if mesh is None:
-            return tree
-        return {k: jax.device_put(v, NamedSharding(mesh, _SPECS[k])) for k, v in tree.items()}
-
-    def run():
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            tx = dion3_jax.scale_by_dion3(0.25)
-            state, outs, step = tx.init(put(params)), [], jax.jit(tx.update)
-            for g in grads:
-                u, state = step(put(g), state)
-                outs.append(u)
-            return jax.tree.leaves((outs, state))
-
+    run = _three_steps(lambda: dion3_jax.scale_by_dion3(0.25), params, sharded)
     monkeypatch.setattr(_polar, "_multiples", lambda y, backend: (16, 8))
     original, pads = pallas_kernels.stack_payloads, []
 
