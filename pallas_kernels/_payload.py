@@ -228,6 +228,8 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
     per_matrix = pl.BlockSpec((1,), lambda k, i, j: (k,))
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    fresh = stack is None
     if pos is None:
         kernel, pos_spec = functools.partial(_kernel, br=br, bc=bc), []
     else:
@@ -235,37 +237,24 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
                                    row_axis=row_axis)
         pos_spec = [pl.BlockSpec((None, bc), lambda k, i, j: (k, j)) if row_axis == 2
                     else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
-    return _launch(kernel, stack, [slot, denom, mu] + ([] if pos is None else [pos]), m, g,
-                   grid=(b, rows // br, cols // bc),
-                   head_specs=[scalar, per_matrix, scalar] + pos_spec, blk=blk,
-                   stack_shape=(total, *part), out_dtype=out_dtype, config=config,
-                   interpret=interpret, name="stack_payloads")
-
-
-def _launch(kernel, stack, head, m, g, *, grid, head_specs, blk, stack_shape, out_dtype,
-            config: PayloadConfig, interpret: bool, name: str):
-    """The ``pallas_call`` of one member: ``head`` (slot, norm, decay and maybe positions, with
-    ``head_specs``), ``m`` and ``g`` in blocks ``blk`` (the new momentum written in place of
-    ``m``), and the stack (``stack_shape``) as a whole array: allocated by this launch when
-    ``stack`` is None, else written in place."""
-    fresh = stack is None
     if fresh:
         kernel = functools.partial(_fresh_kernel, kernel)
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    m_index = len(head)
+    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m, g]
+    m_index = len(operands) - 2
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
-                   jax.ShapeDtypeStruct(stack_shape, out_dtype)),
-        grid=grid,
-        in_specs=head_specs + [blk, blk] + ([] if fresh else [anywhere]),
+                   jax.ShapeDtypeStruct((total, *part), out_dtype)),
+        grid=(b, rows // br, cols // bc),
+        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
+                 + ([] if fresh else [anywhere]),
         out_specs=(blk, anywhere),
         input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
         compiler_params=(None if pltriton is None
                          else pltriton.CompilerParams(num_warps=config.num_warps,
                                                       num_stages=1)),
-        interpret=interpret, name=name,
-    )(*head, m, g, *([] if fresh else [stack]))
+        interpret=interpret, name="stack_payloads",
+    )(*operands, *([] if fresh else [stack]))
 
 
 def _fresh_kernel(kernel, *refs):
