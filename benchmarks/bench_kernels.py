@@ -19,6 +19,7 @@ Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py --polar        # also dion3_jax.polar per backend
   python benchmarks/bench_kernels.py --no-kernels --peers   # n³ GEMMs: cuBLAS, jax's Mosaic
                                                              # matmul, sym_matmul, per tile
+  python benchmarks/bench_kernels.py --shapes 8x1024x1024 2048x2048   # only these cases
   python benchmarks/bench_kernels.py --json out.jsonl
 """
 
@@ -51,7 +52,11 @@ CASES = [
     ("sym_matmul", "sym", (), 4096, 4096, jnp.float16),
     ("sym_matmul", "sym", (), 8192, 8192, jnp.float16),
     ("sym_matmul", "sym", (8,), 4096, 4096, jnp.float16),  # batched, as in the optimizer step
-    ("sym_matmul", "sym", (32,), 1024, 1024, jnp.float16),
+    ("sym_matmul", "sym", (32,), 1024, 1024, jnp.float16),  # f = 1/4: q/k/v/o, 8 layers
+    ("sym_matmul", "sym", (8,), 1024, 1024, jnp.float16),  # f = 1/4: the down projections
+    ("sym_matmul", "sym", (4,), 1024, 1024, jnp.float16),
+    ("sym_matmul", "sym", (), 2048, 2048, jnp.float16),
+    ("sym_matmul", "sym", (32,), 512, 512, jnp.float16),  # f = 1/8: q/k/v/o
     ("sym_matmul", "sym", (), 1024, 1024, jnp.float16),
 ]
 
@@ -136,6 +141,8 @@ def bench_kernels(args, log):
     cases = SMOKE_CASES if args.smoke else CASES
     for ci, (name, op, batch, n, m, dtype) in enumerate(cases):
         if args.quick and ci > 0 and op == "syrk" and n > 4096:
+            continue
+        if args.shapes and "x".join(map(str, [*batch, n, m])) not in args.shapes:
             continue
         args_, kw, ref = make_inputs(op, batch, n, m, dtype, jax.random.key(ci))
         count = int(np.prod(batch)) if batch else 1
@@ -343,6 +350,9 @@ def main(argv=None):
                         help="also sym_matmul against full GEMMs (XLA, jax's Mosaic matmul)")
     parser.add_argument("--quick", action="store_true", help="skip the largest syrk shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="BxNxM",
+                        help="only the cases of these shapes, as the table prints them "
+                             "(e.g. 8x1024x1024 4096x16384)")
     parser.add_argument("--warmup-s", type=float, default=2.0, help="seconds of GPU warm-up")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per entry (median)")
     parser.add_argument("--rotate", type=int, default=8,

@@ -36,7 +36,10 @@ _KNOWN = ("auto", "xla", "mosaic", "triton")
 #: 2048×8192 (3.4e10, 0.97–1.03×) and a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×)
 #: tied. Since the Mosaic sym_matmul dropped its diagonal-tile pass, the batch of 32 1024²
 #: wins (2026-12-01: the f = 1/4 step 36.22 → 35.21 ms with it on Mosaic, docs/BENCHMARKS.md),
-#: so the line sits at its work, 2³⁵; everything smaller stays on XLA.
+#: so the line sits at its work, 2³⁵; everything smaller stays on XLA. Smaller products win
+#: alone by device time too (8·1024², the f = 1/4 down projections: 1.35×), but with the line at
+#: 2³³ the f = 1/4 step did not get faster (31.83 → 32.19 ms), so it stays (docs/BENCHMARKS.md,
+#: session 16).
 AUTO_MIN_WORK = 32 * 1024 ** 3
 
 #: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.

@@ -90,3 +90,18 @@ def test_replica_sync_dtype_table():
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("| 2 |") == 3
+
+
+@pytest.mark.slow
+def test_bench_kernels_runs_only_the_shapes_asked_for(capsys):
+    """``--shapes`` keeps the cases whose printed shape is listed, and no other."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_kernels
+    finally:
+        sys.path.pop(0)
+    bench_kernels.main(["--smoke", "--shapes", "2x128x128", "--warmup-s", "0", "--reps", "1",
+                        "--rotate", "2"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("syrk ", "sym_matmul "))]
+    assert rows and {(r[0], r[1]) for r in rows} == {("sym_matmul", "2x128x128")}, rows
