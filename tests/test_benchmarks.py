@@ -18,9 +18,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     # Standard NS here; the FSDP run below and profile_step run Gram NS.
     ["benchmarks/bench_step.py", "--small", "--reps", "1", "--compile-workers", "2",
      "--fractions", "0.25", "--methods", "standard", "--backends", "xla"],
-    # f = 1: the cheapest steps to compile (the run above and profile_step take f = 1/4).
+    # f = 1: the cheapest steps to compile (the run above and profile_step take f = 1/4); two
+    # devices are a mesh; the baselines ran above.
     ["benchmarks/bench_step.py", "--small", "--reps", "1", "--fsdp", "--no-megabatch",
-     "--cpu-devices", "8", "--fractions", "1", "--methods", "gram", "--backends", "xla"],
+     "--cpu-devices", "2", "--fractions", "1", "--methods", "gram", "--backends", "xla",
+     "--no-baselines"],
     ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
     ["benchmarks/bench_payload.py", "--small", "--reps", "1", "--variants", "default", "w8",
      "--fractions", "0.25"],

@@ -97,8 +97,11 @@ def _compute(f: float, sharded: bool) -> dict[str, np.ndarray]:
 
 @pytest.mark.skipif(jax.default_backend() != "cpu" or len(jax.devices("cpu")) < 8,
                     reason="bitwise reference recorded on 8 CPU devices")
+# The fast loop runs the single-device f = 1/4 case (selection, error feedback, the polar); f = 1
+# and the mesh cases run with the slow tests.
 @pytest.mark.parametrize("case,f,sharded", [
-    pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[2] else []) for c in _cases()])
+    pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[2] or c[1] == 1.0 else [])
+    for c in _cases()])
 def test_step_reproduces_recorded_outputs_bitwise(case, f, sharded):
     want = np.load(DATA)
     got = _compute(f, sharded)

@@ -84,6 +84,14 @@ class KernelSuite:
     SYM_SIZES = [((), 64), ((), 200)]
     DTYPES = [jnp.float16, jnp.bfloat16]
     ERROR_FACTOR = 2.0  # Kernel error <= ERROR_FACTOR · XLA's own error for the same dtype.
+    EVERY_DTYPE_PER_SHAPE = True  # False: the dtypes take turns over the shapes (slow backends).
+
+    def shapes_and_dtypes(self, shapes):
+        """``(shape, dtype)`` pairs: every dtype on every shape, or one dtype per shape in
+        turn (each dtype still meets the kernel, on other shapes)."""
+        if self.EVERY_DTYPE_PER_SHAPE:
+            return [(shape, dtype) for shape in shapes for dtype in self.DTYPES]
+        return [(shape, self.DTYPES[i % len(self.DTYPES)]) for i, shape in enumerate(shapes)]
 
     def syrk(self, x, **kw):
         return pallas_kernels.syrk(x, implementation=self.IMPLEMENTATION,
@@ -94,16 +102,15 @@ class KernelSuite:
                                          interpret=self.INTERPRET, **kw)
 
     def test_syrk_accuracy_and_symmetry(self):
-        for s, shape in enumerate(self.SYRK_SHAPES):
-            for dtype in self.DTYPES:
-                x, ref = gram_inputs(jax.random.key(100 + s), shape, dtype)
-                out = self.syrk(x)
-                assert out.shape == shape[:-1] + shape[-2:-1] and out.dtype == dtype
-                out = np.asarray(out.astype(jnp.float32))
-                assert np.all(np.isfinite(out)), (shape, dtype)
-                np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
-                err, xla_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
-                assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (shape, dtype, err, xla_err)
+        for s, (shape, dtype) in enumerate(self.shapes_and_dtypes(self.SYRK_SHAPES)):
+            x, ref = gram_inputs(jax.random.key(100 + s), shape, dtype)
+            out = self.syrk(x)
+            assert out.shape == shape[:-1] + shape[-2:-1] and out.dtype == dtype
+            out = np.asarray(out.astype(jnp.float32))
+            assert np.all(np.isfinite(out)), (shape, dtype)
+            np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+            err, xla_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
+            assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (shape, dtype, err, xla_err)
 
     def test_syrk_transpose_reads_a_tall_matrix(self):
         """``syrk(xᵀ, transpose=True)`` is ``x · xᵀ``, from the transposed array itself: as
@@ -130,24 +137,22 @@ class KernelSuite:
 
     def test_sym_matmul_accuracy_and_symmetry(self):
         cases = [(1.0, 0.0, False), (2.0, -0.5, True), (-1.5, 3.0, True)]
-        for s, (batch, n) in enumerate(self.SYM_SIZES):
-            for dtype in self.DTYPES:
-                for alpha, beta, use_c in cases:
-                    a, b, c, ref = commuting_inputs(jax.random.key(200 + s), batch, n, dtype,
-                                                    alpha, beta if use_c else 0.0)
-                    c = c if use_c else None
-                    kw = dict(alpha=alpha, beta=beta)
-                    out = self.sym_matmul(a, b, c, **kw)
-                    assert out.shape == (*batch, n, n) and out.dtype == dtype
-                    out = np.asarray(out.astype(jnp.float32))
-                    assert np.all(np.isfinite(out))
-                    if self.IMPLEMENTATION != "xla":
-                        assert_tiles_mirrored(out, dtype,
-                                              diagonal_exact=self.SYM_DIAGONAL_EXACT)
-                    xla = pallas_kernels.sym_matmul_reference(a, b, c, **kw)
-                    err, xla_err = rel_error(out, ref), rel_error(xla, ref)
-                    assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (n, dtype, alpha, err,
-                                                                       xla_err)
+        for s, ((batch, n), dtype) in enumerate(self.shapes_and_dtypes(self.SYM_SIZES)):
+            for alpha, beta, use_c in cases:
+                a, b, c, ref = commuting_inputs(jax.random.key(200 + s), batch, n, dtype,
+                                                alpha, beta if use_c else 0.0)
+                c = c if use_c else None
+                kw = dict(alpha=alpha, beta=beta)
+                out = self.sym_matmul(a, b, c, **kw)
+                assert out.shape == (*batch, n, n) and out.dtype == dtype
+                out = np.asarray(out.astype(jnp.float32))
+                assert np.all(np.isfinite(out))
+                if self.IMPLEMENTATION != "xla":
+                    assert_tiles_mirrored(out, dtype, diagonal_exact=self.SYM_DIAGONAL_EXACT)
+                xla = pallas_kernels.sym_matmul_reference(a, b, c, **kw)
+                err, xla_err = rel_error(out, ref), rel_error(xla, ref)
+                assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (n, dtype, alpha, err,
+                                                                   xla_err)
 
 
 class TestXla(KernelSuite):
@@ -264,9 +269,11 @@ class TestMosaicInterpret(KernelSuite):
     INTERPRET = True
     SYM_DIAGONAL_EXACT = False
     SYRK_SHAPES = [(64, 48), (128, 64), (200, 72), (2, 136, 80)]
-    # 130 pads to two tiles like 200 would (and is batched): 12 interpreted products, not 18.
+    # 130 pads to two tiles like 200 would (and is batched).
     SYM_SIZES = [((), 64), ((2,), 130)]
     DTYPES = [jnp.float16, jnp.bfloat16]
+    # Interpreting is slow: float16 and bfloat16 take turns (4 syrk calls, 6 products).
+    EVERY_DTYPE_PER_SHAPE = False
 
     @pytest.fixture(autouse=True)
     def _ordered_host_matmul(self, monkeypatch):

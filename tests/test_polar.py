@@ -77,7 +77,8 @@ def test_user_coefficients_and_square_fallback():
     np.testing.assert_allclose(np.asarray(g), ref.ns_polar(x, coeffs), atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
+                                   jnp.float16])
 def test_dtype_preserved_jit_vmap(dtype):
     x = jnp.asarray(_rand((5, 16, 48), 6), dtype)
     o = jax.jit(polar)(x)
@@ -291,7 +292,8 @@ def test_polar_beyond_the_norm_range_is_nan_not_zero():
     assert np.all(np.isnan(got))
 
 
-@pytest.mark.parametrize("shape", [(3, 16, 40), (2, 40, 16), (2, 24, 24)])
+@pytest.mark.parametrize("shape", [(3, 16, 40), (2, 40, 16),
+                                   pytest.param((2, 24, 24), marks=pytest.mark.slow)])
 def test_of_normalized_is_polar_of_the_normalised_input(shape):
     """``Orthogonalizer.of_normalized`` (what Dion3 calls on payloads it normalised and cast
     itself) gives the bits of ``polar`` on the same input, which normalises first: dividing a
