@@ -16,6 +16,20 @@ import pallas_kernels
 from pallas_kernels import _api
 
 
+#: Every run draws fresh inputs: ``fresh_key(i)`` is ``jax.random.key(SEED + i)``. Each test
+#: prints the seed, so a failure's captured output names the inputs it failed on.
+SEED = int(np.random.default_rng().integers(1 << 30))
+
+
+def fresh_key(offset: int) -> jax.Array:
+    return jax.random.key(SEED + offset)
+
+
+@pytest.fixture(autouse=True)
+def print_seed():
+    print(f"test_kernels.SEED = {SEED}")
+
+
 def rel_error(out, ref64) -> float:
     """Relative Frobenius error of ``out`` against a float64 reference."""
     out64 = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
@@ -103,7 +117,7 @@ class KernelSuite:
 
     def test_syrk_accuracy_and_symmetry(self):
         for s, (shape, dtype) in enumerate(self.shapes_and_dtypes(self.SYRK_SHAPES)):
-            x, ref = gram_inputs(jax.random.key(100 + s), shape, dtype)
+            x, ref = gram_inputs(fresh_key(100 + s), shape, dtype)
             out = self.syrk(x)
             assert out.shape == shape[:-1] + shape[-2:-1] and out.dtype == dtype
             out = np.asarray(out.astype(jnp.float32))
@@ -116,7 +130,7 @@ class KernelSuite:
         """``syrk(xᵀ, transpose=True)`` is ``x · xᵀ``, from the transposed array itself: as
         accurate as the reference and exactly symmetric."""
         for s, shape in enumerate(self.SYRK_SHAPES[:2]):
-            x, ref = gram_inputs(jax.random.key(150 + s), shape, jnp.float16)
+            x, ref = gram_inputs(fresh_key(150 + s), shape, jnp.float16)
             tall = jnp.swapaxes(x, -1, -2)
             out = self.syrk(tall, transpose=True)
             assert out.shape == shape[:-1] + shape[-2:-1] and out.dtype == jnp.float16
@@ -126,7 +140,7 @@ class KernelSuite:
             assert err <= self.ERROR_FACTOR * xla_err + 1e-6, (shape, err, xla_err)
 
     def test_syrk_float32_output(self):
-        x, ref = gram_inputs(jax.random.key(7), self.SYRK_SHAPES[-1], jnp.bfloat16)
+        x, ref = gram_inputs(fresh_key(7), self.SYRK_SHAPES[-1], jnp.bfloat16)
         out = self.syrk(x, out_dtype=jnp.float32)
         assert out.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(out), np.swapaxes(np.asarray(out), -1, -2))
@@ -139,7 +153,7 @@ class KernelSuite:
         cases = [(1.0, 0.0, False), (2.0, -0.5, True), (-1.5, 3.0, True)]
         for s, ((batch, n), dtype) in enumerate(self.shapes_and_dtypes(self.SYM_SIZES)):
             for alpha, beta, use_c in cases:
-                a, b, c, ref = commuting_inputs(jax.random.key(200 + s), batch, n, dtype,
+                a, b, c, ref = commuting_inputs(fresh_key(200 + s), batch, n, dtype,
                                                 alpha, beta if use_c else 0.0)
                 c = c if use_c else None
                 kw = dict(alpha=alpha, beta=beta)
@@ -162,7 +176,7 @@ class TestXla(KernelSuite):
     DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 
     def test_matches_float64_numpy(self):
-        x = np.random.default_rng(0).standard_normal((2, 30, 50))
+        x = np.random.default_rng(SEED).standard_normal((2, 30, 50))
         out = pallas_kernels.syrk(jnp.asarray(x, jnp.float32), implementation="xla")
         np.testing.assert_allclose(np.asarray(out), x @ np.swapaxes(x, -1, -2), rtol=1e-5,
                                    atol=1e-4)
@@ -236,7 +250,7 @@ def test_shape_errors():
 
 
 def test_auto_on_cpu_is_the_reference_and_jits():
-    x = jax.random.normal(jax.random.key(0), (3, 40, 24), jnp.bfloat16)
+    x = jax.random.normal(fresh_key(0), (3, 40, 24), jnp.bfloat16)
     out = jax.jit(pallas_kernels.syrk)(x)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
                                   np.asarray(pallas_kernels.syrk_reference(x).astype(jnp.float32)))
@@ -298,7 +312,7 @@ class TestMosaicInterpret(KernelSuite):
         params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
         for s, (shape, dtype) in enumerate([((384, 640), jnp.float16), ((520, 200), jnp.bfloat16),
                                             ((2, 256, 320), jnp.float16)]):
-            x, ref = gram_inputs(jax.random.key(300 + s), shape, dtype)
+            x, ref = gram_inputs(fresh_key(300 + s), shape, dtype)
             out = np.asarray(syrk_mosaic(x, config=config, interpret=params), np.float32)
             assert not np.isnan(out).any(), shape
             assert not interpret_pallas_call.get_races().races_found, shape
@@ -306,7 +320,7 @@ class TestMosaicInterpret(KernelSuite):
             err, ref_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
             assert err <= 2.0 * ref_err + 1e-6, (shape, err, ref_err)
         for s, (batch, n, alpha, beta) in enumerate([((), 384, 2.0, -0.5), ((2,), 256, 1.0, 0.0)]):
-            a, b, c, ref = commuting_inputs(jax.random.key(400 + s), batch, n, jnp.bfloat16, alpha,
+            a, b, c, ref = commuting_inputs(fresh_key(400 + s), batch, n, jnp.bfloat16, alpha,
                                             beta)
             kw = dict(alpha=alpha, beta=beta)
             out = np.asarray(sym_matmul_mosaic(a, b, c, config=config, interpret=params, **kw),
@@ -322,7 +336,7 @@ class TestMosaicInterpret(KernelSuite):
         """T = 8: two diagonal 4×4-tile blocks (5 items each) and the blocks between them."""
         from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
 
-        x, ref = gram_inputs(jax.random.key(9), (1000, 320), jnp.float16)
+        x, ref = gram_inputs(fresh_key(9), (1000, 320), jnp.float16)
         out = np.asarray(syrk_mosaic(x, config=MosaicConfig(num_sms=5), interpret=True),
                          np.float32)
         np.testing.assert_array_equal(out, out.T)
@@ -339,10 +353,10 @@ class TestMosaicInterpret(KernelSuite):
             np.testing.assert_allclose(np.asarray(out), ref, rtol=0,
                                        atol=rel * np.abs(ref).max())
 
-        x = jax.random.normal(jax.random.key(21), (2, 136, 200), jnp.float32).astype(jnp.bfloat16)
+        x = jax.random.normal(fresh_key(21), (2, 136, 200), jnp.float32).astype(jnp.bfloat16)
         close(syrk_mosaic(x, out_dtype=jnp.float32, interpret=True),
               pallas_kernels.syrk_reference(x, out_dtype=jnp.float32), 1e-5)
-        a, b, c, _ = commuting_inputs(jax.random.key(22), (), 200, jnp.float16, 1.0, 1.0)
+        a, b, c, _ = commuting_inputs(fresh_key(22), (), 200, jnp.float16, 1.0, 1.0)
         kw = dict(alpha=-1.5, beta=0.25, out_dtype=jnp.float32)
         close(sym_matmul_mosaic(a, b, c, interpret=True, **kw),
               pallas_kernels.sym_matmul_reference(a, b, c, **kw), 5e-4)
@@ -360,7 +374,7 @@ class TestMosaicInterpret(KernelSuite):
 
         params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
         for s, (shape, dtype) in enumerate([((384, 64), jnp.float16), ((2, 256, 40), jnp.bfloat16)]):
-            x, ref = gram_inputs(jax.random.key(900 + s), shape, dtype)
+            x, ref = gram_inputs(fresh_key(900 + s), shape, dtype)
             out = np.asarray(syrk_mosaic(x, config=MosaicConfig(num_sms=1), interpret=params),
                              np.float32)
             assert not np.isnan(out).any(), shape
@@ -373,7 +387,7 @@ class TestMosaicInterpret(KernelSuite):
         """Two stages (the least that keeps one wgmma group in flight) and 16-deep panels."""
         from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
 
-        x, ref = gram_inputs(jax.random.key(5), (130, 96), jnp.float16)
+        x, ref = gram_inputs(fresh_key(5), (130, 96), jnp.float16)
         config = MosaicConfig(tile_k=16, max_concurrent_steps=2)
         out = syrk_mosaic(x, config=config, interpret=True)
         assert rel_error(out, ref) <= 2.0 * xla_error_syrk(x, ref, jnp.float16) + 1e-6

@@ -8,6 +8,7 @@ import pytest
 
 import pallas_kernels
 import test_kernels as base
+from test_kernels import print_seed  # noqa: F401  (autouse: the inputs' seed in each test's output)
 
 _AVAILABLE = pallas_kernels.available_implementations()
 
@@ -36,14 +37,14 @@ class GpuSuite(base.KernelSuite):
     def test_large_shapes(self):
         """4096×16384 and 8192×28672 syrk, 4096² sym_matmul (float16; bfloat16 is covered above)."""
         for shape in [(4096, 16384), (8192, 28672)]:
-            x, ref = base.gram_inputs(jax.random.key(11), shape, jnp.float16)
+            x, ref = base.gram_inputs(base.fresh_key(11), shape, jnp.float16)
             out = self.syrk(x)
             o = np.asarray(out.astype(jnp.float32))
             np.testing.assert_array_equal(o, o.T)
             err, xla_err = base.rel_error(out, ref), base.xla_error_syrk(x, ref, jnp.float16)
             assert err <= self.ERROR_FACTOR * xla_err, (shape, err, xla_err)
             del x, ref, out, o
-        a, b, c, ref = base.commuting_inputs(jax.random.key(12), (), 4096, jnp.float16, 1.0, 3.9)
+        a, b, c, ref = base.commuting_inputs(base.fresh_key(12), (), 4096, jnp.float16, 1.0, 3.9)
         out = self.sym_matmul(a, b, c, alpha=1.0, beta=3.9)
         base.assert_tiles_mirrored(out, jnp.float16, diagonal_exact=self.SYM_DIAGONAL_EXACT)
         xla = pallas_kernels.sym_matmul(a, b, c, alpha=1.0, beta=3.9, implementation="xla")
@@ -52,7 +53,7 @@ class GpuSuite(base.KernelSuite):
     def test_every_element_written(self):
         reused_any = False
         for shape in [(128, 64), (3, 256, 192), (4096, 2048)]:
-            x = jax.random.normal(jax.random.key(1), shape, jnp.float16)
+            x = jax.random.normal(base.fresh_key(1), shape, jnp.float16)
             out_shape = shape[:-1] + shape[-2:-1]
             fn = jax.jit(lambda: self.syrk(x))
             jax.block_until_ready(fn())  # Compile first, so the poisoned buffer is the last freed.
@@ -60,7 +61,7 @@ class GpuSuite(base.KernelSuite):
             assert np.isfinite(np.asarray(out, np.float32)).all(), shape
             reused_any |= reused
         for n in (128, 4096):
-            a, b, c, _ = base.commuting_inputs(jax.random.key(2), (), n, jnp.float16, 1.0, 1.0)
+            a, b, c, _ = base.commuting_inputs(base.fresh_key(2), (), n, jnp.float16, 1.0, 1.0)
             fn = jax.jit(lambda: self.sym_matmul(a, b, c, alpha=2.0, beta=0.5))
             jax.block_until_ready(fn())
             out, reused = _poisoned_call(fn, (n, n), jnp.float16)
@@ -82,7 +83,7 @@ class TestMosaicGpu(GpuSuite):
 
         for config in (MosaicConfig(num_sms=1), None):
             for shape in [(384, 64), (64, 512, 40)]:
-                x, ref = base.gram_inputs(jax.random.key(13), shape, jnp.float16)
+                x, ref = base.gram_inputs(base.fresh_key(13), shape, jnp.float16)
                 out = np.asarray(syrk_mosaic(x, config=config), np.float32)
                 np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
                 err, xla_err = base.rel_error(out, ref), base.xla_error_syrk(x, ref, jnp.float16)
