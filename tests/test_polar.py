@@ -12,8 +12,18 @@ from dion3_jax import polar
 import dion3_reference as ref
 
 
+#: Every run draws fresh inputs (``_rand``'s ``seed`` is an offset from ``SEED``); each test
+#: prints the seed, so a failure's captured output names the inputs it failed on.
+SEED = int(np.random.default_rng().integers(1 << 30))
+
+
+@pytest.fixture(autouse=True)
+def print_seed():
+    print(f"test_polar.SEED = {SEED}")
+
+
 def _rand(shape, seed):
-    return np.random.default_rng(seed).standard_normal(shape)
+    return np.random.default_rng(SEED + seed).standard_normal(shape)
 
 
 @pytest.mark.parametrize("shape", [(32, 96), (96, 32), (3, 16, 80), (2, 2, 24, 40)])

@@ -18,6 +18,14 @@ import dion3_reference as ref
 from platform_setup import committed
 
 STEPS = 3
+#: Every run draws fresh inputs (``np.random.default_rng(SEED + i)``); each test prints the seed,
+#: so a failure's captured output names the inputs it failed on.
+SEED = int(np.random.default_rng().integers(1 << 30))
+
+
+@pytest.fixture(autouse=True)
+def print_seed():
+    print(f"test_transform.SEED = {SEED}")
 def f64_polar():
     return dion3_jax.make_orthogonalizer(compute_dtype=jnp.float64)  # under enable_x64
 
@@ -141,7 +149,7 @@ def test_matches_float64_reference(name, kind, shape, f, opts):
 
 def test_default_precision_close_to_reference():
     """Default (float16 Gram NS, float32 params) agrees with the float64 rule at fp16 tolerance."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(SEED + 0)
     shape, f = (64, 48), 0.25
     w0 = rng.standard_normal(shape).astype(np.float32)
     grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(STEPS)]
@@ -168,7 +176,7 @@ def test_k_rule():
 
 
 def test_only_selected_rows_move_and_decay():
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(SEED + 1)
     n, c, f, mu = 40, 16, 0.25, 0.5
     g = rng.standard_normal((c, n)).astype(np.float32)   # flax (in, out): rows are columns
     tx = dion3_jax.scale_by_dion3(f, mu)
@@ -191,7 +199,7 @@ def test_only_selected_rows_move_and_decay():
 @pytest.mark.parametrize("flavour", ["muon", "normuon"])
 def test_fraction_one_is_muon_momentum(flavour):
     """At f = 1 the rule is Muon / NorMuon with U_t = μ·U_{t−1} + G_t, written here directly."""
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(SEED + 2)
     shape, lr, mu, beta2, wd = (24, 40), 0.03, 0.9, 0.9, 0.05
     w0 = rng.standard_normal(shape)
     grads = [rng.standard_normal(shape) for _ in range(4)]
@@ -239,7 +247,7 @@ def test_state_stable_and_no_recompile():
 
 
 def test_bfloat16_params_stay_bfloat16():
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(SEED + 3)
     params = {"w": jnp.asarray(rng.standard_normal((32, 64)), jnp.bfloat16)}
     tx = dion3_jax.dion3(0.02, 0.5)
     state = tx.init(params)
@@ -363,7 +371,7 @@ def test_leaf_errors_at_init_name_the_leaf(shape, opts, match):
 def test_nonfinite_gradient_is_detectable_and_skippable():
     """A NaN gradient makes the update non-finite (detectable); optax.apply_if_finite skips it
     and leaves the Dion3 state bit-for-bit unchanged, so training continues unpoisoned."""
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(SEED + 4)
     params = committed({"w": jnp.asarray(rng.standard_normal((16, 24)), jnp.float32),
                         "b": jnp.zeros((24,))})
     good = [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
@@ -402,7 +410,7 @@ def test_custom_orthogonalizer_gets_batches():
         return dion3_jax.polar(x)
 
     params = {"a": jnp.ones((16, 32)), "b": jnp.ones((16, 32)), "c": jnp.ones((8, 32))}
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(SEED + 0)
     g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32)), params)
     tx = dion3_jax.scale_by_dion3(0.25, orthogonalizer=ortho)
     jax.jit(tx.update)(g, tx.init(params))
