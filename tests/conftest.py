@@ -20,3 +20,12 @@ def on_test_platform():
     """See platform_setup.on_platform (used by the distributed test modules)."""
     with on_platform():
         yield
+
+
+@pytest.fixture(autouse=True)
+def print_module_seed(request):
+    """A module that draws fresh inputs from a module-level ``SEED`` gets it printed in every
+    test's output, so a failure's captured output names the inputs it failed on."""
+    seed = getattr(request.module, "SEED", None)
+    if seed is not None:
+        print(f"{request.module.__name__}.SEED = {seed}")

@@ -16,18 +16,13 @@ import pallas_kernels
 from pallas_kernels import _api
 
 
-#: Every run draws fresh inputs: ``fresh_key(i)`` is ``jax.random.key(SEED + i)``. Each test
-#: prints the seed, so a failure's captured output names the inputs it failed on.
+#: Every run draws fresh inputs: ``fresh_key(i)`` is ``jax.random.key(SEED + i)`` (printed with
+#: each test by ``conftest.print_module_seed``).
 SEED = int(np.random.default_rng().integers(1 << 30))
 
 
 def fresh_key(offset: int) -> jax.Array:
     return jax.random.key(SEED + offset)
-
-
-@pytest.fixture(autouse=True)
-def print_seed():
-    print(f"test_kernels.SEED = {SEED}")
 
 
 def rel_error(out, ref64) -> float:

@@ -8,8 +8,8 @@ import pytest
 
 import pallas_kernels
 import test_kernels as base
-from test_kernels import print_seed  # noqa: F401  (autouse: the inputs' seed in each test's output)
 
+SEED = base.SEED  # the suite's inputs come from test_kernels' seed (printed by conftest)
 _AVAILABLE = pallas_kernels.available_implementations()
 
 _GPU_SYRK_SHAPES = [(64, 48), (128, 64), (200, 72), (1000, 3000), (4, 300, 500),

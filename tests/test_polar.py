@@ -12,14 +12,9 @@ from dion3_jax import polar
 import dion3_reference as ref
 
 
-#: Every run draws fresh inputs (``_rand``'s ``seed`` is an offset from ``SEED``); each test
-#: prints the seed, so a failure's captured output names the inputs it failed on.
+#: Every run draws fresh inputs (``_rand``'s ``seed`` is an offset from ``SEED``, printed with
+#: each test by ``conftest.print_module_seed``).
 SEED = int(np.random.default_rng().integers(1 << 30))
-
-
-@pytest.fixture(autouse=True)
-def print_seed():
-    print(f"test_polar.SEED = {SEED}")
 
 
 def _rand(shape, seed):

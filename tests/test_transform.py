@@ -18,14 +18,9 @@ import dion3_reference as ref
 from platform_setup import committed
 
 STEPS = 3
-#: Every run draws fresh inputs (``np.random.default_rng(SEED + i)``); each test prints the seed,
-#: so a failure's captured output names the inputs it failed on.
+#: Every run draws fresh inputs (``np.random.default_rng(SEED + i)``; the seed is printed with
+#: each test by ``conftest.print_module_seed``).
 SEED = int(np.random.default_rng().integers(1 << 30))
-
-
-@pytest.fixture(autouse=True)
-def print_seed():
-    print(f"test_transform.SEED = {SEED}")
 def f64_polar():
     return dion3_jax.make_orthogonalizer(compute_dtype=jnp.float64)  # under enable_x64
 
