@@ -160,7 +160,8 @@ def syrk(x: jax.Array, *, transpose: bool = False, out_dtype=None,
     """Returns ``x · xᵀ`` (or ``xᵀ · x``) over the last two axes, batched over leading axes.
 
     Only the lower-triangular tiles are computed by the kernels; the upper ones are their mirror, so
-    the result is exactly symmetric.
+    their result is exactly symmetric. ``"xla"`` computes every element, and its two halves may
+    differ by a rounding (XLA's dot does not promise one summation order for both).
 
     Args:
       x: ``(..., n, m)``.
