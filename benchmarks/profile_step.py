@@ -10,6 +10,11 @@ collective op on the first device, when it ran and how much of it overlapped com
 streams of that device: the evidence of whether the shape groups' all-to-alls hide behind other
 groups' polar work.
 
+With ``--queued`` the traced steps are dispatched back to back and synchronised once, as a
+training loop runs them: the idle time between ops is then where the host fell behind the GPU
+(by default every step is synchronised, so the idle time before each step's first op is the
+host's dispatch).
+
 With ``--host`` the trace is taken without the Python tracer, and the script also lists what the
 host did while the GPU sat idle before each traced step's first op (the events of the host
 planes that overlap those gaps, summed per name; nested events each count their own time): the
@@ -20,6 +25,7 @@ Usage::
 
     python benchmarks/profile_step.py --fraction 0.25            # 7B shapes, one device
     python benchmarks/profile_step.py --fraction 0.25 --host     # and the host before each step
+    python benchmarks/profile_step.py --fraction 0.25 --queued   # steps back to back
     python benchmarks/profile_step.py --optimizer adamw --host   # the baseline's step
     python benchmarks/profile_step.py --small --fraction 0.25    # CPU smoke run
     python benchmarks/profile_step.py --fsdp --fraction 0.25 \
@@ -65,31 +71,33 @@ def op_times(data: ProfileData) -> dict[str, float]:
     return totals
 
 
-def _idle(data: ProfileData) -> list[tuple[int, int, str]]:
+def _idle(data: ProfileData) -> list[tuple[int, int, str, str]]:
     """The first GPU's idle stretches (its :func:`op_lines` merged into one timeline): ``(start
-    ns, end ns, name of the op that ended it)`` for every gap between consecutive ops (empty on
-    CPU)."""
+    ns, end ns, name of the op that ended it, name of the op before it)`` for every gap between
+    consecutive ops (empty on CPU)."""
     plane = first_gpu(data)
     if plane is None:
         return []
-    out, end = [], None
+    out, end, last = [], None, ""
     for e in sorted((e for line in op_lines(plane) for e in line.events),
                     key=lambda e: e.start_ns):
         if end is not None and e.start_ns > end:
-            out.append((end, e.start_ns, e.name))
-        end = max(end or 0, e.start_ns + e.duration_ns)
+            out.append((end, e.start_ns, e.name, last))
+        if e.start_ns + e.duration_ns >= (end or 0):
+            end, last = e.start_ns + e.duration_ns, e.name
     return out
 
 
-def device_gaps(data: ProfileData) -> list[tuple[float, str]]:
-    """``(ns idle, name of the op that ended it)`` for every idle stretch of the first GPU."""
-    return [(end - start, name) for start, end, name in _idle(data)]
+def device_gaps(data: ProfileData) -> list[tuple[float, str, str]]:
+    """``(ns idle, name of the op that ended it, name of the op before it)`` for every idle
+    stretch of the first GPU."""
+    return [(end - start, name, before) for start, end, name, before in _idle(data)]
 
 
 def idle_windows(data: ProfileData, min_ns: float = 2e5) -> list[tuple[int, int]]:
     """``(start, end)`` of the first GPU's idle stretches of at least ``min_ns``: in a trace of
     synchronised steps, the host's time before each step's first op."""
-    return [(start, end) for start, end, _ in _idle(data) if end - start >= min_ns]
+    return [(start, end) for start, end, *_ in _idle(data) if end - start >= min_ns]
 
 
 def host_in_windows(data: ProfileData, windows) -> dict[str, tuple[float, int]]:
@@ -219,6 +227,10 @@ def main(argv=None):
     p.add_argument("--host", action="store_true",
                    help="trace without the Python tracer and list the host's events while the "
                         "GPU is idle before each step")
+    p.add_argument("--queued", action="store_true",
+                   help="trace the steps dispatched back to back, synchronised once (as a "
+                        "training loop runs them): the GPU's idle time between ops is then the "
+                        "time the host did not keep ahead of it")
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--method", default="gram", choices=["gram", "standard"])
     p.add_argument("--backend", default="auto")
@@ -267,7 +279,10 @@ def main(argv=None):
             options.python_tracer_level = 0
         with jax.profiler.trace(trace_dir, profiler_options=options):
             for _ in range(a.steps):
-                params, state = jax.block_until_ready(step(params, state, grads))
+                params, state = step(params, state, grads)
+                if not a.queued:
+                    params, state = jax.block_until_ready((params, state))
+            jax.block_until_ready((params, state))
     data = load_trace(trace_dir)
     totals = op_times(data)
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
@@ -294,7 +309,7 @@ def main(argv=None):
     gaps = device_gaps(data)
     if gaps:
         by_next: dict[str, float] = collections.defaultdict(float)
-        for ns, name in gaps:
+        for ns, name, _ in gaps:
             by_next[kind(name)] += ns / a.steps / 1e6
         idle = sum(by_next.values())
         print(f"\n# GPU idle between ops: {idle:.2f} ms per step in {len(gaps) // a.steps} gaps;"
@@ -302,6 +317,9 @@ def main(argv=None):
         print("\n| next op kind | idle ms / step |\n|---|---:|")
         for k, v in sorted(by_next.items(), key=lambda kv: -kv[1])[:12]:
             print(f"| {k} | {v:.2f} |")
+        print("\n| longest gaps: after op | before op | µs |\n|---|---|---:|")
+        for ns, name, before in sorted(gaps, key=lambda g: -g[0])[:12]:
+            print(f"| {before[:50]} | {name[:50]} | {ns / 1e3:.1f} |")
     print_overlap(collective_overlap(data), a.steps)
     if a.host:
         print_host(data, a.top)

@@ -634,8 +634,10 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, fact
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
         scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes, True)
+        # The new variances' pieces share their operand (no barrier): only the state's small
+        # outputs read them, and XLA writes a batch's pieces in one multi-output kernel.
         new = _megabatch.unstack(_new_variance(m, src, _stacked_variance(plan, b, variance)),
-                                 sizes, True)
+                                 sizes)
         for i, s, v in zip(b.uids, scales, new):
             dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)

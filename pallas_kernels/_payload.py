@@ -185,11 +185,13 @@ def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
 
 def _kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, stack_in_ref, m_out_ref, stack_ref, *,
             br: int, bc: int):
+    """One block of a member. ``denom_ref`` holds the whole stack's divisors: the block reads
+    its matrix's at its stack slot."""
     del stack_in_ref  # the same buffer as stack_ref (aliased)
     k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
     m_out_ref[...] = (mu_ref[0] * s).astype(m_out_ref.dtype)
-    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
+    payload = (s.astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(stack_ref.dtype)
     stack_ref[slot_ref[0] + k, pl.ds(i * br, br), pl.ds(j * bc, bc)] = payload
 
 
@@ -210,16 +212,18 @@ def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_
         at_row = jnp.broadcast_to(pos[:, None], (br, bc))
         at_col = j * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
     m_out_ref[...] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
-    payload = (s.astype(jnp.float32) / denom_ref[0]).astype(stack_ref.dtype)
+    payload = (s.astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(stack_ref.dtype)
     pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
 
 
 @functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
                                              "interpret", "config"))
-def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[int, int],
+def _write_member(stack, slot, denoms, mu, m, g, pos, *, total: int, part: tuple[int, int],
                   out_dtype, row_axis: int, interpret: bool, config: PayloadConfig):
     """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
-    batch]``, its decayed momentum in place of ``m``; ``pos`` None: every row, else each row's
+    batch]``, divided by ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's
+    divisors, one array for every launch, so no member needs its own slice of them), its decayed
+    momentum in place of ``m``; ``pos`` None: every row, else each row's
     payload position. ``stack`` None: the first member allocates the stack of ``total`` matrices
     (the members after it write the other slots). Jitted so that all members of one shape share
     one lowering."""
@@ -227,7 +231,6 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
     br, bc = block_shape(rows, cols, config)
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
-    per_matrix = pl.BlockSpec((1,), lambda k, i, j: (k,))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
     fresh = stack is None
     if pos is None:
@@ -239,14 +242,14 @@ def _write_member(stack, slot, denom, mu, m, g, pos, *, total: int, part: tuple[
                     else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
     if fresh:
         kernel = functools.partial(_fresh_kernel, kernel)
-    operands = [slot, denom, mu] + ([] if pos is None else [pos]) + [m, g]
+    operands = [slot, denoms, mu] + ([] if pos is None else [pos]) + [m, g]
     m_index = len(operands) - 2
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
                    jax.ShapeDtypeStruct((total, *part), out_dtype)),
         grid=(b, rows // br, cols // bc),
-        in_specs=[scalar, per_matrix, scalar] + pos_spec + [blk, blk]
+        in_specs=[scalar, anywhere, scalar] + pos_spec + [blk, blk]
                  + ([] if fresh else [anywhere]),
         out_specs=(blk, anywhere),
         input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
@@ -384,15 +387,15 @@ def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, pa
     part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
                                          else (a, rows[0].shape[1]))
     mu = jnp.reshape(jnp.asarray(mu, jnp.float32), (1,))
+    denoms = jnp.concatenate([jnp.asarray(d, jnp.float32) for d in denoms])  # one small op
     # Payload rows of padding indices are never written: the stack starts zeroed then.
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
     pos = ([None] * len(ms) if rows is None
            else [x[0] for x in _member_selection(rows, ms[0].shape[row_axis], positions=True)])
     decayed, slot = [], 0
-    for m, g, d, p in zip(ms, gs, denoms, pos):
-        new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32),
-                                     jnp.asarray(d, jnp.float32), mu, m, g, p, total=total,
-                                     part=part, out_dtype=jnp.dtype(out_dtype),
+    for m, g, p in zip(ms, gs, pos):
+        new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, mu, m, g, p,
+                                     total=total, part=part, out_dtype=jnp.dtype(out_dtype),
                                      row_axis=row_axis, interpret=interpret, config=config)
         decayed.append(new_m)
         slot += m.shape[0]

@@ -41,5 +41,12 @@ def test_idle_windows_and_the_host_events_inside():
     assert got == {"launch": (float(inside), 1), "prepare": (float(inside), 1)}
 
 
+def test_device_gaps_name_the_ops_on_both_sides():
+    rng = np.random.default_rng()
+    data, (start, end), _ = _trace(rng)
+    # Two gaps: the window between b and c, and the 50 ns between c and d.
+    assert profile_step.device_gaps(data) == [(end - start, "c", "b"), (50, "d", "c")]
+
+
 def test_no_windows_without_a_gpu_plane():
     assert profile_step.idle_windows(NS(planes=[NS(name="/host:CPU", lines=[])])) == []
