@@ -34,13 +34,13 @@ _KNOWN = ("auto", "xla", "mosaic", "triton")
 #: beat XLA. One H200, 2026-11-29 (``benchmarks/bench_kernels.py``, docs/KERNELS.md): 4096³
 #: sym_matmul (1.63–1.70×) and a batch of 32 1024×4096 syrk (1.32–1.50×, 1.4e11) won; syrk
 #: 2048×8192 (3.4e10, 0.97–1.03×) and a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×)
-#: tied. Since the Mosaic sym_matmul dropped its diagonal-tile pass, the batch of 32 1024²
-#: wins (2026-12-01: the f = 1/4 step 36.22 → 35.21 ms with it on Mosaic, docs/BENCHMARKS.md),
-#: so the line sits at its work, 2³⁵; everything smaller stays on XLA. Smaller products win
-#: alone by device time too (8·1024², the f = 1/4 down projections: 1.35×), but with the line at
-#: 2³³ the f = 1/4 step did not get faster (31.83 → 32.19 ms), so it stays (docs/BENCHMARKS.md,
-#: session 16).
-AUTO_MIN_WORK = 32 * 1024 ** 3
+#: tied. Without the diagonal-tile pass (2026-12-01) the Mosaic sym_matmul also wins on smaller
+#: products by device time (8·1024² 1.35×, 32·512² 1.63×). The line sits at 8·1024³ = 2³³, the
+#: f = 1/4 step's down projections: with them on Mosaic the step's device time went 29.49 →
+#: 29.31 ms (2026-12-02, one process, docs/BENCHMARKS.md; an earlier single comparison had the
+#: step 1% slower). Smaller products stay on XLA, where a kernel's compile time and launch would
+#: outweigh microseconds.
+AUTO_MIN_WORK = 8 * 1024 ** 3
 
 #: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.
 _AUTO_PREFERENCE = {
