@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
     ["benchmarks/bench_payload.py", "--small", "--reps", "1", "--variants", "default", "w8",
      "--fractions", "0.25"],
-    ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "1",
+    ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "2", "--queued",
      "--show-hlo", "sort", "--fsdp", "--cpu-devices", "4", "--xla-option",
      "xla_cpu_enable_fast_math=false"],
     # No GPU warm-up: on the CPU one 8192² bfloat16 product of the warm-up loop takes seconds.
