@@ -223,8 +223,8 @@ def _write_member(stack, slot, denoms, mu, m, g, pos, *, total: int, part: tuple
     """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
     batch]``, divided by ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's
     divisors, one array for every launch, so no member needs its own slice of them), its decayed
-    momentum in place of ``m``; ``pos`` None: every row, else each row's
-    payload position. ``stack`` None: the first member allocates the stack of ``total`` matrices
+    momentum in place of ``m``; ``pos`` None: every row, else each row's payload position.
+    ``stack`` None: the first member allocates the stack of ``total`` matrices
     (the members after it write the other slots). Jitted so that all members of one shape share
     one lowering."""
     b, rows, cols = m.shape
