@@ -21,6 +21,8 @@ STEPS = 3
 #: Every run draws fresh inputs (``np.random.default_rng(SEED + i)``; the seed is printed with
 #: each test by ``conftest.print_module_seed``).
 SEED = int(np.random.default_rng().integers(1 << 30))
+
+
 def f64_polar():
     return dion3_jax.make_orthogonalizer(compute_dtype=jnp.float64)  # under enable_x64
 
