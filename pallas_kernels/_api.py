@@ -205,8 +205,10 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
       a: ``(..., n, k)``.
       b: ``(..., k, n)``.
       c: optional symmetric ``(..., n, n)`` addend.
-      alpha: scale of the product (a static Python float).
-      beta: scale of ``c`` (a static Python float).
+      alpha: scale of the product (a Python float). The Mosaic kernel reads ``alpha`` and
+        ``beta`` at run time, so all its products of one shape share one compiled kernel; the
+        Triton kernel compiles them in.
+      beta: scale of ``c`` (a Python float).
       out_dtype: output dtype (default ``a.dtype``); accumulation is float32.
       implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
       interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).

@@ -199,13 +199,14 @@ def _pipeline(a_gmem, b_gmem, *, config: MosaicConfig, form: str):
 
 
 def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, rows, cols,
-                off_diagonal, *, beta: float, out_dtype):
-    """Epilogue of one float32 sub-tile of a warpgroup: ``+ β·c`` (if any), one rounding, a TMA
-    store to ``out[bi, rows, cols]`` and, when ``off_diagonal``, its transpose to
-    ``out[bi, cols, rows]`` (diagonal tiles are written exactly once). ``c`` comes in through this
-    warpgroup's staging buffer, after earlier stores have finished reading it."""
+                off_diagonal, *, beta, out_dtype):
+    """Epilogue of one float32 sub-tile of a warpgroup: ``+ β·c`` (if any; ``beta`` is a float32
+    scalar read at run time), one rounding, a TMA store to ``out[bi, rows, cols]`` and, when
+    ``off_diagonal``, its transpose to ``out[bi, cols, rows]`` (diagonal tiles are written exactly
+    once). ``c`` comes in through this warpgroup's staging buffer, after earlier stores have
+    finished reading it."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    if c_gmem is not None and beta != 0.0:
+    if c_gmem is not None:
         plgpu.copy_gmem_to_smem(c_gmem.at[bi, rows, cols], out_smem.at[wg], c_barrier.at[wg])
         plgpu.barrier_wait(c_barrier.at[wg])
         acc = acc + beta * out_smem[wg].astype(jnp.float32)
@@ -222,8 +223,8 @@ def _store_tile(acc, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier, wg, bi, 
         plgpu.copy_smem_to_gmem(out_t_smem.at[wg], out_gmem.at[bi, cols, rows])
 
 
-def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig, form: str,
-                      alpha: float, beta: float, batch: int, tiles_per_side: int):
+def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: MosaicConfig,
+                      form: str, batch: int, tiles_per_side: int):
     """Kernel body: the persistent walk over work items, pipelined wgmma, mirrored epilogue.
 
     Work item ``(c, r1, r2)``: warpgroup 0 computes ``out[r1, c] = a[r1] · b[c]``, warpgroup 1
@@ -235,13 +236,13 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
       a_gmem: the left operand, ``(batch, n, k)``, or ``(batch, k, n)`` for ``form`` "tn".
       b_gmem: the right operand, ``(batch, k, n)``, or ``(batch, n, k)`` for ``form`` "nt".
       c_gmem: ``(batch, n, n)`` addend in the output dtype, or ``None``.
+      scale_gmem: ``(2,)`` float32 ``(α, β)``, read at run time (so every product of one shape
+        shares one compiled kernel, whatever its scales), or ``None``: ``α = 1``, no ``c``.
       out_gmem: ``(batch, n, n)`` output.
       config: tile sizes and pipeline depth.
       form: the product, as in BLAS: ``"nn"`` ``a · b``; ``"nt"`` ``a · bᵀ`` (``syrk``: the
         ``b`` row panel is transposed in shared memory); ``"tn"`` ``aᵀ · b`` (``syrk`` of the
         transpose: both operands are read in column panels, the ``a`` panel transposed).
-      alpha: scale of the product (static).
-      beta: scale of ``c`` (static).
       batch: number of matrices.
       tiles_per_side: ``n / tile``.
     """
@@ -282,8 +283,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                     with jax.named_scope("mainloop"):  # Named for Mosaic GPU's profiler.
                         eval_pipeline(acc_ref)
                     acc = acc_ref[...]
-                    if alpha != 1.0:
-                        acc = acc * alpha
+                    if scale_gmem is not None:
+                        acc = acc * scale_gmem[0]
 
                     @pl.when(keep)
                     @jax.named_scope("epilogue")
@@ -292,7 +293,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: MosaicConfig,
                             ei, ej = divmod(i, tile // _EPI)
                             sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * _EPI:(ej + 1) * _EPI]
                             _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
-                                        wg, bi, rows, cols, tr != tc, beta=beta,
+                                        wg, bi, rows, cols, tr != tc,
+                                        beta=None if c_gmem is None else scale_gmem[1],
                                         out_dtype=out_dtype)
 
             def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
@@ -326,8 +328,11 @@ def _interpret_params(interpret):
     return interpret  # Already an ``InterpretGPUParams`` (e.g. with ``detect_races=True``).
 
 
-def _padded_product(a, b, c, *, out_dtype, config, form: str, alpha, beta, interpret, name: str):
+def _padded_product(a, b, c, scale, *, out_dtype, config, form: str, interpret, name: str):
     """Pads ``(batch, n, ·)`` operands to tile multiples and launches the kernel.
+
+    ``scale``: the ``(2,)`` float32 ``(α, β)`` of :func:`_symmetric_kernel`, or ``None`` (``α =
+    1``, no ``c``).
 
     Returns:
       The padded ``(batch, n_p, n_p)`` kernel output: off-diagonal tiles mirrored, diagonal tiles
@@ -347,17 +352,15 @@ def _padded_product(a, b, c, *, out_dtype, config, form: str, alpha, beta, inter
     a_p = pad_to(a, (tile, tile_k) if form[0] == "n" else (tile_k, tile))
     b_p = pad_to(b, (tile, tile_k) if form[1] == "t" else (tile_k, tile))
     n_p = a_p.shape[1 if form[0] == "n" else 2]
-    operands = [a_p, b_p]
-    if c is not None and beta != 0.0:
-        operands.append(pad_to(c.astype(out_dtype), (tile, tile)))
-    else:
-        c = None
-    body = functools.partial(_symmetric_kernel, config=config, form=form,
-                             alpha=alpha, beta=beta, batch=batch, tiles_per_side=n_p // tile)
-    if c is None:
-        body_fn = lambda a_ref, b_ref, o_ref: body(a_ref, b_ref, None, o_ref)
-    else:
-        body_fn = body
+    c_p = None if c is None else pad_to(c.astype(out_dtype), (tile, tile))
+    body = functools.partial(_symmetric_kernel, config=config, form=form, batch=batch,
+                             tiles_per_side=n_p // tile)
+
+    def body_fn(a_ref, b_ref, *refs):  # refs: [c], [scale], out
+        c_ref = refs[0] if c_p is not None else None
+        scale_ref = refs[-2] if scale is not None else None
+        body(a_ref, b_ref, c_ref, scale_ref, refs[-1])
+
     kernel = plgpu.kernel(
         body_fn,
         out_type=jax.ShapeDtypeStruct((batch, n_p, n_p), out_dtype),
@@ -370,7 +373,7 @@ def _padded_product(a, b, c, *, out_dtype, config, form: str, alpha, beta, inter
         interpret=_interpret_params(interpret),
         kernel_name=name,
     )
-    return kernel(*operands)
+    return kernel(a_p, b_p, *[x for x in (c_p, scale) if x is not None])
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "out_dtype", "config", "interpret"))
@@ -397,16 +400,15 @@ def syrk_mosaic(x: jax.Array, *, transpose: bool = False, out_dtype=None,
     *lead, rows, cols = x.shape
     x3 = x.reshape(-1, rows, cols)
     n = cols if transpose else rows
-    out = _padded_product(x3, x3, None, out_dtype=out_dtype, config=config,
-                          form="tn" if transpose else "nt", alpha=1.0, beta=0.0,
-                          interpret=interpret, name="syrk_mosaic")
+    out = _padded_product(x3, x3, None, None, out_dtype=out_dtype, config=config,
+                          form="tn" if transpose else "nt", interpret=interpret,
+                          name="syrk_mosaic")
     return out[:, :n, :n].reshape(*lead, n, n)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("alpha", "beta", "out_dtype", "config", "interpret"))
-def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha: float = 1.0,
-                      beta: float = 0.0, out_dtype=None, config: MosaicConfig | None = None,
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha=1.0,
+                      beta=0.0, out_dtype=None, config: MosaicConfig | None = None,
                       interpret: bool = False) -> jax.Array:
     """``α · a · b + β · c`` for a symmetric result, with the Mosaic GPU kernel.
 
@@ -414,12 +416,16 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     computed: symmetric up to one rounding when ``a`` and ``b`` commute up to rounding. ``c`` must
     be symmetric (its lower tiles are read).
 
+    ``α`` and ``β`` reach the kernel at run time, as float32 scalars: every call of one shape and
+    dtype runs one compiled kernel (a Gram Newton-Schulz polar makes about 14 products per shape
+    with a dozen distinct scales; static scales would compile a kernel for each).
+
     Args:
       a: ``(..., n, k)`` float16 or bfloat16.
       b: ``(..., k, n)``, same dtype.
-      c: optional symmetric ``(..., n, n)``.
-      alpha: scale of the product (static).
-      beta: scale of ``c`` (static).
+      c: optional symmetric ``(..., n, n)``; read whenever given (``β = 0`` adds ``0·c``).
+      alpha: scale of the product (a float or a float32 scalar array; may be traced).
+      beta: scale of ``c`` (likewise).
       out_dtype: output dtype (default ``a.dtype``).
       config: tile sizes (default :meth:`MosaicConfig.get_default`).
       interpret: run through GPU interpret mode (CPU; slow; for tests); ``True`` or an
@@ -436,7 +442,7 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    out = _padded_product(a3, b3, c3, out_dtype=out_dtype, config=config, form="nn",
-                          alpha=float(alpha), beta=float(beta), interpret=interpret,
-                          name="sym_matmul_mosaic")
+    scale = jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])
+    out = _padded_product(a3, b3, c3, scale, out_dtype=out_dtype, config=config, form="nn",
+                          interpret=interpret, name="sym_matmul_mosaic")
     return out[:, :n, :n].reshape(*lead, n, n)

@@ -249,6 +249,26 @@ def test_auto_resolution(monkeypatch):
     assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "triton"
 
 
+def test_mosaic_products_of_one_shape_share_a_kernel():
+    """Products of one shape with different ``α, β`` lower to one Mosaic GPU kernel (the scales
+    are run-time operands), not one per pair: a Gram Newton-Schulz polar makes about 14 such
+    products per shape, and each kernel costs seconds of compile time. Lowered for sm_90 on the
+    CPU; ptxas is not run."""
+    from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic
+
+    config = dataclasses.replace(MosaicConfig.get_default(), num_sms=132)
+
+    def three(a, b, c):
+        x = sym_matmul_mosaic(a, b, c, alpha=2.0, beta=0.5, config=config)
+        y = sym_matmul_mosaic(a, x, c, alpha=1.0, beta=-3.0, config=config)
+        return sym_matmul_mosaic(y, y, x, alpha=0.25, beta=1.5, config=config)
+
+    f16 = jax.ShapeDtypeStruct((256, 256), jnp.float16)
+    text = jax.jit(three).trace(f16, f16, f16).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+    assert text.count("call @sym_matmul_mosaic(") == 3
+
+
 def test_shape_errors():
     a = jnp.ones((8, 4), jnp.float16)
     with pytest.raises(ValueError, match="need a"):
@@ -368,6 +388,20 @@ class TestMosaicInterpret(KernelSuite):
         kw = dict(alpha=-1.5, beta=0.25, out_dtype=jnp.float32)
         close(sym_matmul_mosaic(a, b, c, interpret=True, **kw),
               pallas_kernels.sym_matmul_reference(a, b, c, **kw), 5e-4)
+
+    def test_traced_scales(self):
+        """``α`` and ``β`` may be traced (the kernel reads them at run time): one jitted kernel
+        with scales as arguments matches the reference at two pairs of scales."""
+        from pallas_kernels._mosaic import sym_matmul_mosaic
+
+        a, b, c, _ = commuting_inputs(fresh_key(23), (), 64, jnp.float16, 1.0, 1.0)
+        run = jax.jit(lambda al, be: sym_matmul_mosaic(a, b, c, alpha=al, beta=be,
+                                                       out_dtype=jnp.float32, interpret=True))
+        for al, be in [(2.0, -0.5), (-0.75, 3.0)]:
+            ref = np.asarray(pallas_kernels.sym_matmul_reference(
+                a, b, c, alpha=al, beta=be, out_dtype=jnp.float32))
+            np.testing.assert_allclose(np.asarray(run(jnp.float32(al), jnp.float32(be))), ref,
+                                       rtol=0, atol=5e-4 * np.abs(ref).max())
 
     def test_one_contraction_step_with_several_items_per_cta(self):
         """One contraction step per item (k <= tile_k) with one CTA walking every item: jax's
