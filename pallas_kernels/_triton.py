@@ -72,11 +72,11 @@ def _kernel():
         raise ValueError("implementation='triton' needs the triton package") from e
 
     @triton.jit
-    def symmetric_kernel(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
-                         T: tl.constexpr, NUM_LOWER: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_K: tl.constexpr, A_TRANSPOSED: tl.constexpr,
-                         B_TRANSPOSED: tl.constexpr, HAS_C: tl.constexpr, ALPHA: tl.constexpr,
-                         BETA: tl.constexpr):
+    def symmetric_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, out_ptr, N: tl.constexpr,
+                         K: tl.constexpr, T: tl.constexpr, NUM_LOWER: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, A_TRANSPOSED: tl.constexpr,
+                         B_TRANSPOSED: tl.constexpr, HAS_C: tl.constexpr,
+                         HAS_SCALE: tl.constexpr):
         pid = tl.program_id(0)
         bi = pid // NUM_LOWER
         t = pid % NUM_LOWER
@@ -114,12 +114,12 @@ def _kernel():
             else:
                 acc = tl.dot(a, b, acc)
                 b_ptrs += BLOCK_K * N
-        if ALPHA != 1.0:
-            acc = acc * ALPHA
+        if HAS_SCALE:  # (α, β), float32, read at run time: one kernel for every scale
+            acc = acc * tl.load(scale_ptr)
         out_base = out_ptr + bi.to(tl.int64) * (N * N)
         if HAS_C:
             c_ptrs = c_ptr + bi.to(tl.int64) * (N * N) + offs_i[:, None] * N + offs_j[None, :]
-            acc += BETA * tl.load(c_ptrs).to(tl.float32)
+            acc += tl.load(scale_ptr + 1) * tl.load(c_ptrs).to(tl.float32)
         out = acc.to(out_ptr.dtype.element_ty)
         # The tile is stored once (on a diagonal tile: its lower triangle, diagonal included), then
         # the mirror is read back from global memory through transposed pointers and stored at
@@ -149,20 +149,22 @@ def _jax_triton():
     return jax_triton
 
 
-def _launch(a, b, c, *, out_dtype, config: TritonConfig, a_transposed: bool, b_transposed: bool,
-            alpha: float, beta: float, name: str):
+def _launch(a, b, c, scale, *, out_dtype, config: TritonConfig, a_transposed: bool,
+            b_transposed: bool, name: str):
+    """Pads the operands to tile multiples and launches the kernel. ``scale``: ``(2,)`` float32
+    ``(α, β)``, or None (``α = 1``, no ``c``)."""
     jt = _jax_triton()
     batch, n = a.shape[0], a.shape[2 if a_transposed else 1]
     tile, tile_k = config.tile, config.tile_k
     a_p = pad_to(a, (tile_k, tile) if a_transposed else (tile, tile_k))
     b_p = pad_to(b, (tile, tile_k) if b_transposed else (tile_k, tile))
     (n_p, k_p) = a_p.shape[:0:-1] if a_transposed else a_p.shape[1:]
-    has_c = c is not None and beta != 0.0
+    has_c = c is not None
     c_p = pad_to(c, (tile, tile)) if has_c else a_p  # A dummy pointer when there is no c.
     tiles_per_side = n_p // tile
     num_lower = _schedule.num_lower_tiles(tiles_per_side)
     out = jt.triton_call(
-        a_p, b_p, c_p,
+        a_p, b_p, c_p, a_p if scale is None else scale,  # (a dummy pointer without scales)
         kernel=_kernel(),
         out_shape=jax.ShapeDtypeStruct((batch, n_p, n_p), out_dtype),
         grid=(batch * num_lower,),
@@ -170,7 +172,8 @@ def _launch(a, b, c, *, out_dtype, config: TritonConfig, a_transposed: bool, b_t
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         N=n_p, K=k_p, T=tiles_per_side, NUM_LOWER=num_lower, BLOCK=tile, BLOCK_K=tile_k,
-        A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, HAS_C=has_c, ALPHA=float(alpha), BETA=float(beta),
+        A_TRANSPOSED=a_transposed, B_TRANSPOSED=b_transposed, HAS_C=has_c,
+        HAS_SCALE=scale is not None,
     )
     return out[:, :n, :n]
 
@@ -196,23 +199,26 @@ def syrk_triton(x: jax.Array, *, transpose: bool = False, out_dtype=None,
     *lead, rows, cols = x.shape
     x3 = x.reshape(-1, rows, cols)
     n = cols if transpose else rows
-    out = _launch(x3, x3, None, out_dtype=out_dtype, config=config, a_transposed=transpose,
-                  b_transposed=not transpose, alpha=1.0, beta=0.0, name="syrk_triton")
+    out = _launch(x3, x3, None, None, out_dtype=out_dtype, config=config,
+                  a_transposed=transpose, b_transposed=not transpose, name="syrk_triton")
     return out.reshape(*lead, n, n)
 
 
-@functools.partial(jax.jit, static_argnames=("alpha", "beta", "out_dtype", "config"))
-def sym_matmul_triton(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
-                      alpha: float = 1.0, beta: float = 0.0, out_dtype=None,
-                      config: TritonConfig | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+def sym_matmul_triton(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha=1.0,
+                      beta=0.0, out_dtype=None, config: TritonConfig | None = None
+                      ) -> jax.Array:
     """``α · a · b + β · c`` for a symmetric result, with the Triton kernel.
+
+    ``α`` and ``β`` reach the kernel at run time, as float32 scalars: every call of one shape and
+    dtype runs one compiled kernel.
 
     Args:
       a: ``(..., n, k)`` float16 or bfloat16.
       b: ``(..., k, n)``, same dtype.
-      c: optional symmetric ``(..., n, n)`` (its lower tiles are read).
-      alpha: scale of the product (static).
-      beta: scale of ``c`` (static).
+      c: optional symmetric ``(..., n, n)`` (its lower tiles are read; read whenever given).
+      alpha: scale of the product (a float or a float32 scalar array; may be traced).
+      beta: scale of ``c`` (likewise).
       out_dtype: output dtype (default ``a.dtype``).
       config: tile sizes (default :meth:`TritonConfig.get_default`).
 
@@ -226,7 +232,7 @@ def sym_matmul_triton(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    out = _launch(a3, b3, c3, out_dtype=out_dtype, config=config, a_transposed=False,
-                  b_transposed=False,
-                  alpha=float(alpha), beta=float(beta), name="sym_matmul_triton")
+    scale = jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])
+    out = _launch(a3, b3, c3, scale, out_dtype=out_dtype, config=config, a_transposed=False,
+                  b_transposed=False, name="sym_matmul_triton")
     return out.reshape(*lead, n, n)

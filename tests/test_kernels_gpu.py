@@ -50,6 +50,22 @@ class GpuSuite(base.KernelSuite):
         xla = pallas_kernels.sym_matmul(a, b, c, alpha=1.0, beta=3.9, implementation="xla")
         assert base.rel_error(out, ref) <= self.ERROR_FACTOR * base.rel_error(xla, ref)
 
+    def test_scales_share_one_kernel(self):
+        """Products of one shape with different ``α, β`` lower to one kernel (the scales are
+        run-time operands) and each matches the jnp reference to its error."""
+        a, b, c, _ = base.commuting_inputs(base.fresh_key(13), (), 384, jnp.float16, 1.0, 1.0)
+        scales = [(2.0, 0.5), (1.0, -3.0), (-0.25, 1.5)]
+        fn = jax.jit(lambda a, b, c: [self.sym_matmul(a, b, c, alpha=al, beta=be)
+                                      for al, be in scales])
+        text = fn.trace(a, b, c).lower().as_text()
+        target = {"mosaic": "custom_call @mosaic_gpu",
+                  "triton": "custom_call @triton_kernel_call"}[self.IMPLEMENTATION]
+        assert text.count(target) == 1, text.count(target)
+        for out, (al, be) in zip(fn(a, b, c), scales):
+            _, _, _, ref = base.commuting_inputs(base.fresh_key(13), (), 384, jnp.float16, al, be)
+            xla = pallas_kernels.sym_matmul(a, b, c, alpha=al, beta=be, implementation="xla")
+            assert base.rel_error(out, ref) <= self.ERROR_FACTOR * base.rel_error(xla, ref) + 1e-6
+
     def test_every_element_written(self):
         reused_any = False
         for shape in [(128, 64), (3, 256, 192), (4096, 2048)]:
