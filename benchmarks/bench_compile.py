@@ -9,12 +9,17 @@ seconds of its three stages, ``jax.jit(...).trace`` (Python), ``.lower`` (Stable
 
 Dion3 is ``dion3_jax.dion3`` with its defaults (NorMuon, Gram Newton-Schulz in float16) at each
 ``--fractions`` value. The XLA compile time depends on the backend (``jax.default_backend()``,
-printed first) and on how busy the machine is; run it alone.
+printed first) and on how busy the machine is; run it alone. With ``--repeats N`` every variant
+is compiled N times in interleaved rounds (AdamW, then each Dion3 variant, N times over; each
+round traces anew, so nothing is cached) and a last row per variant gives the median of each
+stage, the median total and the ratio of the median totals: on a machine whose speed drifts, one compile of AdamW
+is a noisy unit.
 
 Usage::
 
     python benchmarks/bench_compile.py                         # 8 and 32 layers, f = 1 and 1/4
     python benchmarks/bench_compile.py --layers 8 32 96 --fractions 1 0.25
+    python benchmarks/bench_compile.py --layers 96 --fractions 0.25 --repeats 3
     python benchmarks/bench_compile.py --layers 2 --d 64 --ff 176   # a small smoke run
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -57,22 +63,36 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=4096, help="model width")
     ap.add_argument("--ff", type=int, default=11008, help="MLP width")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default 1)")
     a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {a.repeats}")
     print(f"backend: {jax.default_backend()}; d={a.d}, ff={a.ff}; seconds")
-    print(f"{'layers':>6} {'optimizer':<14} {'trace':>7} {'lower':>7} {'compile':>8} "
+    print(f"{'layers':>6} {'optimizer':<21} {'trace':>7} {'lower':>7} {'compile':>8} "
           f"{'total':>8} {'× AdamW':>8}")
     for layers in a.layers:
         params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
                   for k, s in model_shapes(layers, a.d, a.ff).items()}
         variants = [("adamw", optax.adamw(a.lr))]
         variants += [(f"dion3 f={f:g}", dion3_jax.dion3(a.lr, f)) for f in a.fractions]
-        base = None
-        for name, tx in variants:
-            tr, lo, co = compile_seconds(tx, params)
-            total = tr + lo + co
-            base = base or total
-            print(f"{layers:>6} {name:<14} {tr:7.2f} {lo:7.2f} {co:8.2f} {total:8.2f} "
-                  f"{total / base:8.1f}", flush=True)
+        runs = {name: [] for name, _ in variants}
+        for _ in range(a.repeats):
+            for name, tx in variants:
+                runs[name].append(compile_seconds(tx, params))
+                _print_row(layers, name, runs[name][-1], sum(runs[name][-1]),
+                           sum(runs["adamw"][-1]))
+        if a.repeats > 1:
+            totals = {name: statistics.median(map(sum, r)) for name, r in runs.items()}
+            for name, r in runs.items():
+                _print_row(layers, f"{name} (median)",
+                           [statistics.median(x) for x in zip(*r)], totals[name],
+                           totals["adamw"])
+
+
+def _print_row(layers: int, name: str, stages, total: float, adamw_total: float) -> None:
+    """One table row: the three stages' seconds, the total and the total over AdamW's."""
+    print(f"{layers:>6} {name:<21} {stages[0]:7.2f} {stages[1]:7.2f} {stages[2]:8.2f} "
+          f"{total:8.2f} {total / adamw_total:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

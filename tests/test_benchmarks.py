@@ -41,6 +41,26 @@ def test_benchmark_script_runs(args):
 
 
 @pytest.mark.slow
+def test_bench_compile_repeats():
+    """bench_compile.py --repeats 2: two rounds of rows, then a median row per variant whose
+    ratio is its median total over AdamW's (the tiny model, f = 1 only)."""
+    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
+                          "64", "--ff", "176", "--fractions", "1", "--repeats", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [r[1] for r in rows] == ["adamw", "dion3", "adamw", "dion3", "adamw", "dion3"]
+    totals = {name: sorted(float(r[-2]) for r in rows[:4] if r[1] == name)
+              for name in ("adamw", "dion3")}
+    median = {name: sum(t) / 2 for name, t in totals.items()}  # the median of two
+    assert rows[4][2] == rows[5][3] == "(median)", out.stdout
+    assert float(rows[4][-2]) == pytest.approx(median["adamw"], abs=0.006)
+    assert float(rows[5][-2]) == pytest.approx(median["dion3"], abs=0.006)
+    # (the printed totals are rounded to 0.01 s, so their ratio only to a few percent)
+    assert float(rows[5][-1]) == pytest.approx(median["dion3"] / median["adamw"], rel=0.05)
+
+
+@pytest.mark.slow
 def test_bench_commits_against_head():
     """bench_commits.py imports HEAD's packages under other names next to the working tree's and
     prints one table row per fraction asked for (both versions the same code here, so only the
