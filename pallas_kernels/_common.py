@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel wrappers: operand checks and padding to tile multiples."""
+"""Helpers shared by the kernel wrappers: operand checks, padding to tile multiples, and the
+scales operand."""
 
 from __future__ import annotations
 
@@ -25,3 +26,9 @@ def pad_to(x: jax.Array, multiples: tuple[int, ...]) -> jax.Array:
     if all(hi == 0 for _, hi in pads):
         return x
     return jnp.pad(x, pads)
+
+
+def scales(alpha, beta) -> jax.Array:
+    """``(α, β)`` as the ``(2,)`` float32 operand the ``sym_matmul`` kernels read at run time
+    (Python floats or scalar arrays; traced values are fine)."""
+    return jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])

@@ -43,7 +43,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import _schedule
-from pallas_kernels._common import check_dtypes, pad_to
+from pallas_kernels._common import check_dtypes, pad_to, scales
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syrk_mosaic",
@@ -442,7 +442,6 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    scale = jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])
-    out = _padded_product(a3, b3, c3, scale, out_dtype=out_dtype, config=config, form="nn",
-                          interpret=interpret, name="sym_matmul_mosaic")
+    out = _padded_product(a3, b3, c3, scales(alpha, beta), out_dtype=out_dtype, config=config,
+                          form="nn", interpret=interpret, name="sym_matmul_mosaic")
     return out[:, :n, :n].reshape(*lead, n, n)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _schedule
-from pallas_kernels._common import check_dtypes, pad_to
+from pallas_kernels._common import check_dtypes, pad_to, scales
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = ("TritonConfig", "sym_matmul_reference", "sym_matmul_triton", "syrk_reference",
@@ -232,7 +232,6 @@ def sym_matmul_triton(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    scale = jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])
-    out = _launch(a3, b3, c3, scale, out_dtype=out_dtype, config=config, a_transposed=False,
-                  b_transposed=False, name="sym_matmul_triton")
+    out = _launch(a3, b3, c3, scales(alpha, beta), out_dtype=out_dtype, config=config,
+                  a_transposed=False, b_transposed=False, name="sym_matmul_triton")
     return out.reshape(*lead, n, n)
