@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh commits   # the step of an older commit against the working tree
 #   bash scripts/gpu_session.sh host      # device and host time per step, command buffers on/off
 #   bash scripts/gpu_session.sh payload   # the payload kernel's launch parameters, per shape group
+#   bash scripts/gpu_session.sh compile   # the step's GPU compile time against AdamW's (8 layers)
 #   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
 #
 #   bash scripts/gpu_session.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
@@ -108,12 +109,17 @@ case "$PART" in
     run bench_payload 240 python3 benchmarks/bench_payload.py --fractions 0.25 1 \
       --variants default b2048
     ;;
+  compile)  # The step's GPU compile (trace, lowering, XLA compile) against AdamW's, 8 layers,
+            # f = 1 and 1/4, two interleaved rounds.
+    run bench_compile 300 python3 benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 \
+      --repeats 2
+    ;;
   selection)  # Row write-back / gather formulations alone, then where the f = 1/4 step's time goes.
     run bench_selection 90 python3 benchmarks/bench_selection.py
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | host | payload | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | host | payload | compile | selection)"
      exit 2 ;;
 esac
 done
