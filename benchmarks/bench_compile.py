@@ -12,8 +12,8 @@ Dion3 is ``dion3_jax.dion3`` with its defaults (NorMuon, Gram Newton-Schulz in f
 printed first) and on how busy the machine is; run it alone. With ``--repeats N`` every variant
 is compiled N times in interleaved rounds (AdamW, then each Dion3 variant, N times over; each
 round traces anew, so nothing is cached) and a last row per variant gives the median of each
-stage, the median total and the ratio of the median totals: on a machine whose speed drifts, one compile of AdamW
-is a noisy unit.
+stage, the median total and the ratio of the median totals: on a machine whose speed drifts,
+one compile of AdamW is a noisy unit.
 
 Usage::
 

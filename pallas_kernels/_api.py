@@ -205,9 +205,9 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
       a: ``(..., n, k)``.
       b: ``(..., k, n)``.
       c: optional symmetric ``(..., n, n)`` addend.
-      alpha: scale of the product (a Python float). The Mosaic kernel reads ``alpha`` and
-        ``beta`` at run time, so all its products of one shape share one compiled kernel; the
-        Triton kernel compiles them in.
+      alpha: scale of the product (a Python float). The Mosaic and Triton kernels read
+        ``alpha`` and ``beta`` at run time, so all products of one shape share one compiled
+        kernel.
       beta: scale of ``c`` (a Python float).
       out_dtype: output dtype (default ``a.dtype``); accumulation is float32.
       implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
