@@ -1,17 +1,22 @@
-"""The payload pass alone: ``pallas_kernels.stack_payloads`` on the shape groups of the 7B-shapes
-step, with the kernel's default launch parameters and with variants of them.
+"""The statistics and payload passes alone (``pallas_kernels.accumulate_rows``,
+``pallas_kernels.stack_payloads``) on the shape groups of the 7B-shapes step, with the payload
+kernel's default launch parameters and with variants of them.
 
 Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected along the output
 axis as the step selects them at ``--fractions``) and per variant (a
-``pallas_kernels._payload.PayloadConfig``: the tile and the warps per tile), the
-table gives the block shape, the device time of one group's pass (``_trace.device_ms``: the
-summed GPU op time of a traced call), the wall time (median of ``--reps`` synchronised calls),
-the bandwidth by device time, and whether the variant's outputs (the payload stack and the new
-momenta) are bitwise the default's. A last row per group is XLA's pass that writes only the new
-momenta, the same reads and writes without the payloads: the rate a pass of this traffic
-reaches on the machine. One launch per member, as in the step; the momenta are donated and
-carried from call to call. The bytes are those the pass must move: ``M`` and ``G`` read, ``M``
-written, the float16 payloads written.
+``pallas_kernels._payload.PayloadConfig``: the tile and the warps per tile), the table gives the
+block shape, the device time of one group's payload pass (``_trace.device_ms``: the summed GPU
+op time of a traced call), the wall time (median of ``--reps`` synchronised calls), the
+bandwidth by device time, and whether the variant's payload stack is bitwise the default's. The
+payload pass reads ``S`` and writes the float16 payloads. Three more rows per group:
+
+- ``XLA, read only``: a sum over ``S`` that XLA runs as one reduction: the rate a read of the
+  same bytes reaches on the machine;
+- ``statistics kernel``: ``accumulate_rows`` with its momenta donated and carried from call to
+  call, as in the step (reads ``M``, ``G``; writes ``S`` in place);
+- ``XLA, statistics``: the same outputs from XLA (the rate of the unfused form).
+
+One launch per member, as in the step.
 
 Usage::
 
@@ -35,6 +40,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
+import pallas_kernels
 from pallas_kernels import _payload
 from pallas_kernels._payload import PayloadConfig
 from _timing import median_ms
@@ -56,7 +62,7 @@ SMALL = [("square", 3, 64, 64), ("wide", 2, 32, 192), ("tall", 2, 96, 64)]
 
 
 def _momenta(count: int, shape: tuple[int, int]):
-    """``count`` momenta, the same values on every call in fresh buffers (they are donated)."""
+    """``count`` matrices, the same values on every call in fresh buffers (they are donated)."""
     key = jax.random.key(0)
     return [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)) for i in range(count)]
 
@@ -78,14 +84,19 @@ def _block(rows: int, cols: int, config: PayloadConfig) -> str:
     return "×".join(map(str, _payload.block_shape(rows, cols, config)))
 
 
-def _timed(run, count, shape, gs, extra, *, reps: int):
-    """``(device ms, wall ms)`` of ``run(ms, gs, extra)``, whose last output is the new momenta:
+def _timed(run, *args, reps: int):
+    """``(device ms, wall ms)`` of ``run(*args)``."""
+    return device_ms(lambda: run(*args), reps=3), median_ms(run, *args, reps=reps)
+
+
+def _timed_carried(run, count, shape, *extra, reps: int):
+    """``(device ms, wall ms)`` of ``run(ms, *extra)``, whose first output is the new momenta:
     they are carried from call to call (donated), as in the step."""
     carried = [_momenta(count, shape)]
 
     def advance():
-        out = run(carried[0], gs, extra)
-        carried[0] = out[-1]
+        out = run(carried[0], *extra)
+        carried[0] = out[0]
         return out
 
     wall = median_ms(advance, reps=reps)
@@ -93,36 +104,42 @@ def _timed(run, count, shape, gs, extra, *, reps: int):
 
 
 def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
-    """One group's pass with ``config``: ``(outputs of the first call, device ms, wall ms)``.
-
-    ``pick`` None: every row (Dion3 at f = 1); else that many output columns per matrix."""
-    gs, ds = _grads_and_norms(count, shape)
+    """One group's payload pass with ``config``: ``(its stack from the first call, device ms,
+    wall ms)``. ``pick`` None: every row (Dion3 at f = 1); else that many output columns per
+    matrix."""
+    _, ds = _grads_and_norms(count, shape)
     rows = None if pick is None else _rows(count, shape[1], pick, 1)
 
-    def one_pass(ms, gs, ds):  # (the gradients are arguments: as constants they would be
-        #                          embedded in the program, gigabytes of it)
-        return _payload._stack_with_kernel(ms, gs, ds, jnp.float32(0.9),
-                                           out_dtype=jnp.float16, rows=rows, row_axis=2,
+    def one_pass(ss, ds):  # (the inputs are arguments: as constants they would be embedded
+        #                     in the program, gigabytes of it)
+        return _payload._stack_with_kernel(ss, ds, out_dtype=jnp.float16, rows=rows, row_axis=2,
                                            padded=False, interpret=interpret, config=config)
 
-    run = jax.jit(one_pass, donate_argnums=0)
-    first = jax.tree.map(np.asarray, run(_momenta(count, shape), gs, ds))
-    return first, *_timed(run, count, shape, gs, ds, reps=reps)
+    run, ss = jax.jit(one_pass), _momenta(count, shape)
+    return np.asarray(run(ss, ds)), *_timed(run, ss, ds, reps=reps)
 
 
-def time_momentum_only(count, shape, pick, *, reps: int):
-    """The reference row: XLA's pass that only writes the new momenta (``μ·S`` on the selected
-    columns, ``S`` elsewhere) from ``M`` and ``G``, no payload: ``(device ms, wall ms)``. The
-    payload kernel moves the same bytes plus the payloads'."""
+def time_read_only(count, shape, *, reps: int):
+    """The reference row of the payload pass: XLA reading every ``S`` once (a sum per column):
+    ``(device ms, wall ms)``."""
+    return _timed(jax.jit(lambda ss: [jnp.sum(s, axis=1) for s in ss]), _momenta(count, shape),
+                  reps=reps)
+
+
+def time_statistics(count, shape, implementation, *, reps: int, interpret: bool):
+    """The statistics pass over the group (``accumulate_rows``, one launch per member, the
+    momenta donated): ``(device ms, wall ms)``."""
     gs, _ = _grads_and_norms(count, shape)
-    keeps = ([jnp.ones((1, 1, shape[1]), bool)] * count if pick is None else
-             [jnp.zeros((1, 1, shape[1]), bool).at[0, 0, r[0]].set(True)
-              for r in _rows(count, shape[1], pick, 1)])
+    ds = [jnp.full((1, shape[1]), 0.9, jnp.float32)] * count
 
-    def one_pass(ms, gs, keeps):
-        return ([jnp.where(k, 0.9 * (m + g), m + g) for m, g, k in zip(ms, gs, keeps)],)
+    def one_pass(ms, gs, ds):
+        outs = [pallas_kernels.accumulate_rows(m, g, d, row_axis=2,
+                                               implementation=implementation,
+                                               interpret=interpret)
+                for m, g, d in zip(ms, gs, ds)]
+        return [o[0] for o in outs], [o[1:] for o in outs]
 
-    return _timed(jax.jit(one_pass, donate_argnums=0), count, shape, gs, keeps, reps=reps)
+    return _timed_carried(jax.jit(one_pass, donate_argnums=0), count, shape, gs, ds, reps=reps)
 
 
 def main(argv=None) -> list[dict]:
@@ -147,9 +164,8 @@ def main(argv=None) -> list[dict]:
                 out, dev, wall = time_group(count, (fan_in, fan_out), pick, config, reps=reps,
                                             interpret=interpret)
                 base = out if base is None else base
-                same = all(np.array_equal(x, y) for x, y in
-                           zip(jax.tree.leaves(out), jax.tree.leaves(base)))
-                moved = count * fan_in * (12 * fan_out + 2 * (pick or fan_out))
+                same = np.array_equal(out, base)
+                moved = count * fan_in * (4 * fan_out + 2 * (pick or fan_out))
                 rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out),
                                  pick=pick, variant=v,
                                  block=_block(fan_in, fan_out, config),
@@ -157,13 +173,19 @@ def main(argv=None) -> list[dict]:
                                  gbps=None if dev is None else moved / dev / 1e6, same=same))
                 print(f"  f={f:g} {name} {v}: {wall:.3f} ms wall"
                       + ("" if dev is None else f", {dev:.3f} ms device"), flush=True)
-            dev, wall = time_momentum_only(count, (fan_in, fan_out), pick, reps=reps)
-            rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out), pick=pick,
-                             variant="XLA, momenta only", block=None, warps=None,
-                             device_ms=dev, wall_ms=wall, same=None,
-                             gbps=None if dev is None else
-                             count * fan_in * fan_out * 12 / dev / 1e6))
-            print(f"  f={f:g} {name} XLA momenta only: {wall:.3f} ms wall", flush=True)
+            size = count * fan_in * fan_out
+            extra = [("XLA, read only", 4 * size,
+                      time_read_only(count, (fan_in, fan_out), reps=reps))]
+            if f == a.fractions[0]:   # the statistics pass does not depend on f
+                for label, impl in (("statistics kernel", "pallas"), ("XLA, statistics", "xla")):
+                    extra.append((label, 12 * size, time_statistics(
+                        count, (fan_in, fan_out), impl, reps=reps, interpret=interpret)))
+            for label, nbytes, (dev, wall) in extra:
+                rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out),
+                                 pick=pick, variant=label, block=None, warps=None,
+                                 device_ms=dev, wall_ms=wall, same=None,
+                                 gbps=None if dev is None else nbytes / dev / 1e6))
+                print(f"  f={f:g} {name} {label}: {wall:.3f} ms wall", flush=True)
     print("\n| f | group | matrices | shape | columns picked | variant | block | warps | "
           "device ms | wall ms | GB/s (device) | bitwise = default |")
     print("|---:|---|---:|---|---:|---|---|---:|---:|---:|---:|---|")

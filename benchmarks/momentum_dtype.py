@@ -48,7 +48,7 @@ def _run(grads: np.ndarray, fraction: float, mu, mu_dtype, polar_dtype):
     update = jax.jit(tx.update)
     for g in grads:
         u, state = update({"w": jnp.asarray(g)}, state)
-    return np.asarray(state.momentum["w"], np.float64), np.asarray(u["w"], np.float64)
+    return np.asarray(state.full_momentum()["w"], np.float64), np.asarray(u["w"], np.float64)
 
 
 def main() -> None:

@@ -66,6 +66,14 @@ def error_feedback(m: jax.Array, selected: jax.Array | None, mu, sources: tuple 
     return _selection.place_rows(decayed, sources, row_axis, base=m)
 
 
+def deferred_decay(mu, keep: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """The per-row momentum factors ``d`` (the momentum is ``d ⊙ M``) that defer ``M[I] ← μ·S``
+    to the next step's ``S = d ⊙ M + G``: ``μ`` on the selected rows (``keep``, booleans of
+    ``shape``; None: every row), 1 elsewhere; float32."""
+    full = jnp.broadcast_to(jnp.asarray(mu, jnp.float32), shape)
+    return full if keep is None else jax.lax.select(keep, full, jnp.ones(shape, jnp.float32))
+
+
 def row_sq_norms(o: jax.Array, row_axis: int) -> jax.Array:
     """``Σ_j O_ij²`` per row, ``(batch, rows)``, in float32."""
     return _norms.total(jax.lax.square(o.astype(jnp.float32)), 3 - row_axis)

@@ -5,6 +5,10 @@ Per device (inside the transform's ``shard_map``, or directly on one device)::
     accumulate_and_score → select → gather_and_send → megabatched_polar
         → row_sources → error_feedback → normalise → scatter_and_apply
 
+The momentum travels as ``(M, d)``: the momentum is ``d ⊙ M`` with ``d`` one factor per row, so
+that a step can defer its selected rows' decay to the next one's ``S = d ⊙ M + G``
+(:func:`error_feedback`).
+
 Each phase reads the :class:`dion3_jax._plan.Plan` and passes named tuples to the next; per-unit
 values are tuples indexed by ``Unit.uid``. The per-matrix maths lives in ``_rules``; the
 selection primitives in ``_selection``; the grouped collectives in ``_megabatch`` and
@@ -31,23 +35,22 @@ Blocks = list[list[jax.Array]]
 
 
 class Accumulated(NamedTuple):
-    """After ``M ← M + G``: the blocks, and per unit its row scores and row statistics."""
+    """After ``M ← d ⊙ M + G``: the blocks, and per unit its row scores and row statistics."""
 
-    momentum: Blocks                       # per leaf, per block
+    momentum: Blocks                       # per leaf, per block: S = d ⊙ M + G
     variance: Blocks | None                # NorMuon second moments (None for Muon)
     scores: tuple[jax.Array | None, ...]   # (batch, candidate rows); None when every row goes
     positions: tuple[tuple | None, ...]    # "rows" units: this device's (start, count) rows
     row_sq: dict[tuple[int, int], jax.Array]  # (leaf, block) → _selection.row_sq_sums
     full_sq: dict[int, jax.Array]          # :func:`_payload_decays` units: _norms.sq_sum per matrix
-    terms: dict[int, tuple[jax.Array, jax.Array]]  # one-pass units: their (M, G) blocks
-    one_pass: frozenset[int]               # :func:`_one_pass_groups`
+    one_pass: frozenset[int]               # :func:`_one_pass_groups`: S from the kernel
 
 
 class Pick(NamedTuple):
     """One unit's selection on this device."""
 
     rows: jax.Array | None      # (batch, pick) ascending local row indices (≥ n_local: padding)
-    payload: jax.Array | None   # S = M[I], (batch, pick, C) in the block's orientation; None
+    payload: jax.Array | None   # S[I], (batch, pick, C) in the block's orientation; None
                                 # where the payload pass gathers (``Accumulated.one_pass``)
     sq_sum: jax.Array | None    # full and row-segment units: this device's part of
                                 # Σ (S·2⁻³²)² per matrix (_norms); others: _batch_sq_sums
@@ -108,21 +111,24 @@ def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
 
 def _payload_decays(plan: Plan, u: Unit) -> bool:
     """Whether ``u`` is a full unit whose payload the step normalises itself (the built-in
-    orthogonalizer, no replica averaging): then its payload ``(M + G)/‖M + G‖`` and its decayed
-    momentum ``μ·(M + G)`` are computed from the same reads, after the norm (see
-    :func:`_accumulate`)."""
+    orthogonalizer, no replica averaging): then its payload ``S/‖S‖`` comes from one read of
+    ``S`` after the norm, and its decay is left to the next step (see :func:`_accumulate`)."""
     return u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
 
 
 def _payload_selects(plan: Plan, u: Unit) -> bool:
-    """Whether ``u`` selects rows and its payload ``S[I]/‖S[I]‖`` and new momentum come from one
-    pass over ``M`` and ``G`` like :func:`_payload_decays` units': the payload in its group's
-    orientation, its norm known from the row statistics."""
+    """Whether ``u`` selects rows and its payload ``S[I]/‖S[I]‖`` comes from one read of ``S``
+    like :func:`_payload_decays` units': the payload in its group's orientation, its norm known
+    from the row statistics."""
     return (not u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
             and not u.swap and u.uid in plan.row_norm_uids)
 
 
-def _one_pass_groups(plan: Plan, momentum: Blocks) -> frozenset[int]:
+def _local_shape(plan: Plan, u: Unit) -> tuple[int, int, int]:
+    return plan.leaves[u.leaf].local.blocks[u.block].shape
+
+
+def _one_pass_groups(plan: Plan) -> frozenset[int]:
     """The units of the groups whose payloads come from :func:`_one_pass_payloads`: all their
     members are full :func:`_payload_decays` units, or all :func:`_payload_selects` units of one
     row axis and one block shape, each the only unit of its block (row segments of one block
@@ -135,18 +141,22 @@ def _one_pass_groups(plan: Plan, momentum: Blocks) -> frozenset[int]:
                 or (all(_payload_selects(plan, u) and blocks[(u.leaf, u.block)] == 1
                         for u in units)
                     and len({u.layout.row_axis for u in units}) == 1
-                    and len({momentum[u.leaf][u.block].shape[1:] for u in units}) == 1)):
+                    and len({_local_shape(plan, u)[1:] for u in units}) == 1)):
             out.update(uids)
     return frozenset(out)
 
 
-def _row_stats(plan: Plan, momentum: Blocks) -> tuple[dict, dict]:
+def _row_stats(plan: Plan, momentum: Blocks, known: dict) -> tuple[dict, dict]:
     """Per (leaf, block): this device's row ℓ1 norms (the selection scores before their
     all-reduce; none under random selection), and :func:`_selection.row_sq_sums` of the blocks
-    whose payload norms come from them."""
+    whose payload norms come from them; ``known``: the blocks whose two sums the statistics
+    kernel gave (:func:`_accumulate`)."""
     l1, sq = {}, {}
     for u in plan.units:
         key = (u.leaf, u.block)
+        if key in known:
+            l1[key], sq[key] = known[key]
+            continue
         if not (u.full or plan.random_selection or key in l1):
             l1[key] = _selection.row_l1_norms(momentum[u.leaf][u.block], u.layout.row_axis)
         if u.uid in plan.row_norm_uids and key not in sq:
@@ -154,53 +164,50 @@ def _row_stats(plan: Plan, momentum: Blocks) -> tuple[dict, dict]:
     return l1, sq
 
 
-def _accumulate(plan: Plan, grads, moms):
-    """``M + G`` per block, its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
-    units' sums of squares, the :func:`_one_pass_groups` units and their ``(M, G)`` blocks (for
-    :func:`pallas_kernels.stack_payloads`).
+def _implementation(cfg: Dion3Config) -> str:
+    """The statistics and payload passes' implementation: XLA with the orthogonalizer's
+    ``"xla"`` backend, else the kernels where they run."""
+    return "xla" if cfg.orthogonalizer.backend == "xla" else "auto"
 
-    Those units' leaves are read again after the sums, behind an optimization barrier: the
-    payload and the new momentum then both wait for the statistics, and are computed in one pass
-    over ``M`` and ``G`` that writes the new momentum in place; ``M + G`` itself is never
-    written. (Without the barrier XLA writes ``M + G`` or ``μ·(M + G)`` into the donated momentum
-    in the pass that sums, and then has to read it, or copy the old momentum, for the payload.)
+
+def _accumulate(cfg: Dion3Config, plan: Plan, grads, moms, scales):
+    """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
+    step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
+    units' sums of squares and the :func:`_one_pass_groups` units.
+
+    The one-pass units' blocks go through :func:`pallas_kernels.accumulate_rows`: one pass over
+    ``M`` and ``G`` writes ``S`` in place of ``M`` with both row sums. Their payloads then read
+    ``S`` alone, and their selected rows' decay is not written this step (:func:`error_feedback`).
+    The other blocks' ``S`` is left to XLA to fuse into its readers.
 
     Returns:
-      ``(momentum blocks, full sums, (ℓ1, row_sq), terms, one-pass units)``; the momentum blocks
-      of leaves whose every block is in one pass are not recomputed (only their shapes are
-      read).
+      ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
     """
-    grads, moms = list(grads), list(moms)
-
-    def blocks(i):
-        return plan.leaves[i].local.to_blocks(moms[i] + grads[i].astype(moms[i].dtype))
-
-    momentum = [blocks(i) for i in range(len(moms))]
-    one_pass = _one_pass_groups(plan, momentum)
-    units = [plan.units[i] for i in sorted(one_pass)]
-    sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
-          for u in plan.units if _payload_decays(plan, u)}
-    stats = _row_stats(plan, momentum)
-    leaves = sorted({u.leaf for u in units})
-    if leaves:
-        ms, gs, sq, stats = jax.lax.optimization_barrier(
-            ([moms[i] for i in leaves], [grads[i] for i in leaves], sq, stats))
-        rest = {u.leaf for u in plan.units if u.uid not in one_pass}
-        for i, m, g in zip(leaves, ms, gs):
-            moms[i], grads[i] = m, g
-            if i in rest:
-                momentum[i] = blocks(i)
-    terms = {u.uid: (plan.leaves[u.leaf].local.to_blocks(moms[u.leaf])[u.block],
-                     plan.leaves[u.leaf].local.to_blocks(grads[u.leaf])[u.block])
-             for u in units}
-    return momentum, sq, stats, terms, one_pass
+    one_pass = _one_pass_groups(plan)
+    kernel = {(plan.units[i].leaf, plan.units[i].block): plan.units[i] for i in one_pass}
+    momentum = [p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d))
+                if any((i, b) not in kernel for b in range(len(p.local.blocks)))
+                else [None] * len(p.local.blocks)
+                for i, (p, m, g, d) in enumerate(zip(plan.leaves, moms, grads, scales))]
+    known = {}
+    for (leaf, block), u in kernel.items():
+        local, ra = plan.leaves[leaf].local, u.layout.row_axis
+        m, g, d = (local.to_blocks(x)[block] for x in (moms[leaf], grads[leaf], scales[leaf]))
+        s, l1, sq = pallas_kernels.accumulate_rows(m, g, jnp.squeeze(d, 3 - ra), row_axis=ra,
+                                                   implementation=_implementation(cfg))
+        momentum[leaf][block] = s
+        known[(leaf, block)] = (l1, sq)
+    # (The kernel's full units take their sums from the row sums, once per batch.)
+    full_sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
+               for u in plan.units if _payload_decays(plan, u) and u.uid not in one_pass}
+    return momentum, full_sq, _row_stats(plan, momentum, known), one_pass
 
 
-def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
+def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scales, count
                          ) -> Accumulated:
-    """``M ← M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
+    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
     selection scores."""
-    momentum, full_sq, (l1, row_sq), terms, one_pass = _accumulate(plan, grads, moms)
+    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(cfg, plan, grads, moms, scales)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if cfg.flavour == "normuon" else None)
     raw = {} if plan.random_selection else _l1_scores(plan, l1)
@@ -220,7 +227,7 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count
         scores.append(s)
         positions.append(pos)
     return Accumulated(momentum, variance, tuple(scores), tuple(positions), row_sq, full_sq,
-                       terms, one_pass)
+                       one_pass)
 
 
 def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, tuple]:
@@ -317,6 +324,10 @@ def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | N
     whole-matrix units take their selected rows' row statistics (one gather and one sum per
     batch), the others their :attr:`Pick.sq_sum`."""
     u = plan.units[b.uids[0]]
+    if u.full and u.uid in acc.one_pass:     # the statistics kernel's row sums
+        return _norms.total(_megabatch.stack([acc.row_sq[(plan.units[i].leaf,
+                                                          plan.units[i].block)]
+                                              for i in b.uids]), 1)
     if u.shard == "rows" or u.full or u.uid not in plan.row_norm_uids:
         sums = [picks[i].sq_sum for i in b.uids]
         return None if sums[0] is None else _megabatch.stack(sums)
@@ -360,7 +371,6 @@ class GroupBatch(NamedTuple):
     stacked: jax.Array | None        # what the collective sends: None for on-device groups
                                      # (one-pass ones: the stack, maybe padded past key.shape)
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
-    decayed: dict[int, jax.Array]    # :func:`_payload_decays` units: their new momentum block
 
 
 def _route(plan: Plan, b) -> str:
@@ -401,22 +411,20 @@ def _pad_to(orth, u: Unit, total: int, shape: tuple[int, int]) -> int | None:
 
 
 def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, key, uids, norms: dict,
-                       rows: dict) -> tuple[jax.Array, dict[int, jax.Array]]:
-    """A group of one-pass units: its stacked normalised payloads and its new momentum
-    blocks, from one pass over ``M`` and ``G`` (:func:`pallas_kernels.stack_payloads`, with the
-    units' selected rows ``rows`` unless they are full; XLA when the orthogonalizer's backend is
-    ``"xla"``). An on-device group's stack is padded as the iteration pads it (:func:`_pad_to`;
-    :func:`megabatched_polar` drops the padding from the factors)."""
+                       rows: dict) -> jax.Array:
+    """A group of one-pass units: its stacked normalised payloads, from one read of the units'
+    ``S`` (:func:`pallas_kernels.stack_payloads`, with the units' selected rows ``rows`` unless
+    they are full). An on-device group's stack is padded as the iteration pads it
+    (:func:`_pad_to`; :func:`megabatched_polar` drops the padding from the factors)."""
     orth, u = cfg.orthogonalizer, plan.units[uids[0]]
     pad_to = (_pad_to(orth, u, sum(_sizes(plan, uids)), key.shape)
               if key.route == "on_device" and not u.full else None)
-    stacked, decayed = pallas_kernels.stack_payloads(
-        [acc.terms[i][0] for i in uids], [acc.terms[i][1] for i in uids],
-        [norms[i] + orth.eps for i in uids], jnp.asarray(cfg.mu, jnp.float32),
-        out_dtype=orth.input_dtype, rows=None if u.full else [rows[i] for i in uids],
-        row_axis=u.layout.row_axis, padded=any(plan.units[i].shard == "rows" for i in uids),
-        pad_to=pad_to, implementation="xla" if orth.backend == "xla" else "auto")
-    return stacked, dict(zip(uids, decayed))
+    return pallas_kernels.stack_payloads(
+        [acc.momentum[plan.units[i].leaf][plan.units[i].block] for i in uids],
+        [norms[i] + orth.eps for i in uids], out_dtype=orth.input_dtype,
+        rows=None if u.full else [rows[i] for i in uids], row_axis=u.layout.row_axis,
+        padded=any(plan.units[i].shard == "rows" for i in uids), pad_to=pad_to,
+        implementation=_implementation(cfg))
 
 
 def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
@@ -431,7 +439,7 @@ def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
 def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple[Pick, ...],
                     rows, sq_sums) -> list[GroupBatch]:
     """Groups the payloads by shape. Groups of one-pass units get their normalised,
-    cast payloads stacked from one pass over ``M`` and ``G`` (``rows``: per batch, the selected
+    cast payloads stacked from one read of their ``S`` (``rows``: per batch, the selected
     rows). Other on-device groups stay a list of parts (normalised per part by the
     orthogonalizer). All-to-all groups are normalised by their whole matrices' norms and cast
     to the orthogonalizer's input dtype before they are stacked for the collective
@@ -448,11 +456,11 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
                                        for i in uids]
         on_device = key.route == "on_device"
         norms = [local.get(i) for i in uids]
-        stacked, decayed = None, {}
+        stacked = None
         normalized = ((key.route == "all_to_all" and plan.send_normalized)
                       or (on_device and one_pass))
         if one_pass:
-            stacked, decayed = _one_pass_payloads(cfg, plan, acc, key, uids,
+            stacked = _one_pass_payloads(cfg, plan, acc, key, uids,
                                                   local if on_device else sent, unit_rows)
         elif normalized:
             stacked = _megabatch.stack([
@@ -463,7 +471,7 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
             if plan.ctx.compressed:
                 stacked = replica_mean(stacked, plan.ctx.replica_axis,
                                        cfg.mesh_options.replica_wire_dtype)
-        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized, decayed))
+        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized))
     return batches
 
 
@@ -538,22 +546,39 @@ def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
     return tuple(out)
 
 
-def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src,
-                   decayed: dict[int, jax.Array]) -> Blocks:
-    """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit); returns the
-    blocks. Without compressed sync ``S`` is the block's own rows, which decay in place (no
-    gather of ``S``); under it ``S`` is the replicas' mean. ``decayed``: the blocks
-    :func:`gather_and_send` decayed already (with their payloads)."""
+def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src, batch_src
+                   ) -> tuple[Blocks, Blocks]:
+    """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit, ``batch_src``
+    per batch); returns the momentum blocks and their per-row factors ``d`` (the momentum is
+    ``d ⊙ M``).
+
+    One-pass units (:func:`_accumulate`) keep ``S`` as written and defer the decay: ``d`` is
+    ``μ`` on their selected rows (:func:`_rules.deferred_decay`, once per batch), so the next
+    step's ``d ⊙ M + G`` applies it on its way through. The other units decay their rows here
+    (``d = 1``). Without compressed sync ``S`` is the block's own rows, which decay in place (no
+    gather of ``S``); under it ``S`` is the replicas' mean."""
     mu = jnp.asarray(cfg.mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
+    scales: Blocks = [[None] * len(b) for b in acc.momentum]
+    for b, src in zip(plan.batches, batch_src):
+        u = plan.units[b.uids[0]]
+        if u.uid in acc.one_pass and src is not None:
+            ra, sizes = u.layout.row_axis, _sizes(plan, b.uids)
+            d = _rules.deferred_decay(mu, src[1], (sum(sizes), _local_shape(plan, u)[ra]))
+            for i, piece in zip(b.uids, _megabatch.unstack(d, sizes)):
+                scales[plan.units[i].leaf][plan.units[i].block] = jnp.expand_dims(piece, 3 - ra)
     for u in plan.units:
-        if u.uid in decayed:
-            momentum[u.leaf][u.block] = decayed[u.uid]
-            continue
-        s = polars[u.uid].selected if plan.ctx.compressed else None
-        momentum[u.leaf][u.block] = _rules.error_feedback(
-            momentum[u.leaf][u.block], s, mu, row_src[u.uid], u.layout.row_axis)
-    return momentum
+        ra = u.layout.row_axis
+        if u.uid not in acc.one_pass:
+            s = polars[u.uid].selected if plan.ctx.compressed else None
+            momentum[u.leaf][u.block] = _rules.error_feedback(momentum[u.leaf][u.block], s, mu,
+                                                              row_src[u.uid], ra)
+        if scales[u.leaf][u.block] is None:   # every row decays now (1) or deferred (μ)
+            shape = list(_local_shape(plan, u))
+            shape[3 - ra] = 1
+            scales[u.leaf][u.block] = _rules.deferred_decay(
+                1.0 if u.uid not in acc.one_pass else mu, None, tuple(shape))
+    return momentum, scales
 
 
 class Moments(NamedTuple):
@@ -644,32 +669,34 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, fact
     return tuple(dirs), variance
 
 
-def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, moms, vars_, dirs, row_src,
-                      momentum: Blocks, variance: Blocks | None):
+def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
     """The scaled directions written into zero updates (selected rows only); blocks → leaves."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
         d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
         ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
             d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
-    new_u = [p.local.from_blocks(ub, g.shape).astype(g.dtype)
-             for p, g, ub in zip(plan.leaves, grads, ublk)]
-    new_m = [p.local.from_blocks(mb, m.shape).astype(m.dtype)
-             for p, m, mb in zip(plan.leaves, moms, momentum)]
-    new_v = [] if variance is None else [p.local.from_blocks(vb, v.shape).astype(v.dtype)
-                                         for p, v, vb in zip(plan.leaves, vars_, variance)]
-    return new_u, new_m, new_v
+    return _leaves(plan, ublk, grads)
 
 
-def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, count):
-    """The per-device Dion3 step: lists of leaves in, ``(updates, momenta, variances)`` out."""
-    acc = accumulate_and_score(cfg, plan, grads, moms, vars_, count)
+def _leaves(plan: Plan, blocks: Blocks | None, like) -> list[jax.Array]:
+    """Blocks → leaves shaped and typed like ``like`` (none for None)."""
+    if blocks is None:
+        return []
+    return [p.local.from_blocks(b, x.shape).astype(x.dtype)
+            for p, x, b in zip(plan.leaves, like, blocks)]
+
+
+def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scales, count):
+    """The per-device Dion3 step: lists of leaves in (``scales``: the momenta's per-row factors
+    ``d``), ``(updates, momenta, variances, scales)`` out."""
+    acc = accumulate_and_score(cfg, plan, grads, moms, vars_, scales, count)
     picks, rows, sq_sums = select(cfg, plan, acc)
     batches = gather_and_send(cfg, plan, acc, picks, rows, sq_sums)
     polars, factors = megabatched_polar(cfg, plan, batches)
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
-    momentum = error_feedback(cfg, plan, acc, polars, row_src,
-                              {i: m for b in batches for i, m in b.decayed.items()})
+    momentum, new_scales = error_feedback(cfg, plan, acc, polars, row_src, batch_src)
     dirs, variance = normalise(cfg, plan, acc, rows, polars, factors, batch_src)
-    return scatter_and_apply(cfg, plan, grads, moms, vars_, dirs, row_src, momentum, variance)
+    return (scatter_and_apply(cfg, plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
+            _leaves(plan, variance, vars_), _leaves(plan, new_scales, scales))

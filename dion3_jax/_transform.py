@@ -40,13 +40,27 @@ from dion3_jax._orthogonalizer import Orthogonalizer
 
 
 class ScaleByDion3State(NamedTuple):
-    """State of :func:`scale_by_dion3`."""
+    """State of :func:`scale_by_dion3`.
+
+    The momentum is stored as two factors: the momentum of a leaf is ``momentum *
+    momentum_scale`` (broadcast along the reduction axes; :meth:`full_momentum` computes it).
+    The step writes ``S = M + G`` once and leaves its selected rows' decay ``μ`` in
+    ``momentum_scale``, where the next step applies it as it reads the momentum: one full pass
+    over the momentum fewer per step.
+    """
 
     count: jax.Array  # shape=(), dtype=int32: number of updates applied.
     momentum: optax.Updates  # like params; dtype mu_dtype (default: param dtype, ≥ float32).
     # Per-row second moments: each param's shape with its reduction axes of size 1, float32.
     # None for flavour="muon".
     variance: optax.Updates | None
+    # Per-row factors of the momentum, shaped like the variance, float32 (1 or μ).
+    momentum_scale: optax.Updates
+
+    def full_momentum(self) -> optax.Updates:
+        """The momentum, ``momentum * momentum_scale``, in the momentum's dtype."""
+        return jax.tree.map(lambda m, d: (m * d).astype(m.dtype), self.momentum,
+                            self.momentum_scale)
 
 
 def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
@@ -114,16 +128,18 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     ctx, plans = _plan.leaf_plans(cfg, params)
     leaves, treedef = jax.tree.flatten(params)
     normuon = cfg.flavour == "normuon"
-    mom, var = [], []
+    mom, var, scale = [], [], []
     for p, pl in zip(leaves, plans):
         mom.append(_zeros(p.shape, momentum_dtype(cfg.mu_dtype, p.dtype), p, pl.spec, ctx))
+        scale.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx) + 1)
         if normuon:
             var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx))
     # Placed like the momentum (committed), so the first jitted update compiles once.
     count = (_zeros((), jnp.int32, leaves[0], jax.P(), ctx) if leaves
              else jnp.zeros([], jnp.int32))
     return ScaleByDion3State(count=count, momentum=treedef.unflatten(mom),
-                             variance=treedef.unflatten(var) if normuon else None)
+                             variance=treedef.unflatten(var) if normuon else None,
+                             momentum_scale=treedef.unflatten(scale))
 
 
 def _plan_key(grads, moms) -> tuple:
@@ -147,23 +163,28 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
     moms = treedef.flatten_up_to(state.momentum)
     normuon = cfg.flavour == "normuon"
     vars_in = treedef.flatten_up_to(state.variance) if normuon else []
+    scales = treedef.flatten_up_to(state.momentum_scale)
     key = _plan_key(updates, moms)
     if key not in plans:
         plans[key] = _plan.build_plan(cfg, updates, [m.dtype for m in moms])
     plan = plans[key]
 
-    def step(g, m, v, count):
-        return _step.step(cfg, plan, g, m, v if normuon else [None] * len(g), count)
+    def step(g, m, v, d, count):
+        return _step.step(cfg, plan, g, m, v if normuon else [None] * len(g), d, count)
 
     if plan.ctx.distributed:
         specs = [lp.spec for lp in plan.leaves]
-        vspecs = [lp.var_spec for lp in plan.leaves] if normuon else []
-        step = _distributed.shard_map(plan.ctx, step, in_specs=(specs, specs, vspecs, jax.P()),
-                                      out_specs=(specs, specs, vspecs))
-    new_u, new_m, new_v = step(list(grads), list(moms), list(vars_in), state.count)
+        rspecs = [lp.var_spec for lp in plan.leaves]
+        vspecs = rspecs if normuon else []
+        step = _distributed.shard_map(plan.ctx, step,
+                                      in_specs=(specs, specs, vspecs, rspecs, jax.P()),
+                                      out_specs=(specs, specs, vspecs, rspecs))
+    new_u, new_m, new_v, new_d = step(list(grads), list(moms), list(vars_in), list(scales),
+                                      state.count)
     new_state = ScaleByDion3State(
         count=optax.safe_increment(state.count), momentum=treedef.unflatten(new_m),
-        variance=treedef.unflatten(new_v) if normuon else None)
+        variance=treedef.unflatten(new_v) if normuon else None,
+        momentum_scale=treedef.unflatten(new_d))
     return treedef.unflatten(new_u), new_state
 
 

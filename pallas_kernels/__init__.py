@@ -4,19 +4,24 @@
 ``implementation`` picks the backend: ``"xla"`` (plain jnp, always available), ``"mosaic"`` (Pallas
 Mosaic GPU, Hopper), ``"triton"`` (jax-triton) or ``"auto"``.
 
-``stack_payloads`` writes fully selected matrices' normalised payloads into one stack and their
-decayed momenta, in one pass (a Pallas kernel on NVIDIA GPUs, or XLA).
+``accumulate_rows`` writes the summed momentum ``S = d ⊙ M + G`` with each row's ℓ1 norm and sum of
+squares (the statistics pass); ``stack_payloads`` writes the selected rows of ``S``, normalised,
+into one stack (the payload pass). Both are Pallas kernels on NVIDIA GPUs, or XLA.
 """
 
 from pallas_kernels._api import (TILE_MULTIPLES, available_implementations, padding_multiples,
                                  sym_matmul, syrk)
 from pallas_kernels._payload import stack_payloads, stack_payloads_reference
+from pallas_kernels._row_stats import accumulate_rows, accumulate_rows_reference, scaled_sum
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = (
     "TILE_MULTIPLES",
+    "accumulate_rows",
+    "accumulate_rows_reference",
     "available_implementations",
     "padding_multiples",
+    "scaled_sum",
     "stack_payloads",
     "stack_payloads_reference",
     "sym_matmul",

@@ -1,25 +1,22 @@
-"""The payload pass: a matrix's normalised float16 payload and its decayed momentum from one
-read of ``M`` and ``G``.
+"""The payload pass: the selected rows of the summed momenta, normalised, in float16, stacked.
 
-Once the rows ``I`` are selected and the payload's norm is known, the step needs two things of
-``S = M + G``: the polar operator's input ``S[I] / (‖S[I]‖_F + ε)`` in the compute dtype, stacked
-with the other matrices of its shape, and the new momentum (error feedback): ``μ·S`` on the rows
-of ``I``, ``S`` elsewhere. :func:`stack_payloads` computes both in one pass over ``M`` and ``G``,
-for every row selected (Dion3 at ``f = 1``, or a matrix with ``k = n``) or for given rows
-(``rows``; their row statistics come from an earlier pass that reads ``M`` and ``G`` and writes
-nothing):
+Once the rows ``I`` are selected and the payload's norm is known, the step needs the polar
+operator's input ``S[I] / (‖S[I]‖_F + ε)`` in the compute dtype, stacked with the other matrices of
+its shape. ``S = d ⊙ M + G`` was written by the statistics pass
+(:func:`pallas_kernels.accumulate_rows`), so this pass reads ``S`` and writes the payload, for
+every row selected (Dion3 at ``f = 1``, or a matrix with ``k = n``) or for given rows (``rows``).
+The error feedback's decay of the selected rows is not written here: the step leaves it to the
+next statistics pass as the per-row factor ``d``.
 
 - ``"pallas"``: a Pallas kernel (its Triton lowering, part of jax; NVIDIA GPUs). One launch per
-  member writes the member's payload straight into its slot of the stack and its new momentum in
-  place of ``M`` (``input_output_aliases``); the slot is a run-time operand, so every member of a
-  shape runs the same compiled kernel. With ``rows``, each block stores its selected rows (or,
-  for rows along the minor axis, columns) at their payload positions under a mask. 5 full-array
-  passes in all with the statistics' pass, the fewest there are. jax 0.11 marks Pallas' Triton lowering as deprecated (a
-  ``DeprecationWarning`` when the step compiles on a GPU); where a jax no longer has it,
-  ``"auto"`` resolves to ``"xla"``. A Mosaic GPU port is the planned replacement.
-- ``"xla"``: :func:`stack_payloads_reference`, plain jnp. The payloads wait for an optimization
-  barrier so that XLA computes each with its momentum in one fusion, and are then written into
-  the stack (one more pass over the float16 payloads); with ``rows``, a gather.
+  member writes the member's payload straight into its slot of the stack
+  (``input_output_aliases``); the slot is a run-time operand, so every member of a shape runs the
+  same compiled kernel. With ``rows``, each block stores its selected rows (or, for rows along
+  the minor axis, columns) at their payload positions under a mask. jax 0.11 marks Pallas'
+  Triton lowering as deprecated (a ``DeprecationWarning`` when the step compiles on a GPU); where
+  a jax no longer has it, ``"auto"`` resolves to ``"xla"``. A Mosaic GPU port is the planned
+  replacement.
+- ``"xla"``: :func:`stack_payloads_reference`, plain jnp (with ``rows``, a gather).
 
 Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (selection and error
 feedback).
@@ -65,19 +62,18 @@ class PayloadConfig(NamedTuple):
     num_warps: int = 4
 
 
-def _check(ms, gs, denoms, rows, row_axis) -> None:
-    if not ms or len(ms) != len(gs) or len(ms) != len(denoms):
-        raise ValueError(f"stack_payloads needs as many momenta, gradients and norms, at least "
-                         f"one: got {len(ms)}, {len(gs)}, {len(denoms)}")
+def _check(sums, denoms, rows, row_axis) -> None:
+    if not sums or len(sums) != len(denoms):
+        raise ValueError(f"stack_payloads needs as many sums and norms, at least one: got "
+                         f"{len(sums)}, {len(denoms)}")
     if row_axis not in (1, 2):
         raise ValueError(f"row_axis must be 1 or 2, got {row_axis!r}")
-    if rows is not None and len(rows) != len(ms):
-        raise ValueError(f"rows: one array per member, got {len(rows)} for {len(ms)}")
-    shape = ms[0].shape[1:]
-    for i, (m, g, d) in enumerate(zip(ms, gs, denoms)):
-        if m.ndim != 3 or m.shape[1:] != shape or g.shape != m.shape:
-            raise ValueError(f"member {i}: momentum {m.shape} and gradient {g.shape} must be "
-                             f"(batch, *{shape})")
+    if rows is not None and len(rows) != len(sums):
+        raise ValueError(f"rows: one array per member, got {len(rows)} for {len(sums)}")
+    shape = sums[0].shape[1:]
+    for i, (m, d) in enumerate(zip(sums, denoms)):
+        if m.ndim != 3 or m.shape[1:] != shape:
+            raise ValueError(f"member {i}: sums {m.shape} must be (batch, *{shape})")
         if jnp.shape(d) != m.shape[:1]:
             raise ValueError(f"member {i}: norms must be ({m.shape[0]},), got {jnp.shape(d)}")
         if rows is not None and (rows[i].ndim != 2 or rows[i].shape[0] != m.shape[0]
@@ -128,43 +124,25 @@ def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
                           mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
-def _select_reference(sums, denoms, rows, mu, row_axis, out_dtype):
-    """:func:`stack_payloads_reference` with ``rows``: the gathers and decays per member, the
-    padding mask, normalisation and cast once on the stack."""
+def _select_reference(sums, denoms, rows, row_axis, out_dtype):
+    """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the padding mask,
+    normalisation and cast once on the stack."""
     n = sums[0].shape[row_axis]
     sel = _member_selection(rows, n, positions=False)
     stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, (idx, _) in zip(sums, sel)])
     valid = jnp.expand_dims(jnp.concatenate(rows) < n, 3 - row_axis)
     d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
-    stack = (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
-    decayed = [jax.lax.select(jax.lax.broadcast_in_dim(keep, s.shape, (0, row_axis)),
-                              (mu * s).astype(s.dtype), s) for s, (_, keep) in zip(sums, sel)]
-    return stack, decayed
+    return (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
 
 
-def stack_payloads_reference(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
-                             denoms: Sequence[jax.Array], mu, *, out_dtype,
-                             rows: Sequence[jax.Array] | None = None, row_axis: int = 1
-                             ) -> tuple[jax.Array, list[jax.Array]]:
+def stack_payloads_reference(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *,
+                             out_dtype, rows: Sequence[jax.Array] | None = None,
+                             row_axis: int = 1) -> jax.Array:
     """The plain jnp form of :func:`stack_payloads` (the ``"xla"`` implementation)."""
-    sums = [m + g.astype(m.dtype) for m, g in zip(ms, gs)]
     if rows is not None:
-        return _select_reference(sums, denoms, rows, mu, row_axis, out_dtype)
-    parts = [(s.astype(jnp.float32) / d.astype(jnp.float32)[:, None, None]).astype(out_dtype)
-             for s, d in zip(sums, denoms)]
-    decayed = [(mu * s).astype(s.dtype) for s in sums]
-    if len(parts) == 1:
-        return parts[0], decayed
-    # Materialised parts (each computed with its momentum's decay, from the same reads) written
-    # into a zeroed stack in place: on the H200 an XLA concatenation of many float16 operands
-    # copies at 0.8 TB/s, these updates faster.
-    parts = jax.lax.optimization_barrier(parts)
-    stack = jnp.zeros((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), out_dtype)
-    start = 0
-    for p in parts:
-        stack = jax.lax.dynamic_update_slice_in_dim(stack, p, start, 0)
-        start += p.shape[0]
-    return stack, decayed
+        return _select_reference(sums, denoms, rows, row_axis, out_dtype)
+    return jnp.concatenate([(s.astype(jnp.float32) / d.astype(jnp.float32)[:, None, None]
+                             ).astype(out_dtype) for s, d in zip(sums, denoms)])
 
 
 def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
@@ -183,25 +161,22 @@ def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
     return br, bc
 
 
-def _kernel(slot_ref, denom_ref, mu_ref, m_ref, g_ref, stack_in_ref, m_out_ref, stack_ref, *,
-            br: int, bc: int):
+def _kernel(slot_ref, denom_ref, s_ref, stack_in_ref, stack_ref, *, br: int, bc: int):
     """One block of a member. ``denom_ref`` holds the whole stack's divisors: the block reads
     its matrix's at its stack slot."""
     del stack_in_ref  # the same buffer as stack_ref (aliased)
     k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
-    m_out_ref[...] = (mu_ref[0] * s).astype(m_out_ref.dtype)
-    payload = (s.astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(stack_ref.dtype)
+    payload = (s_ref[...].astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(
+        stack_ref.dtype)
     stack_ref[slot_ref[0] + k, pl.ds(i * br, br), pl.ds(j * bc, bc)] = payload
 
 
-def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_ref, m_out_ref,
-                   stack_ref, *, br: int, bc: int, pick: int, row_axis: int):
+def _select_kernel(slot_ref, denom_ref, pos_ref, s_ref, stack_in_ref, stack_ref, *, br: int,
+                   bc: int, pick: int, row_axis: int):
     """:func:`_kernel` for selected rows: ``pos_ref`` holds the block's rows' payload positions
     (``pick``: not selected); the selected ones are stored at them under a mask."""
     del stack_in_ref  # the same buffer as stack_ref (aliased)
     k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    s = m_ref[...] + g_ref[...].astype(m_ref.dtype)
     pos = pos_ref[...]
     if row_axis == 2:   # the selected rows are columns of the block
         keep = jnp.broadcast_to((pos < pick)[None, :], (br, bc))
@@ -211,23 +186,22 @@ def _select_kernel(slot_ref, denom_ref, mu_ref, pos_ref, m_ref, g_ref, stack_in_
         keep = jnp.broadcast_to((pos < pick)[:, None], (br, bc))
         at_row = jnp.broadcast_to(pos[:, None], (br, bc))
         at_col = j * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
-    m_out_ref[...] = jnp.where(keep, mu_ref[0] * s, s).astype(m_out_ref.dtype)
-    payload = (s.astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(stack_ref.dtype)
+    payload = (s_ref[...].astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(
+        stack_ref.dtype)
     pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
 
 
 @functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
                                              "interpret", "config"))
-def _write_member(stack, slot, denoms, mu, m, g, pos, *, total: int, part: tuple[int, int],
-                  out_dtype, row_axis: int, interpret: bool, config: PayloadConfig):
+def _write_member(stack, slot, denoms, s, pos, *, total: int, part: tuple[int, int], out_dtype,
+                  row_axis: int, interpret: bool, config: PayloadConfig):
     """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
     batch]``, divided by ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's
-    divisors, one array for every launch, so no member needs its own slice of them), its decayed
-    momentum in place of ``m``; ``pos`` None: every row, else each row's payload position.
-    ``stack`` None: the first member allocates the stack of ``total`` matrices
-    (the members after it write the other slots). Jitted so that all members of one shape share
-    one lowering."""
-    b, rows, cols = m.shape
+    divisors, one array for every launch, so no member needs its own slice of them); ``pos``
+    None: every row, else each row's payload position. ``stack`` None: the first member
+    allocates the stack of ``total`` matrices (the members after it write the other slots).
+    Jitted so that all members of one shape share one lowering."""
+    b, rows, cols = s.shape
     br, bc = block_shape(rows, cols, config)
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
@@ -242,17 +216,14 @@ def _write_member(stack, slot, denoms, mu, m, g, pos, *, total: int, part: tuple
                     else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
     if fresh:
         kernel = functools.partial(_fresh_kernel, kernel)
-    operands = [slot, denoms, mu] + ([] if pos is None else [pos]) + [m, g]
-    m_index = len(operands) - 2
+    operands = [slot, denoms] + ([] if pos is None else [pos]) + [s]
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
-                   jax.ShapeDtypeStruct((total, *part), out_dtype)),
+        out_shape=jax.ShapeDtypeStruct((total, *part), out_dtype),
         grid=(b, rows // br, cols // bc),
-        in_specs=[scalar, anywhere, scalar] + pos_spec + [blk, blk]
-                 + ([] if fresh else [anywhere]),
-        out_specs=(blk, anywhere),
-        input_output_aliases={m_index: 0} if fresh else {m_index: 0, m_index + 2: 1},
+        in_specs=[scalar, anywhere] + pos_spec + [blk] + ([] if fresh else [anywhere]),
+        out_specs=anywhere,
+        input_output_aliases={} if fresh else {len(operands): 0},
         compiler_params=(None if pltriton is None
                          else pltriton.CompilerParams(num_warps=config.num_warps,
                                                       num_stages=1)),
@@ -262,8 +233,8 @@ def _write_member(stack, slot, denoms, mu, m, g, pos, *, total: int, part: tuple
 
 def _fresh_kernel(kernel, *refs):
     """``kernel`` for the member that allocates the stack: no stack input (``refs``: the
-    inputs, then the two outputs)."""
-    kernel(*refs[:-2], None, *refs[-2:])
+    inputs, then the output)."""
+    kernel(*refs[:-1], None, refs[-1])
 
 
 def _target() -> tuple[str, str]:
@@ -294,27 +265,22 @@ def _resolve(implementation: str, rows: int, cols: int, interpret: bool) -> str:
     return "pallas"
 
 
-def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
-                   denoms: Sequence[jax.Array], mu, *, out_dtype,
+def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, out_dtype,
                    rows: Sequence[jax.Array] | None = None, row_axis: int = 1,
                    padded: bool = True, pad_to: int | None = None,
                    implementation: PayloadImplementation = "auto", interpret: bool = False
-                   ) -> tuple[jax.Array, list[jax.Array]]:
-    """Normalised payloads stacked, and decayed momenta, of selected rows.
+                   ) -> jax.Array:
+    """Normalised payloads of selected rows, stacked.
 
-    For members ``i`` with ``S_i = M_i + G_i`` (in ``M_i``'s dtype) returns ``(stack,
-    decayed)``: ``stack`` is the concatenation along axis 0 of the payloads ``P_i / denoms_i``
-    (per matrix, in float32, cast to ``out_dtype``) and ``decayed_i`` is ``S_i`` with ``μ·S_i``
-    in the selected rows, in ``M_i``'s dtype. Without ``rows`` every row is selected and
-    ``P_i = S_i``; with them, ``P_i`` holds the rows ``rows_i`` of ``S_i`` in their order (along
-    ``row_axis``), and zeros where an index is ``≥ n`` (padding), then zero rows up to
-    ``pad_to``.
+    Returns the concatenation along axis 0 of the payloads ``P_i / denoms_i`` (per matrix, in
+    float32, cast to ``out_dtype``). Without ``rows`` every row is selected and ``P_i = S_i``;
+    with them, ``P_i`` holds the rows ``rows_i`` of ``S_i`` in their order (along ``row_axis``),
+    and zeros where an index is ``≥ n`` (padding), then zero rows up to ``pad_to``.
 
     Args:
-      ms: momenta, each ``(batch_i, a, b)``; one matrix shape for all.
-      gs: gradients shaped like ``ms`` (any floating dtype).
+      sums: the members' summed momenta ``S_i``, each ``(batch_i, a, b)``; one matrix shape for
+        all.
       denoms: per member, ``(batch_i,)`` divisors (``‖P‖_F + ε``).
-      mu: the decay, a scalar (may be traced).
       out_dtype: the stack's dtype.
       rows: per member, ``(batch_i, pick)`` distinct integer rows in ``[0, n)`` or ``≥ n``
         (padding); None: every row.
@@ -330,8 +296,8 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:
-      ``(stack, decayed)``: ``(Σ batch_i, *payload)`` in ``out_dtype`` (the payload is ``(a,
-      b)``, or ``pad_to`` (``pick``) rows along ``row_axis``), and a list like ``ms``.
+      ``(Σ batch_i, *payload)`` in ``out_dtype``: the payload is ``(a, b)``, or ``pad_to``
+      (``pick``) rows along ``row_axis``.
 
     Raises:
       ValueError: for mismatched members, an unknown implementation, or ``"pallas"`` where it
@@ -340,24 +306,24 @@ def stack_payloads(ms: Sequence[jax.Array], gs: Sequence[jax.Array],
     Examples:
       >>> import jax.numpy as jnp
       >>> from pallas_kernels import stack_payloads
-      >>> m, g = jnp.ones((1, 4, 32)), jnp.ones((1, 4, 32))
-      >>> stack, (new_m, _) = stack_payloads([m, m], [g, g], [jnp.full(1, 2.0)] * 2, 0.5,
-      ...                                     out_dtype=jnp.float16, implementation="xla")
-      >>> stack.shape, float(stack[0, 0, 0]), float(new_m[0, 0, 0])
-      ((2, 4, 32), 1.0, 1.0)
+      >>> s = jnp.ones((1, 4, 32))
+      >>> stack = stack_payloads([s, 3 * s], [jnp.full(1, 2.0)] * 2, out_dtype=jnp.float16,
+      ...                        implementation="xla")
+      >>> stack.shape, float(stack[0, 0, 0]), float(stack[1, 0, 0])
+      ((2, 4, 32), 0.5, 1.5)
     """
-    ms, gs, denoms = list(ms), list(gs), list(denoms)
-    _check(ms, gs, denoms, rows, row_axis)
+    sums, denoms = list(sums), list(denoms)
+    _check(sums, denoms, rows, row_axis)
     pick = _check_pad_to(rows, pad_to)
-    _, a, b = ms[0].shape
+    _, a, b = sums[0].shape
     if pad_to is not None and pad_to > pick:
-        rows = _padded_rows(rows, ms[0].shape[row_axis], pad_to)
+        rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
     if _resolve(implementation, a, b, interpret) == "xla":
-        return stack_payloads_reference(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
+        return stack_payloads_reference(sums, denoms, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
-    return _stack_with_kernel(ms, gs, denoms, mu, out_dtype=out_dtype, rows=rows,
-                              row_axis=row_axis, padded=padded, zero_from=pick,
-                              interpret=interpret, config=PayloadConfig())
+    return _stack_with_kernel(sums, denoms, out_dtype=out_dtype, rows=rows, row_axis=row_axis,
+                              padded=padded, zero_from=pick, interpret=interpret,
+                              config=PayloadConfig())
 
 
 def _padded_rows(rows, n: int, pad_to: int) -> list[jax.Array]:
@@ -376,32 +342,30 @@ def _check_pad_to(rows, pad_to) -> int | None:
     return pick
 
 
-def _stack_with_kernel(ms, gs, denoms, mu, *, out_dtype, rows, row_axis: int, padded: bool,
+def _stack_with_kernel(sums, denoms, *, out_dtype, rows, row_axis: int, padded: bool,
                        interpret: bool, config: PayloadConfig, zero_from: int | None = None):
     """:func:`stack_payloads` through the kernel (checked arguments), one launch per member with
     the launch parameters ``config``. ``zero_from``: the payload rows from it on are padding
     (``rows`` holds indices ≥ n there), zeroed after the launches unless ``padded`` zeroed the
     whole stack first."""
-    _, a, b = ms[0].shape
-    total = sum(m.shape[0] for m in ms)
+    _, a, b = sums[0].shape
+    total = sum(s.shape[0] for s in sums)
     part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
                                          else (a, rows[0].shape[1]))
-    mu = jnp.reshape(jnp.asarray(mu, jnp.float32), (1,))
     denoms = jnp.concatenate([jnp.asarray(d, jnp.float32) for d in denoms])  # one small op
     # Payload rows of padding indices are never written: the stack starts zeroed then.
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
-    pos = ([None] * len(ms) if rows is None
-           else [x[0] for x in _member_selection(rows, ms[0].shape[row_axis], positions=True)])
-    decayed, slot = [], 0
-    for m, g, p in zip(ms, gs, pos):
-        new_m, stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, mu, m, g, p,
-                                     total=total, part=part, out_dtype=jnp.dtype(out_dtype),
-                                     row_axis=row_axis, interpret=interpret, config=config)
-        decayed.append(new_m)
-        slot += m.shape[0]
+    pos = ([None] * len(sums) if rows is None
+           else [x[0] for x in _member_selection(rows, sums[0].shape[row_axis], positions=True)])
+    slot = 0
+    for s, p in zip(sums, pos):
+        stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, s, p, total=total,
+                              part=part, out_dtype=jnp.dtype(out_dtype), row_axis=row_axis,
+                              interpret=interpret, config=config)
+        slot += s.shape[0]
     if not padded and zero_from is not None and zero_from < part[row_axis - 1]:
         tail = list(stack.shape)
         tail[row_axis] -= zero_from
         stack = jax.lax.dynamic_update_slice_in_dim(stack, jnp.zeros(tail, stack.dtype),
                                                     zero_from, row_axis)
-    return stack, decayed
+    return stack

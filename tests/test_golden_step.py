@@ -15,7 +15,12 @@ rounding (relative 1e-3 to 8e-3; the wide ``mlp_up``/``mlp_gate`` at f = 1 kept 
 and ``tests/test_transform.py``'s float64 references still hold. It was rewritten a third time
 when NorMuon's per-matrix sums (the factors' row norms, ``‖O‖_F²`` and ``‖O/a‖_F²``, the selected
 rows' sums of squares) started to run once per batch on stacked arrays instead of per matrix:
-float32 rounding of those sums, at most 9e-7 relative in any output.
+float32 rounding of those sums, at most 9e-7 relative in any output. It was rewritten a fourth
+time when the momentum started to travel as ``(M, d)`` with the selected rows' decay deferred to
+the next step's ``S = d ⊙ M + G`` (``m/`` now records ``state.full_momentum()``): the updates at
+f = 1/4 and on one device at f = 1 kept their bits, the momenta moved by one float32 rounding
+(``d·M + G`` may be a fused multiply-add), and the mesh f = 1 case changed by float16 rounding
+(at most 3e-3 relative: its payload norms now sum the statistics pass's row sums).
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def _run(fraction: float, mesh) -> dict[str, np.ndarray]:
     for s, g in enumerate(grads):
         u, state = update(g, state)
         out.update({f"u{s}/{k}": np.asarray(v) for k, v in u.items()})
-    out.update({f"m/{k}": np.asarray(v) for k, v in state.momentum.items()})
+    out.update({f"m/{k}": np.asarray(v) for k, v in state.full_momentum().items()})
     out.update({f"v/{k}": np.asarray(v) for k, v in state.variance.items()})
     return out
 

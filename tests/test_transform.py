@@ -184,10 +184,16 @@ def test_only_selected_rows_move_and_decay():
     k = dion3_jax.num_selected(f, n)
     expected = np.sort(np.argsort(-np.abs(g).sum(axis=0))[:k])
     np.testing.assert_array_equal(moved, expected)
-    mom = np.asarray(state.momentum["w"])
+    mom = np.asarray(state.full_momentum()["w"])
     np.testing.assert_allclose(mom[:, expected], mu * g[:, expected], rtol=1e-6)
     rest = np.setdiff1d(np.arange(n), expected)
     np.testing.assert_array_equal(mom[:, rest], g[:, rest])
+    # Stored as (S, d): S = M + G everywhere, the decay μ in the selected rows' factors.
+    np.testing.assert_array_equal(np.asarray(state.momentum["w"]), g)
+    scale = np.asarray(state.momentum_scale["w"])
+    assert scale.shape == (1, n) and scale.dtype == np.float32
+    np.testing.assert_array_equal(scale[0, expected], np.float32(mu))
+    np.testing.assert_array_equal(scale[0, rest], 1.0)
     var = np.asarray(state.variance["w"])
     assert var.shape == (1, n)
     assert np.all(var[0, expected] > 0) and np.all(var[0, rest] == 0)
@@ -554,7 +560,7 @@ def test_default_mu_follows_the_fraction_and_the_reference_default_stays_reachab
     for mu, want in ((None, 0.95 ** 4), (0.95, 0.95)):
         tx = dion3_jax.scale_by_dion3(0.25, mu=mu)
         _, state = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros((8, 16))}))
-        m = np.asarray(state.momentum["w"])
+        m = np.asarray(state.full_momentum()["w"])
         np.testing.assert_allclose(m[:, :4], want * 2.0, rtol=1e-6)
         np.testing.assert_array_equal(m[:, 4:], 1.0)
     assert dion3_jax.momentum_for_fraction(1.0) == 0.95

@@ -1,0 +1,233 @@
+"""The statistics pass: ``S = d ⊙ M + G`` written in place of ``M``, with each row's ℓ1 norm and
+sum of squares, from one read of ``M`` and ``G``.
+
+Dion3's step needs three things of the summed momentum ``S`` before it can select rows: the rows'
+ℓ1 norms (the selection scores), their sums of squares (the norm of the selected rows' payload),
+and ``S`` itself, which the payload pass reads next. ``d`` is a per-row factor: the error
+feedback's decay ``μ`` of the rows selected at the step before, which that step left to this
+pass (so that it did not have to write the momentum a second time). Writing ``S`` here, and not
+``μ·S[I]`` and ``S`` after the selection, makes the payload pass a read of ``S`` alone: the step
+moves four full arrays through memory (``M``, ``G`` and ``S`` here, ``S`` in the payload pass)
+instead of five.
+
+- ``"pallas"``: a Pallas kernel (its Triton lowering, part of jax; NVIDIA GPUs). One program per
+  strip of rows, or of columns when the rows lie along the minor axis: it walks the strip in
+  blocks, writes ``S`` in place of ``M`` (``input_output_aliases``) and keeps the strip's sums in
+  registers.
+- ``"xla"``: :func:`accumulate_rows_reference`, plain jnp.
+
+The squares are of ``S·2⁻³²`` (overflow-safe, as ``dion3_jax``'s norms take them).
+
+Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (selection and error
+feedback).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+try:  # Pallas' Triton lowering: deprecated in jax 0.11 (see pallas_kernels._payload)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - a jax without it: "auto" resolves to XLA
+    pltriton = None
+
+from pallas_kernels import _payload
+
+RowStatsImplementation = Literal["auto", "xla", "pallas"]
+_KNOWN = ("auto", "xla", "pallas")
+_DOWN = 2.0 ** -32
+
+
+class RowStatsConfig(NamedTuple):
+    """The kernel's blocks: the widest powers of two up to these that divide the matrix.
+
+    Attributes:
+      strip: rows (columns, for rows along the minor axis) of one program's strip.
+      step: the strip's extent walked per loop iteration.
+      num_warps: warps per program.
+    """
+
+    strip: int
+    step: int
+    num_warps: int = 4
+
+
+#: Per row axis: rows along axis 2 (columns of memory) take 64-column strips walked 64 rows at a
+#: time; rows along axis 1 take 8-row strips walked 512 columns at a time (run BD, docs).
+CONFIGS = {2: RowStatsConfig(strip=64, step=64), 1: RowStatsConfig(strip=8, step=512)}
+#: The narrowest strip (axis 2) or step (axis 1) the kernel takes: 16 float32 columns, 64 bytes.
+_MIN_MINOR = 16
+
+
+def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array) -> jax.Array:
+    """``S = scale ⊙ M + G`` in ``M``'s dtype, computed in float32 (``scale`` broadcasts
+    against ``m``)."""
+    s = scale.astype(jnp.float32) * m.astype(jnp.float32) + g.astype(jnp.float32)
+    return s.astype(m.dtype)
+
+
+def _sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    x = s.astype(jnp.float32)
+    zero = np.zeros((), np.float32)
+    l1 = jax.lax.reduce(jnp.abs(x), zero, jax.lax.add, (axis,))
+    sq = jax.lax.reduce(jax.lax.square(x * np.float32(_DOWN)), zero, jax.lax.add, (axis,))
+    return l1, sq
+
+
+def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int
+                              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation)."""
+    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis))
+    return (s, *_sums(s, 3 - row_axis))
+
+
+def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
+    """Rows along axis 2: a strip of ``strip`` columns (rows of the matrix), walked down."""
+    d = d_ref[...]
+
+    def body(r, carry):
+        at = pl.ds(r * step, step)
+        s = scaled_sum(m_ref[at, :], g_ref[at, :], d[None, :])
+        s_ref[at, :] = s
+        l1, sq = _sums(s, 0)
+        return carry[0] + l1, carry[1] + sq
+
+    zero = jnp.zeros((strip,), jnp.float32)
+    l1_ref[...], sq_ref[...] = jax.lax.fori_loop(0, m_ref.shape[0] // step, body, (zero, zero))
+
+
+def _rows_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
+    """Rows along axis 1: a strip of ``strip`` rows, walked across."""
+    d = d_ref[...]
+
+    def body(c, carry):
+        at = pl.ds(c * step, step)
+        s = scaled_sum(m_ref[:, at], g_ref[:, at], d[:, None])
+        s_ref[:, at] = s
+        l1, sq = _sums(s, 1)
+        return carry[0] + l1, carry[1] + sq
+
+    zero = jnp.zeros((strip,), jnp.float32)
+    l1_ref[...], sq_ref[...] = jax.lax.fori_loop(0, m_ref.shape[1] // step, body, (zero, zero))
+
+
+def _pow2_divisor(x: int, cap: int) -> int:
+    """The largest power of two up to ``cap`` that divides ``x``."""
+    p = cap
+    while x % p:
+        p //= 2
+    return p
+
+
+def blocks(shape: tuple[int, int], row_axis: int,
+           config: RowStatsConfig | None = None) -> tuple[int, int] | None:
+    """``(strip, step)`` for matrices of ``shape``, or None when the minor axis has no power-of-two
+    divisor of at least 16 within the configured extent."""
+    config = CONFIGS[row_axis] if config is None else config
+    strip_axis, step_axis = (1, 0) if row_axis == 2 else (0, 1)
+    strip = _pow2_divisor(shape[strip_axis], config.strip)
+    step = _pow2_divisor(shape[step_axis], config.step)
+    if (strip if row_axis == 2 else step) < _MIN_MINOR:
+        return None
+    return strip, step
+
+
+@functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
+def _launch(m, g, d, *, row_axis: int, interpret: bool, config: RowStatsConfig):
+    b, rows, cols = m.shape
+    strip, step = blocks((rows, cols), row_axis, config)
+    if row_axis == 2:
+        kernel, grid = _cols_kernel, (b, cols // strip)
+        whole = pl.BlockSpec((None, rows, strip), lambda k, j: (k, 0, j))
+    else:
+        kernel, grid = _rows_kernel, (b, rows // strip)
+        whole = pl.BlockSpec((None, strip, cols), lambda k, i: (k, i, 0))
+    vec = pl.BlockSpec((None, strip), lambda k, i: (k, i))
+    n = m.shape[row_axis]
+    return pl.pallas_call(
+        functools.partial(kernel, step=step, strip=strip),
+        out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
+                   jax.ShapeDtypeStruct((b, n), jnp.float32),
+                   jax.ShapeDtypeStruct((b, n), jnp.float32)),
+        grid=grid, in_specs=[vec, whole, whole], out_specs=(whole, vec, vec),
+        input_output_aliases={1: 0},
+        compiler_params=(None if pltriton is None
+                         else pltriton.CompilerParams(num_warps=config.num_warps,
+                                                      num_stages=1)),
+        interpret=interpret, name="accumulate_rows",
+    )(d.astype(jnp.float32), m, g)
+
+
+def _check(m, g, scale, row_axis) -> None:
+    if row_axis not in (1, 2):
+        raise ValueError(f"row_axis must be 1 or 2, got {row_axis!r}")
+    if m.ndim != 3 or g.shape != m.shape:
+        raise ValueError(f"momentum {m.shape} and gradient {g.shape} must be one (batch, a, b) "
+                         f"shape")
+    if jnp.shape(scale) != (m.shape[0], m.shape[row_axis]):
+        raise ValueError(f"scale must be (batch, rows) = {(m.shape[0], m.shape[row_axis])} for "
+                         f"row_axis={row_axis}, got {jnp.shape(scale)}")
+    for name, x in (("momentum", m), ("gradient", g), ("scale", scale)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating, got {x.dtype}")
+
+
+def _resolve(implementation: str, shape, row_axis: int, interpret: bool) -> str:
+    if implementation not in _KNOWN:
+        raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
+    fits = blocks(shape, row_axis) is not None
+    gpu = _payload._default_is_nvidia_gpu()
+    if implementation == "xla" or (implementation == "auto" and not (fits and gpu)):
+        return "xla"
+    if not fits:
+        raise ValueError(f"implementation='pallas' needs a minor axis with a power-of-two divisor "
+                         f"of at least {_MIN_MINOR}, got {shape} (row_axis={row_axis}); use "
+                         f"'xla'")
+    if not (interpret or gpu):
+        raise ValueError("implementation='pallas' runs on NVIDIA GPUs with jax's Pallas Triton "
+                         "lowering (or with interpret=True); use 'xla'")
+    return "pallas"
+
+
+def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
+                    implementation: RowStatsImplementation = "auto", interpret: bool = False
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``S = d ⊙ M + G`` per row, and each row's ℓ1 norm and scaled sum of squares.
+
+    Args:
+      m: momenta ``(batch, a, b)``; the kernel writes ``S`` into its buffer when it is donated.
+      g: gradients shaped like ``m`` (any floating dtype).
+      scale: ``(batch, n)`` per-row factors ``d`` (``n = m.shape[row_axis]``).
+      row_axis: the axis of the rows (1 or 2).
+      implementation: ``"pallas"`` (the kernel; NVIDIA GPUs, or ``interpret``), ``"xla"``, or
+        ``"auto"``: the kernel on an NVIDIA GPU where the shape fits it, else XLA.
+      interpret: run the kernel through Pallas' interpreter (CPU tests).
+
+    Returns:
+      ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
+      arrays of ``Σ_j |S_ij|`` and ``Σ_j (S_ij·2⁻³²)²`` per row ``i``.
+
+    Raises:
+      ValueError: for mismatched shapes, an unknown implementation, or ``"pallas"`` where it
+        cannot run.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from pallas_kernels import accumulate_rows
+      >>> m, g = jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16))
+      >>> s, l1, sq = accumulate_rows(m, g, jnp.full((1, 2), 0.5), row_axis=1,
+      ...                             implementation="xla")
+      >>> float(s[0, 0, 0]), float(l1[0, 0])
+      (1.5, 24.0)
+    """
+    _check(m, g, scale, row_axis)
+    if _resolve(implementation, m.shape[1:], row_axis, interpret) == "xla":
+        return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
+    return _launch(m, g, scale, row_axis=row_axis, interpret=interpret,
+                   config=CONFIGS[row_axis])
