@@ -11,9 +11,10 @@ moves four full arrays through memory (``M``, ``G`` and ``S`` here, ``S`` in the
 instead of five.
 
 - ``"pallas"``: a Pallas kernel (its Triton lowering, part of jax; NVIDIA GPUs). One program per
-  strip of rows, or of columns when the rows lie along the minor axis: it walks the strip in
-  blocks, writes ``S`` in place of ``M`` (``input_output_aliases``) and keeps the strip's sums in
-  registers.
+  chunk of a strip of rows (of columns, when the rows lie along the minor axis): it walks its
+  chunk in blocks, writes ``S`` in place of ``M`` (``input_output_aliases``) and keeps the sums
+  in registers; the chunks' partial sums are added after the launch. Chunks give one matrix
+  enough programs to keep the GPU's memory system busy (the step launches once per matrix).
 - ``"xla"``: :func:`accumulate_rows_reference`, plain jnp.
 
 The squares are of ``S·2⁻³²`` (overflow-safe, as ``dion3_jax``'s norms take them).
@@ -49,18 +50,22 @@ class RowStatsConfig(NamedTuple):
 
     Attributes:
       strip: rows (columns, for rows along the minor axis) of one program's strip.
-      step: the strip's extent walked per loop iteration.
+      step: the extent along the summed axis walked per loop iteration.
+      chunk: the extent along the summed axis of one program (at least ``step``).
       num_warps: warps per program.
     """
 
     strip: int
     step: int
+    chunk: int
     num_warps: int = 4
 
 
-#: Per row axis: rows along axis 2 (columns of memory) take 64-column strips walked 64 rows at a
-#: time; rows along axis 1 take 8-row strips walked 512 columns at a time (run BD, docs).
-CONFIGS = {2: RowStatsConfig(strip=64, step=64), 1: RowStatsConfig(strip=8, step=512)}
+#: Per row axis: rows along axis 2 (columns of memory) take 64-column strips in chunks of 256
+#: rows walked 64 at a time; rows along axis 1 take 8-row strips in chunks of 2048 columns
+#: walked 512 at a time.
+CONFIGS = {2: RowStatsConfig(strip=64, step=64, chunk=256),
+           1: RowStatsConfig(strip=8, step=512, chunk=2048)}
 #: The narrowest strip (axis 2) or step (axis 1) the kernel takes: 16 float32 columns, 64 bytes.
 _MIN_MINOR = 16
 
@@ -88,7 +93,8 @@ def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, r
 
 
 def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
-    """Rows along axis 2: a strip of ``strip`` columns (rows of the matrix), walked down."""
+    """Rows along axis 2: a chunk of a strip of ``strip`` columns (rows of the matrix), walked
+    down."""
     d = d_ref[...]
 
     def body(r, carry):
@@ -103,7 +109,7 @@ def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip
 
 
 def _rows_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
-    """Rows along axis 1: a strip of ``strip`` rows, walked across."""
+    """Rows along axis 1: a chunk of a strip of ``strip`` rows, walked across."""
     d = d_ref[...]
 
     def body(c, carry):
@@ -126,42 +132,43 @@ def _pow2_divisor(x: int, cap: int) -> int:
 
 
 def blocks(shape: tuple[int, int], row_axis: int,
-           config: RowStatsConfig | None = None) -> tuple[int, int] | None:
-    """``(strip, step)`` for matrices of ``shape``, or None when the minor axis has no power-of-two
-    divisor of at least 16 within the configured extent."""
+           config: RowStatsConfig | None = None) -> tuple[int, int, int] | None:
+    """``(strip, step, chunk)`` for matrices of ``shape``, or None when the minor axis has no
+    power-of-two divisor of at least 16 within the configured extent."""
     config = CONFIGS[row_axis] if config is None else config
-    strip_axis, step_axis = (1, 0) if row_axis == 2 else (0, 1)
+    strip_axis, sum_axis = (1, 0) if row_axis == 2 else (0, 1)
     strip = _pow2_divisor(shape[strip_axis], config.strip)
-    step = _pow2_divisor(shape[step_axis], config.step)
+    step = _pow2_divisor(shape[sum_axis], config.step)
     if (strip if row_axis == 2 else step) < _MIN_MINOR:
         return None
-    return strip, step
+    return strip, step, max(step, _pow2_divisor(shape[sum_axis], config.chunk))
 
 
 @functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
 def _launch(m, g, d, *, row_axis: int, interpret: bool, config: RowStatsConfig):
     b, rows, cols = m.shape
-    strip, step = blocks((rows, cols), row_axis, config)
+    strip, step, chunk = blocks((rows, cols), row_axis, config)
+    n, summed = m.shape[row_axis], m.shape[3 - row_axis]
     if row_axis == 2:
-        kernel, grid = _cols_kernel, (b, cols // strip)
-        whole = pl.BlockSpec((None, rows, strip), lambda k, j: (k, 0, j))
+        kernel = _cols_kernel
+        whole = pl.BlockSpec((None, chunk, strip), lambda k, j, c: (k, c, j))
     else:
-        kernel, grid = _rows_kernel, (b, rows // strip)
-        whole = pl.BlockSpec((None, strip, cols), lambda k, i: (k, i, 0))
-    vec = pl.BlockSpec((None, strip), lambda k, i: (k, i))
-    n = m.shape[row_axis]
-    return pl.pallas_call(
+        kernel = _rows_kernel
+        whole = pl.BlockSpec((None, strip, chunk), lambda k, i, c: (k, i, c))
+    vec = pl.BlockSpec((None, strip), lambda k, i, c: (k, i))
+    part = pl.BlockSpec((None, None, strip), lambda k, i, c: (k, c, i))
+    partial = jax.ShapeDtypeStruct((b, summed // chunk, n), jnp.float32)
+    s, l1, sq = pl.pallas_call(
         functools.partial(kernel, step=step, strip=strip),
-        out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype),
-                   jax.ShapeDtypeStruct((b, n), jnp.float32),
-                   jax.ShapeDtypeStruct((b, n), jnp.float32)),
-        grid=grid, in_specs=[vec, whole, whole], out_specs=(whole, vec, vec),
-        input_output_aliases={1: 0},
+        out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype), partial, partial),
+        grid=(b, n // strip, summed // chunk), in_specs=[vec, whole, whole],
+        out_specs=(whole, part, part), input_output_aliases={1: 0},
         compiler_params=(None if pltriton is None
                          else pltriton.CompilerParams(num_warps=config.num_warps,
                                                       num_stages=1)),
         interpret=interpret, name="accumulate_rows",
     )(d.astype(jnp.float32), m, g)
+    return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
 
 
 def _check(m, g, scale, row_axis) -> None:

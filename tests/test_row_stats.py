@@ -66,13 +66,14 @@ def _assert_within_one_rounding(s, m, g, d, row_axis, want):
     assert np.all(abs(np.asarray(s, np.float64) - np.asarray(want, np.float64)) <= bound)
 
 
-@pytest.mark.parametrize("row_axis,shape", [(2, (2, 128, 96)), (1, (2, 24, 1024)),
+@pytest.mark.parametrize("row_axis,shape", [(2, (2, 512, 96)), (1, (2, 24, 4096)),
                                             (2, (3, 24, 48)), (1, (1, 40, 48))])
 def test_kernel_interpreted_matches_reference(row_axis, shape):
     """The interpreted kernel: ``S`` within one float32 rounding of the reference's (the same
     maths; XLA may contract ``d·M + G`` into a fused multiply-add in one program and not in the
-    other), the row sums within float32 summation error (the kernel adds block by block). Shapes
-    with one loop iteration and with several, strips narrower than the configured ones."""
+    other), the row sums within float32 summation error (the kernel adds block by block, chunks
+    after). Shapes with one loop iteration and with several, one chunk and several, strips
+    narrower than the configured ones."""
     m, g, d = _inputs(np.random.randint(1 << 30), shape, row_axis, g_dtype=jnp.bfloat16)
     want = accumulate_rows_reference(m, g, d, row_axis=row_axis)
     got = jax.jit(functools.partial(accumulate_rows, row_axis=row_axis, implementation="pallas",
@@ -84,13 +85,15 @@ def test_kernel_interpreted_matches_reference(row_axis, shape):
 
 
 def test_blocks():
-    assert _row_stats.blocks((4096, 11008), 2) == (64, 64)
-    assert _row_stats.blocks((11008, 4096), 1) == (8, 512)
-    assert _row_stats.blocks((24, 48), 2) == (16, 8)
-    assert _row_stats.blocks((40, 48), 1) == (8, 16)
+    assert _row_stats.blocks((4096, 11008), 2) == (64, 64, 256)
+    assert _row_stats.blocks((11008, 4096), 2) == (64, 64, 256)     # 11008 = 43 · 256
+    assert _row_stats.blocks((11008, 4096), 1) == (8, 512, 2048)
+    assert _row_stats.blocks((24, 48), 2) == (16, 8, 8)
+    assert _row_stats.blocks((40, 48), 1) == (8, 16, 16)
     assert _row_stats.blocks((64, 20), 2) is None      # 20 columns: no power-of-two ≥ 16
     assert _row_stats.blocks((20, 8), 1) is None
-    assert _row_stats.blocks((64, 64), 2, _row_stats.RowStatsConfig(strip=32, step=8)) == (32, 8)
+    config = _row_stats.RowStatsConfig(strip=32, step=8, chunk=16)
+    assert _row_stats.blocks((64, 64), 2, config) == (32, 8, 16)
 
 
 def test_bad_input_raises():
@@ -131,8 +134,9 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
 @pytest.mark.parametrize("fraction", [0.25, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
     """Three steps with the statistics kernel (interpreted) against three with XLA: the same
-    momenta within float32 rounding and updates within a float16 rounding of the payload (the
-    row sums, and so the payload norms, may differ in their last float32 bit)."""
+    momenta within float32 rounding, and updates within 0.2% (Frobenius) and 1% of their largest
+    entry (the row sums, and so the payload norms, may differ in their last float32 bit; a
+    float16 payload entry that rounds the other way moves the float16 polar by about that)."""
     params = {"a": jnp.ones((16, 256)), "b": jnp.ones((16, 256)), "c": jnp.ones((4, 64, 32))}
     rng = np.random.default_rng()
     grads = [{k: jnp.asarray(rng.standard_normal(v.shape, np.float32))
@@ -159,4 +163,6 @@ def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
     for a, b in zip(jax.tree.leaves(got[1].momentum), jax.tree.leaves(want[1].momentum)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-3 * np.abs(b).max())
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 2e-3 * np.linalg.norm(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-2 * np.abs(b).max())
