@@ -61,10 +61,11 @@ class RowStatsConfig(NamedTuple):
     num_warps: int = 4
 
 
-#: Per row axis: rows along axis 2 (columns of memory) take 64-column strips in chunks of 256
-#: rows walked 64 at a time; rows along axis 1 take 8-row strips in chunks of 2048 columns
-#: walked 512 at a time.
-CONFIGS = {2: RowStatsConfig(strip=64, step=64, chunk=256),
+#: Per row axis: rows along axis 2 (columns of memory) take 64-column strips in chunks of 128
+#: rows walked 32 at a time (the fastest of eight on the 7B-shapes groups, docs/BENCHMARKS.md
+#: session 19); rows along axis 1 take 8-row strips in chunks of 2048 columns walked 512 at a
+#: time.
+CONFIGS = {2: RowStatsConfig(strip=64, step=32, chunk=128),
            1: RowStatsConfig(strip=8, step=512, chunk=2048)}
 #: The narrowest strip (axis 2) or step (axis 1) the kernel takes: 16 float32 columns, 64 bytes.
 _MIN_MINOR = 16

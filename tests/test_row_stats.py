@@ -85,8 +85,8 @@ def test_kernel_interpreted_matches_reference(row_axis, shape):
 
 
 def test_blocks():
-    assert _row_stats.blocks((4096, 11008), 2) == (64, 64, 256)
-    assert _row_stats.blocks((11008, 4096), 2) == (64, 64, 256)     # 11008 = 43 · 256
+    assert _row_stats.blocks((4096, 11008), 2) == (64, 32, 128)
+    assert _row_stats.blocks((11008, 4096), 2) == (64, 32, 128)     # 11008 = 86 · 128
     assert _row_stats.blocks((11008, 4096), 1) == (8, 512, 2048)
     assert _row_stats.blocks((24, 48), 2) == (16, 8, 8)
     assert _row_stats.blocks((40, 48), 1) == (8, 16, 16)
