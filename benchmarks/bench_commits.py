@@ -11,13 +11,15 @@ compilations share one autotuning cache (``xla_gpu_per_fusion_autotune_cache_dir
 directory per run): a product both versions have gets the cuBLAS algorithm the first
 compilation picked, so the comparison does not also compare two draws of XLA's autotuner (which
 moved one program's f = 1 step by 1.7% between two compilations). Prints a table: fraction,
-old ms, new ms, new / old.
+old ms, new ms, new / old; with ``--adamw``, ``optax.adamw``'s step joins every set of rounds and
+the table gives both versions' ratios to it (the unit of the step targets).
 
 Usage (repository root; the old commit must be in this checkout's git history)::
 
     python benchmarks/bench_commits.py                        # b467ab5 against the working tree
     python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25
     python benchmarks/bench_commits.py --small --commit HEAD  # tiny model, CPU smoke run
+    python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25 --adamw --reps 32
 """
 
 from __future__ import annotations
@@ -106,14 +108,15 @@ def working_tree_version() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def stepper(dion3, fraction: float, params, grads, options=None):
+def stepper(dion3, fraction: float, params, grads, options=None, tx=None):
     """Compiles one version's step (XLA compiler ``options``) and returns ``(run, compile
-    seconds)``.
+    seconds)``; ``tx`` replaces the version's transformation (the AdamW row).
 
     ``run()`` applies one step to this version's own copy of the parameters and its state (both
     donated and carried from call to call) and returns them.
     """
-    tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
+    if tx is None:
+        tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
     step, compile_s = bench_step.compile_step(tx, params, grads, options=options)
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
@@ -124,15 +127,17 @@ def stepper(dion3, fraction: float, params, grads, options=None):
 
 
 def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
-                  options=None) -> dict:
-    """Compiles both versions' steps at one fraction and times them in interleaved rounds."""
-    runs = {}
+                  options=None, adamw=None) -> dict:
+    """Compiles both versions' steps at one fraction and times them in interleaved rounds
+    (``adamw``: AdamW's step function, timed in the same rounds)."""
+    runs = {} if adamw is None else {"adamw": adamw}
     for name, dion3 in versions.items():
         runs[name], compile_s = stepper(dion3, fraction, params, grads, options)
         print(f"  f={fraction:g} {name}: compiled in {compile_s:.1f} s", flush=True)
     ms = median_ms_interleaved(runs, reps=reps)
     print(f"  f={fraction:g}: old {ms['old']:.2f} ms, new {ms['new']:.2f} ms", flush=True)
-    return {"fraction": fraction, "old_ms": ms["old"], "new_ms": ms["new"]}
+    return {"fraction": fraction, "old_ms": ms["old"], "new_ms": ms["new"],
+            "adamw_ms": ms.get("adamw")}
 
 
 def main(argv=None) -> list[dict]:
@@ -141,6 +146,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25])
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10; 3 small)")
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
+    p.add_argument("--adamw", action="store_true", help="time optax.adamw in the same rounds")
     p.add_argument("--export-to", default=None,
                    help="only export the old commit's renamed packages into this directory and "
                         "exit (for a machine whose copy of the repository has no git history)")
@@ -178,13 +184,24 @@ def main(argv=None) -> list[dict]:
               f"({a.commit}), new = the working tree at {working_tree_version()} "
               f"({os.path.dirname(versions['new'].__file__)}); medians of {reps} interleaved "
               f"rounds; autotuning cache shared: {options is not None}", flush=True)
-        rows = [time_fraction(versions, f, params, grads, reps, options) for f in a.fractions]
+        adamw = (stepper(None, 0, params, grads, options, tx=optax.adamw(1e-3))[0]
+                 if a.adamw else None)
+        rows = [time_fraction(versions, f, params, grads, reps, options, adamw)
+                for f in a.fractions]
     print()
-    print("| fraction | old ms | new ms | new / old |")
-    print("|---:|---:|---:|---:|")
+    if a.adamw:
+        print("| fraction | AdamW ms | old ms | old × AdamW | new ms | new × AdamW | new / old |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+    else:
+        print("| fraction | old ms | new ms | new / old |")
+        print("|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['fraction']:g} | {r['old_ms']:.2f} | {r['new_ms']:.2f} | "
-              f"{r['new_ms'] / r['old_ms']:.3f} |")
+        cells = ([f"{r['adamw_ms']:.2f}", f"{r['old_ms']:.2f}",
+                  f"{r['old_ms'] / r['adamw_ms']:.3f}", f"{r['new_ms']:.2f}",
+                  f"{r['new_ms'] / r['adamw_ms']:.3f}"] if a.adamw
+                 else [f"{r['old_ms']:.2f}", f"{r['new_ms']:.2f}"])
+        print(f"| {r['fraction']:g} | " + " | ".join(cells)
+              + f" | {r['new_ms'] / r['old_ms']:.3f} |")
     return rows
 
 

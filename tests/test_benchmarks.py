@@ -63,18 +63,23 @@ def test_bench_compile_repeats():
 @pytest.mark.slow
 def test_bench_commits_against_head():
     """bench_commits.py imports HEAD's packages under other names next to the working tree's and
-    prints one table row per fraction asked for (both versions the same code here, so only the
-    table is checked; f = 1, the cheaper step to compile twice)."""
+    prints one table row per fraction asked for; with ``--adamw`` AdamW's step joins the rounds
+    and each version's ratio to it is its time over AdamW's (both versions the same code here,
+    so only the table is checked; f = 1, the cheaper step to compile twice)."""
     out = subprocess.run([sys.executable, "benchmarks/bench_commits.py", "--small", "--commit",
-                          "HEAD", "--reps", "1", "--fractions", "1"], cwd=ROOT,
+                          "HEAD", "--reps", "1", "--fractions", "1", "--adamw"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    header = lines.index("| fraction | old ms | new ms | new / old |")
-    rows = [line.split("|")[1:-1] for line in lines[header + 2:]]
-    assert [float(r[0]) for r in rows] == [1.0], out.stdout
-    for r in rows:
-        assert all(float(v) > 0 for v in r[1:]), out.stdout
+    header = lines.index("| fraction | AdamW ms | old ms | old × AdamW | new ms | new × AdamW "
+                         "| new / old |")
+    rows = [[float(v) for v in line.split("|")[1:-1]] for line in lines[header + 2:]]
+    assert [r[0] for r in rows] == [1.0], out.stdout
+    for f, adamw, old, old_x, new, new_x, ratio in rows:
+        assert min(adamw, old, new) > 0, out.stdout
+        assert old_x == pytest.approx(old / adamw, abs=0.01)
+        assert new_x == pytest.approx(new / adamw, abs=0.01)
+        assert ratio == pytest.approx(new / old, abs=0.01)
 
 
 def test_polar_standalone_example():
