@@ -33,7 +33,7 @@ from dion3_jax._routing import (
 )
 from dion3_jax._rules import lr_scale
 from dion3_jax._selection import num_selected
-from dion3_jax._transform import ScaleByDion3State, scale_by_dion3
+from dion3_jax._transform import ScaleByDion3State, fold_momentum_scale, scale_by_dion3
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = (
     "autotune_restarts",
     "default_param_labels",
     "dion3",
+    "fold_momentum_scale",
     "get_coefficients",
     "gram_newton_schulz",
     "lr_scale",

@@ -63,6 +63,35 @@ class ScaleByDion3State(NamedTuple):
                             self.momentum_scale)
 
 
+def fold_momentum_scale(opt_state: Any) -> Any:
+    """Every :class:`ScaleByDion3State` in ``opt_state`` with its row factors folded into the
+    momentum: ``momentum`` becomes :meth:`ScaleByDion3State.full_momentum` and
+    ``momentum_scale`` ones. The optimizer continues from it as from the state it came from (up
+    to one rounding of the momentum); two states that hold the same momentum in different
+    factors (say, from a sharded and a single-device run) compare equal once folded.
+
+    Args:
+      opt_state: any optimizer state (a tree) containing :class:`ScaleByDion3State` nodes.
+
+    Returns:
+      The state with every Dion3 node folded (the same structure, shapes and dtypes).
+
+    Examples:
+      >>> import jax.numpy as jnp, dion3_jax
+      >>> tx = dion3_jax.scale_by_dion3(0.5, mu=0.5)
+      >>> _, state = tx.update({"w": jnp.ones((2, 4))}, tx.init({"w": jnp.zeros((2, 4))}))
+      >>> folded = dion3_jax.fold_momentum_scale(state)
+      >>> float(folded.momentum["w"].sum()), float(folded.momentum_scale["w"].min())
+      (6.0, 1.0)
+    """
+    def fold(node):
+        if not isinstance(node, ScaleByDion3State):
+            return node
+        return node._replace(momentum=node.full_momentum(),
+                             momentum_scale=jax.tree.map(jnp.ones_like, node.momentum_scale))
+    return jax.tree.map(fold, opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
+
+
 def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
     """Zeros placed like ``ref``'s mesh with ``spec`` (state leaves keep the params' layout)."""
     concrete = isinstance(ref, jax.Array) and not isinstance(ref, jax.core.Tracer)

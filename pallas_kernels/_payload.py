@@ -102,15 +102,10 @@ def _split(x: jax.Array, sizes) -> list[jax.Array]:
             for o, n in zip(offsets, sizes)]
 
 
-def _member_selection(rows, n: int, positions: bool) -> list[tuple[jax.Array, ...]]:
-    """Per member: with ``positions``, its :func:`_positions`; else its rows clamped into
-    ``[0, n)`` and which of the ``n`` rows are selected. The index work runs once for all
-    members."""
+def _member_positions(rows, n: int) -> list[jax.Array]:
+    """Per member, its :func:`_positions`: the index work runs once for all members."""
     r = jnp.concatenate(rows)
-    pos = _positions(r, n)
-    sizes = [x.shape[0] for x in rows]
-    arrays = (pos,) if positions else (jnp.minimum(r, n - 1), pos < r.shape[1])
-    return list(zip(*(_split(x, sizes) for x in arrays)))
+    return _split(_positions(r, n), [x.shape[0] for x in rows])
 
 
 def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
@@ -128,8 +123,8 @@ def _select_reference(sums, denoms, rows, row_axis, out_dtype):
     """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the padding mask,
     normalisation and cast once on the stack."""
     n = sums[0].shape[row_axis]
-    sel = _member_selection(rows, n, positions=False)
-    stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, (idx, _) in zip(sums, sel)])
+    stack = jnp.concatenate([_take_rows(s, jnp.minimum(r, n - 1), row_axis)
+                             for s, r in zip(sums, rows)])
     valid = jnp.expand_dims(jnp.concatenate(rows) < n, 3 - row_axis)
     d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
     return (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
@@ -356,7 +351,7 @@ def _stack_with_kernel(sums, denoms, *, out_dtype, rows, row_axis: int, padded: 
     # Payload rows of padding indices are never written: the stack starts zeroed then.
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
     pos = ([None] * len(sums) if rows is None
-           else [x[0] for x in _member_selection(rows, sums[0].shape[row_axis], positions=True)])
+           else _member_positions(rows, sums[0].shape[row_axis]))
     slot = 0
     for s, p in zip(sums, pos):
         stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, s, p, total=total,

@@ -256,7 +256,8 @@ def main(argv=None):
             synced = dion3_jax.synchronize_momentum(opt_state, "dcn")
             write("compressed", params=params, opt=synced)
             if args.phase == "train":
-                write("synchronised", params=s_params, opt=s_state)
+                # (compressed sync decays its rows itself: compared with the momentum folded)
+                write("synchronised", params=s_params, opt=dion3_jax.fold_momentum_scale(s_state))
     multihost_utils.sync_global_devices("done")
     print(f"process {pid}/{args.num_processes} {args.phase} {args.scenarios}: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)

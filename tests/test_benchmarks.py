@@ -77,9 +77,10 @@ def test_bench_commits_against_head():
     assert [r[0] for r in rows] == [1.0], out.stdout
     for f, adamw, old, old_x, new, new_x, ratio in rows:
         assert min(adamw, old, new) > 0, out.stdout
-        assert old_x == pytest.approx(old / adamw, abs=0.01)
-        assert new_x == pytest.approx(new / adamw, abs=0.01)
-        assert ratio == pytest.approx(new / old, abs=0.01)
+        # (the ms are printed to 0.01: the ratios of the printed values agree to about that)
+        assert old_x == pytest.approx(old / adamw, rel=0.02)
+        assert new_x == pytest.approx(new / adamw, rel=0.02)
+        assert ratio == pytest.approx(new / old, rel=0.02)
 
 
 def test_polar_standalone_example():

@@ -194,7 +194,7 @@ def test_replica_axis_resynchronise_before_save(tmp_path):
             c_params, c_state = comp(put(g, stacked=True), c_state, c_params)
             s_params, s_state = train(sync, s_params, s_state,
                                       [put(jax.tree.map(lambda x: x.mean(0), g))])
-        momentum = lambda s: s.inner_states["dion3"].inner_state[0].momentum  # noqa: E731
+        momentum = lambda s: s.inner_states["dion3"].inner_state[0].full_momentum()  # noqa: E731
 
         # Saved without synchronising: one pod's momentum, which is not the synchronised one.
         unsynced = save(tmp_path / "unsynced", {"params": c_params, "opt": c_state}).restore(
@@ -275,7 +275,8 @@ def test_checkpoint_from_8_devices_restores_onto_fewer(saved_on_8, devices):
         final = train(step, restored["params"], restored["opt"],
                       [place(g, mesh) for g in grads[SAVE_AT:]])
     assert all(len(x.sharding.device_set) == devices for x in jax.tree.leaves(final))
-    err = max_error(final, final8)
+    # (Which groups defer their rows' decay depends on the mesh: the momenta compare folded.)
+    err = max_error(dion3_jax.fold_momentum_scale(final), dion3_jax.fold_momentum_scale(final8))
     print(f"8 -> {devices} devices: max relative difference after 2 steps {err:.2g}")
     assert err < 1e-5
     assert max_error(final8[0], saved["params"]) > 1e-3

@@ -166,7 +166,9 @@ def test_sharded_equals_single_device(mesh_shape, scope, fraction):
             assert jax.tree.map(jax.typeof, state) == types
             for k, v in u.items():
                 assert v.sharding.is_equivalent_to(NamedSharding(mesh, leaves[k][1]), v.ndim), k
-    assert_close(state.momentum, ref_state.momentum, 2e-5, "momentum ")
+    # The same momentum, maybe in other factors (which groups defer their decay depends on
+    # the sharding): compared folded.
+    assert_close(state.full_momentum(), ref_state.full_momentum(), 2e-5, "momentum ")
     assert_close(state.variance, ref_state.variance, 2e-5, "variance ")
 
 

@@ -565,3 +565,29 @@ def test_default_mu_follows_the_fraction_and_the_reference_default_stays_reachab
         np.testing.assert_array_equal(m[:, 4:], 1.0)
     assert dion3_jax.momentum_for_fraction(1.0) == 0.95
     assert abs(dion3_jax.momentum_for_fraction(0.125, 0.9) - 0.9 ** 8) < 1e-15
+
+
+def test_folded_momentum_scale_continues_the_same_run():
+    """``fold_momentum_scale`` moves the deferred decay into the momentum: ``momentum_scale``
+    becomes ones, ``full_momentum()`` is unchanged, and the next update from the folded state
+    equals the one from the state as it was within float32 rounding (fresh inputs; through the
+    ``dion3`` alias, whose state nests the Dion3 node)."""
+    rng = np.random.default_rng()
+    params = {"w": jnp.asarray(rng.standard_normal((16, 48), np.float32))}
+    grads = [{"w": jnp.asarray(rng.standard_normal((16, 48), np.float32))} for _ in range(3)]
+    tx = dion3_jax.dion3(0.02, fraction=0.25)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for g in grads[:2]:
+        _, state = update(g, state, params)
+    folded = dion3_jax.fold_momentum_scale(state)
+    node = lambda s: s.inner_states["dion3"].inner_state[0]  # noqa: E731
+    scale = np.asarray(node(state).momentum_scale["w"])
+    assert np.any(scale != 1) and np.all(np.asarray(node(folded).momentum_scale["w"]) == 1)
+    np.testing.assert_array_equal(np.asarray(node(folded).momentum["w"]),
+                                  np.asarray(node(state).full_momentum()["w"]))
+    assert jax.tree.structure(folded) == jax.tree.structure(state)
+    u_state, _ = update(grads[2], state, params)
+    u_folded, _ = update(grads[2], folded, params)
+    np.testing.assert_allclose(np.asarray(u_folded["w"]), np.asarray(u_state["w"]),
+                               rtol=1e-5, atol=1e-7)
