@@ -120,11 +120,11 @@ def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
 
 
 def _select_reference(sums, denoms, rows, row_axis, out_dtype):
-    """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the padding mask,
-    normalisation and cast once on the stack."""
+    """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the clamp of the
+    indices, the padding mask, normalisation and cast once on the stack."""
     n = sums[0].shape[row_axis]
-    stack = jnp.concatenate([_take_rows(s, jnp.minimum(r, n - 1), row_axis)
-                             for s, r in zip(sums, rows)])
+    clamped = _split(jnp.minimum(jnp.concatenate(rows), n - 1), [r.shape[0] for r in rows])
+    stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, idx in zip(sums, clamped)])
     valid = jnp.expand_dims(jnp.concatenate(rows) < n, 3 - row_axis)
     d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
     return (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)

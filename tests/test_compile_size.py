@@ -74,8 +74,8 @@ def _per_leaf(fraction: float) -> dict[str, float]:
 def test_per_leaf_trace_holds_only_the_leaf_passes():
     """At f = 1/4 an extra same-shape leaf adds its own passes only: two row statistics of M
     (O's row norms run once per batch, over the batch's factors as the polar wrote them, and
-    the small per-matrix sums once per batch on its stacked arrays), the gather S = M[I] (in
-    the payload pass, which also decays M's selected rows) and the gather of the update rows;
+    the small per-matrix sums once per batch on its stacked arrays; on the CPU the statistics
+    pass's reference), the gather S[I] (in the payload pass) and the gather of the update rows;
     the index work (clamp, keep mask, payload positions) runs once per batch or shape group
     (it was per leaf and per write: 6 reductions, 5 gathers, 4 compares and 3 minima per leaf
     before, then 3 gathers with S gathered back into M)."""
@@ -86,7 +86,7 @@ def test_per_leaf_trace_holds_only_the_leaf_passes():
 
 
 def test_per_leaf_trace_is_small():
-    """The traced work per extra same-shape leaf (a regression bound with some slack: 45
+    """The traced work per extra same-shape leaf (a regression bound with some slack: 44
     equations per leaf at f = 1/4, 34 at f = 1, with the statistics pass that writes ``S`` and
     the decay deferred to the momentum's row factors; 43 and 30 before it, with the selected
     rows' payload pass; 40 and 28 before that; 47 and 34 before the factors' row norms ran per
