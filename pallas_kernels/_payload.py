@@ -244,17 +244,23 @@ def _default_is_nvidia_gpu() -> bool:
     return platform == "gpu" and "NVIDIA" in kind.upper() and pltriton is not None
 
 
-def _resolve(implementation: str, rows: int, cols: int, interpret: bool) -> str:
+def resolve(implementation: str, fits: bool, needs: str, interpret: bool) -> str:
+    """``"xla"`` or ``"pallas"``: what an elementwise pass of this package runs for
+    ``implementation``. ``fits``: whether the kernel takes the shape (``needs`` says what it
+    needs, for the error).
+
+    Raises:
+      ValueError: for an unknown name, or ``"pallas"`` for a shape it does not take or off an
+        NVIDIA GPU (without ``interpret``). Nothing falls back silently.
+    """
     if implementation not in _KNOWN:
         raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
-    fits = block_shape(rows, cols) is not None
-    if implementation == "xla" or (implementation == "auto" and not (
-            fits and _default_is_nvidia_gpu())):
+    gpu = _default_is_nvidia_gpu()
+    if implementation == "xla" or (implementation == "auto" and not (fits and gpu)):
         return "xla"
     if not fits:
-        raise ValueError(f"implementation='pallas' needs matrices whose columns are a multiple "
-                         f"of {_MIN_BLOCK_COLS}, got ({rows}, {cols}); use 'xla'")
-    if not (interpret or _default_is_nvidia_gpu()):
+        raise ValueError(f"implementation='pallas' needs {needs}; use 'xla'")
+    if not (interpret or gpu):
         raise ValueError(f"implementation='pallas' runs on NVIDIA GPUs with jax's Pallas Triton "
                          f"lowering (or with interpret=True), not on {_target()[1]!r}; use 'xla'")
     return "pallas"
@@ -313,7 +319,8 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
     _, a, b = sums[0].shape
     if pad_to is not None and pad_to > pick:
         rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
-    if _resolve(implementation, a, b, interpret) == "xla":
+    needs = f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got ({a}, {b})"
+    if resolve(implementation, block_shape(a, b) is not None, needs, interpret) == "xla":
         return stack_payloads_reference(sums, denoms, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
     return _stack_with_kernel(sums, denoms, out_dtype=out_dtype, rows=rows, row_axis=row_axis,

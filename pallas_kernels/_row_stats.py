@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover - a jax without it: "auto" resolves to X
 from pallas_kernels import _payload
 
 RowStatsImplementation = Literal["auto", "xla", "pallas"]
-_KNOWN = ("auto", "xla", "pallas")
 _DOWN = 2.0 ** -32
 
 
@@ -186,23 +185,6 @@ def _check(m, g, scale, row_axis) -> None:
             raise ValueError(f"{name} must be floating, got {x.dtype}")
 
 
-def _resolve(implementation: str, shape, row_axis: int, interpret: bool) -> str:
-    if implementation not in _KNOWN:
-        raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
-    fits = blocks(shape, row_axis) is not None
-    gpu = _payload._default_is_nvidia_gpu()
-    if implementation == "xla" or (implementation == "auto" and not (fits and gpu)):
-        return "xla"
-    if not fits:
-        raise ValueError(f"implementation='pallas' needs a minor axis with a power-of-two divisor "
-                         f"of at least {_MIN_MINOR}, got {shape} (row_axis={row_axis}); use "
-                         f"'xla'")
-    if not (interpret or gpu):
-        raise ValueError("implementation='pallas' runs on NVIDIA GPUs with jax's Pallas Triton "
-                         "lowering (or with interpret=True); use 'xla'")
-    return "pallas"
-
-
 def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                     implementation: RowStatsImplementation = "auto", interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -235,7 +217,10 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
-    if _resolve(implementation, m.shape[1:], row_axis, interpret) == "xla":
+    needs = (f"a minor axis with a power-of-two divisor of at least {_MIN_MINOR}, got "
+             f"{m.shape[1:]} (row_axis={row_axis})")
+    fits = blocks(m.shape[1:], row_axis) is not None
+    if _payload.resolve(implementation, fits, needs, interpret) == "xla":
         return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
     return _launch(m, g, scale, row_axis=row_axis, interpret=interpret,
                    config=CONFIGS[row_axis])
