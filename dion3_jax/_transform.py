@@ -160,6 +160,7 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     mom, var, scale = [], [], []
     for p, pl in zip(leaves, plans):
         mom.append(_zeros(p.shape, momentum_dtype(cfg.mu_dtype, p.dtype), p, pl.spec, ctx))
+        # The momentum's row factors d start at 1 (placed like the second moments).
         scale.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx) + 1)
         if normuon:
             var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx))
