@@ -31,9 +31,9 @@ from dion3_jax._transform import ScaleByDion3State
 def _pmean_momentum(opt_state: Any, replica_axis: str) -> Any:
     def fix(node):
         if isinstance(node, ScaleByDion3State):
-            mom = jax.tree.map(lambda m: jax.lax.pmean(m, replica_axis), node.full_momentum())
-            ones = jax.tree.map(jax.numpy.ones_like, node.momentum_scale)
-            return node._replace(momentum=mom, momentum_scale=ones)
+            node = node.folded()
+            return node._replace(momentum=jax.tree.map(
+                lambda m: jax.lax.pmean(m, replica_axis), node.momentum))
         return node
     return jax.tree.map(fix, opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
 

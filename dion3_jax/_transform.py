@@ -62,6 +62,11 @@ class ScaleByDion3State(NamedTuple):
         return jax.tree.map(lambda m, d: (m * d).astype(m.dtype), self.momentum,
                             self.momentum_scale)
 
+    def folded(self) -> ScaleByDion3State:
+        """This state with ``momentum`` = :meth:`full_momentum` and ``momentum_scale`` ones."""
+        return self._replace(momentum=self.full_momentum(),
+                             momentum_scale=jax.tree.map(jnp.ones_like, self.momentum_scale))
+
 
 def fold_momentum_scale(opt_state: Any) -> Any:
     """Every :class:`ScaleByDion3State` in ``opt_state`` with its row factors folded into the
@@ -84,12 +89,8 @@ def fold_momentum_scale(opt_state: Any) -> Any:
       >>> float(folded.momentum["w"].sum()), float(folded.momentum_scale["w"].min())
       (6.0, 1.0)
     """
-    def fold(node):
-        if not isinstance(node, ScaleByDion3State):
-            return node
-        return node._replace(momentum=node.full_momentum(),
-                             momentum_scale=jax.tree.map(jnp.ones_like, node.momentum_scale))
-    return jax.tree.map(fold, opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
+    return jax.tree.map(lambda x: x.folded() if isinstance(x, ScaleByDion3State) else x,
+                        opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
 
 
 def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:

@@ -122,10 +122,10 @@ def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
 def _select_reference(sums, denoms, rows, row_axis, out_dtype):
     """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the clamp of the
     indices, the padding mask, normalisation and cast once on the stack."""
-    n = sums[0].shape[row_axis]
-    clamped = _split(jnp.minimum(jnp.concatenate(rows), n - 1), [r.shape[0] for r in rows])
+    n, r = sums[0].shape[row_axis], jnp.concatenate(rows)
+    clamped = _split(jnp.minimum(r, n - 1), [x.shape[0] for x in rows])
     stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, idx in zip(sums, clamped)])
-    valid = jnp.expand_dims(jnp.concatenate(rows) < n, 3 - row_axis)
+    valid = jnp.expand_dims(r < n, 3 - row_axis)
     d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
     return (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
 
