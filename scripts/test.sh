@@ -7,4 +7,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "$ROOT/.venv/bin/python" -m pytest -n 2 -q --durations=15 "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -n 2 --dist worksteal -q --durations=15 "$@"

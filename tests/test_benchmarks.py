@@ -15,14 +15,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["benchmarks/bench_polar.py", "--small", "--reps", "1"],
-    # Standard NS here; the FSDP run below and profile_step run Gram NS.
-    ["benchmarks/bench_step.py", "--small", "--reps", "1", "--compile-workers", "2",
-     "--fractions", "0.25", "--methods", "standard", "--backends", "xla"],
-    # f = 1: the cheapest steps to compile (the run above and profile_step take f = 1/4); two
-    # devices are a mesh; the baselines ran above.
-    ["benchmarks/bench_step.py", "--small", "--reps", "1", "--fsdp", "--no-megabatch",
-     "--cpu-devices", "2", "--fractions", "1", "--methods", "gram", "--backends", "xla",
-     "--no-baselines"],
+    # One run for every path of the step benchmark: the baselines, compiled up front on two
+    # threads, FSDP on a mesh of two devices, each Dion3 variant with and without megabatching;
+    # standard NS here (profile_step runs Gram NS) at f = 1/4 (bench_commits runs f = 1).
+    ["benchmarks/bench_step.py", "--small", "--reps", "1", "--compile-workers", "2", "--fsdp",
+     "--no-megabatch", "--cpu-devices", "2", "--fractions", "0.25", "--methods", "standard",
+     "--backends", "xla"],
     ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
     ["benchmarks/bench_payload.py", "--small", "--reps", "1", "--variants", "default", "w8",
      "--fractions", "0.25"],

@@ -244,16 +244,16 @@ def _three_steps(make_tx, params, sharded: bool, options=None) -> list:
     return run
 
 
-# The fast loop: f = 1/4 with bfloat16 momenta (the f = 1 kernel is checked bitwise against the
-# reference above; its step runs with the slow tests). Float32 momenta at f = 1/4 on one device
-# add nothing: the kernel's float32 selected rows are checked bitwise above, the step's selected
-# rows here with bfloat16 and on the mesh. Nor do bfloat16 momenta at f = 1: the kernel's are
-# checked bitwise above, and the step hands it the momenta whatever their dtype.
+# The fast loop: f = 1/4 with bfloat16 momenta on one device. The slow tests add the mesh at
+# f = 1/4 (selected rows of row shards, column shards and a batch-sharded stack) and f = 1 on one
+# device. Float32 momenta at f = 1/4 add nothing: the kernel's float32 selected rows are checked
+# bitwise above; nor do bfloat16 momenta at f = 1 (checked bitwise above; the step hands the
+# kernel the momenta whatever their dtype), nor f = 1 on the mesh (every row: the same launches
+# on the shards the f = 1/4 mesh case already stacks).
 @pytest.mark.parametrize("sharded,mu_dtype,fraction", [
-    pytest.param(False, None, 1.0, marks=pytest.mark.slow),
     (False, jnp.bfloat16, 0.25),
-    pytest.param(True, None, 1.0, marks=pytest.mark.slow),
-    pytest.param(True, jnp.bfloat16, 0.25, marks=pytest.mark.slow)])
+    pytest.param(True, jnp.bfloat16, 0.25, marks=pytest.mark.slow),
+    pytest.param(False, None, 1.0, marks=pytest.mark.slow)])
 def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_dtype, fraction):
     """Every matrix goes through the payload pass, at f = 1 and with selected rows at f = 1/4 (on
     one device, and on an 8-device mesh: FSDP row shards, column shards, a batch-sharded stack;
@@ -280,8 +280,9 @@ def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_
     assert any(np.any(np.asarray(x) != 0) for x in want)
 
 
-@pytest.mark.parametrize("kernel,sharded", [(False, False),
-                                            pytest.param(True, False, marks=pytest.mark.slow),
+# The XLA payload pass pads the same way (it is the kernel's reference, checked bitwise above):
+# the kernel on one device in the fast loop, XLA on the mesh with the slow tests.
+@pytest.mark.parametrize("kernel,sharded", [(True, False),
                                             pytest.param(False, True, marks=pytest.mark.slow)])
 def test_step_with_a_padded_stack_equals_the_step_without(monkeypatch, kernel, sharded):
     """Where the iteration pads the picked axis (here: multiples of 16 on XLA, as the kernels
