@@ -84,6 +84,19 @@ def test_kernel_interpreted_matches_reference(row_axis, shape):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=count * 2.0 ** -23)
 
 
+@pytest.mark.parametrize("row_axis", [1, 2])
+def test_reference_sums_are_the_steps_row_sums(row_axis):
+    """The step takes a block's row sums from this pass or, for the blocks it does not send
+    here, from ``dion3_jax._selection`` (scores, payload norms): both must be the same numbers,
+    scaled alike (the package cannot import ``dion3_jax``, so the formula is written twice)."""
+    from dion3_jax import _selection
+
+    m, g, d = _inputs(np.random.randint(1 << 30), (2, 24, 40), row_axis)
+    s, l1, sq = accumulate_rows_reference(m, g, d, row_axis=row_axis)
+    np.testing.assert_array_equal(l1, _selection.row_l1_norms(s, row_axis))
+    np.testing.assert_array_equal(sq, _selection.row_sq_sums(s, row_axis))
+
+
 def test_blocks():
     assert _row_stats.blocks((4096, 11008), 2) == (64, 32, 128)
     assert _row_stats.blocks((11008, 4096), 2) == (64, 32, 128)     # 11008 = 86 · 128
