@@ -200,7 +200,7 @@ def test_row_segments_of_one_leaf_keep_each_others_second_moments():
     different batches; each writes only its own rows of the NorMuon second moments, on top of
     what the segments before it wrote. (Written once per batch onto the moments held before
     the step, the last segment erased the others' rows: 7% update error at the next step.)"""
-    mesh = make_mesh((8,))
+    mesh = make_mesh((N,))
     leaves = {k: v for k, v in model(mesh).items() if k in ("heads3", "qkv")}
     params = random_tree(leaves, 0)
     grads = [random_tree(leaves, s + 1) for s in range(2)]
