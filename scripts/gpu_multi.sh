@@ -5,6 +5,8 @@
 #   bash scripts/gpu_multi.sh              # on the GPU machine, repo root as cwd (not installed:
 #                                          # PYTHONPATH=. is set here), python3 with jax[cuda]
 #   bash scripts/gpu_multi.sh --cpu-smoke  # the same path on 8 simulated CPU devices (< 2 min)
+#   bash scripts/gpu_multi.sh --cpu-smoke 2  # a rehearsal of a 2-GPU run: the whole test files
+#                                            # and the benchmark on 2 simulated devices (~3 min)
 #
 # Writes to $OUT (else runs/gpu_multi_<UTC time>/): info.txt (nvidia-smi, jax.devices()),
 # pytest.log + junit.xml (tests/test_distributed.py, tests/test_replica_sync.py on the GPUs:
@@ -21,20 +23,31 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 SMOKE=0
+SMOKE_N=""
 case "${1:-}" in
-  --cpu-smoke) SMOKE=1 ;;
+  --cpu-smoke) SMOKE=1; SMOKE_N=${2:-} ;;
   "") ;;
-  *) echo "usage: $0 [--cpu-smoke]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--cpu-smoke [N]]" >&2; exit 2 ;;
 esac
+if [[ -n $SMOKE_N && ! $SMOKE_N =~ ^[1-8]$ ]]; then
+  echo "--cpu-smoke N: N must be 1 to 8 simulated devices, got '$SMOKE_N'" >&2; exit 2
+fi
 
 if [[ $SMOKE == 1 ]]; then
   PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
   export JAX_PLATFORMS=cpu DION3_TEST_PLATFORM=cpu
   export XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
-  T_INFO=60 T_TEST=150 T_BENCH=90
-  # A quick subset on the CPU (the whole files run in CI); on the GPUs everything runs.
-  PYTEST_SEL=(-k "local_scope or two_all_to_alls or replicated or random_compressed or bytes_over")
-  BENCH=(--small --reps 1 --cpu-devices 8)
+  if [[ -n $SMOKE_N ]]; then
+    # A rehearsal of an N-GPU run: the whole files on the first N of the 8 devices.
+    export DION3_TEST_NUM_DEVICES=$SMOKE_N
+    T_INFO=60 T_TEST=400 T_BENCH=90
+    PYTEST_SEL=(-n 2)
+  else
+    # A quick subset on the CPU (the whole files run in CI); on the GPUs everything runs.
+    T_INFO=60 T_TEST=150 T_BENCH=90
+    PYTEST_SEL=(-k "local_scope or two_all_to_alls or replicated or random_compressed or bytes_over")
+  fi
+  BENCH=(--small --reps 1 --cpu-devices "${SMOKE_N:-8}")
 else
   PY=${PYTHON:-python3}
   export DION3_TEST_PLATFORM=gpu
