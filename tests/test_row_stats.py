@@ -145,7 +145,9 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
 
 
 # f = 1/4 only: at f = 1 the step hands the kernel the same blocks and only sums the row sums
-# it returns per matrix, which the XLA path (the goldens' f = 1 cases) covers.
+# it returns per matrix, which the XLA path (the goldens' f = 1 cases) covers. With the slow
+# tests: the fast loop checks the kernel against its reference above.
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.25])
 def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
     """Three steps with the statistics kernel (interpreted) against three with XLA: the same
