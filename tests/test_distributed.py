@@ -195,6 +195,7 @@ def test_auto_axes_equal_single_device_and_keep_shardings():
         assert count_op(hlo, "all-to-all") > 0
 
 
+@pytest.mark.slow  # (6 s; the fast loop keeps test_local_scope_selects_per_shard)
 def test_row_segments_of_one_leaf_keep_each_others_second_moments():
     """Heads and split blocks of a row-sharded leaf are several row segments of one block, in
     different batches; each writes only its own rows of the NorMuon second moments, on top of

@@ -281,9 +281,10 @@ def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_
 
 
 # The XLA payload pass pads the same way (it is the kernel's reference, checked bitwise above):
-# the kernel on one device in the fast loop, XLA on the mesh with the slow tests.
-@pytest.mark.parametrize("kernel,sharded", [(True, False),
-                                            pytest.param(False, True, marks=pytest.mark.slow)])
+# the kernel on one device, and XLA on the mesh, with the slow tests (the fast loop checks the
+# padding itself in test_pad_to_appends_zero_rows).
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,sharded", [(True, False), (False, True)])
 def test_step_with_a_padded_stack_equals_the_step_without(monkeypatch, kernel, sharded):
     """Where the iteration pads the picked axis (here: multiples of 16 on XLA, as the kernels
     pad to theirs), the payload pass writes the stack so padded (``pad_to``) and the factors are
