@@ -267,6 +267,9 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
         pipeline_allocs = dict(pipeline_allocs,
                                flat_in_smem_refs=[a_both.at[0], a_both.at[1], b_ref])
         num_items = _schedule.num_pair_items(tiles_per_side)
+        # The scales, read once per CTA (loop invariants of the walk below).
+        alpha = None if scale_gmem is None else scale_gmem[0]
+        beta = None if c_gmem is None else scale_gmem[1]
 
         @plgpu.nd_loop((batch * num_items,), collective_axes="sm")
         def _item_loop(loop_info: plgpu.NDLoopInfo):
@@ -283,8 +286,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
                     with jax.named_scope("mainloop"):  # Named for Mosaic GPU's profiler.
                         eval_pipeline(acc_ref)
                     acc = acc_ref[...]
-                    if scale_gmem is not None:
-                        acc = acc * scale_gmem[0]
+                    if alpha is not None:
+                        acc = acc * alpha
 
                     @pl.when(keep)
                     @jax.named_scope("epilogue")
@@ -293,8 +296,7 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
                             ei, ej = divmod(i, tile // _EPI)
                             sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * _EPI:(ej + 1) * _EPI]
                             _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
-                                        wg, bi, rows, cols, tr != tc,
-                                        beta=None if c_gmem is None else scale_gmem[1],
+                                        wg, bi, rows, cols, tr != tc, beta=beta,
                                         out_dtype=out_dtype)
 
             def mma_body(idxs, a1_smem, a2_smem, b_smem, acc_ref):
