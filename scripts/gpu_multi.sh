@@ -37,14 +37,15 @@ if [[ $SMOKE == 1 ]]; then
   PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
   export JAX_PLATFORMS=cpu DION3_TEST_PLATFORM=cpu
   export XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
+  T_INFO=60 T_BENCH=90
   if [[ -n $SMOKE_N ]]; then
     # A rehearsal of an N-GPU run: the whole files on the first N of the 8 devices.
     export DION3_TEST_NUM_DEVICES=$SMOKE_N
-    T_INFO=60 T_TEST=400 T_BENCH=90
+    T_TEST=400
     PYTEST_SEL=(-n 2)
   else
     # A quick subset on the CPU (the whole files run in CI); on the GPUs everything runs.
-    T_INFO=60 T_TEST=150 T_BENCH=90
+    T_TEST=150
     PYTEST_SEL=(-k "local_scope or two_all_to_alls or replicated or random_compressed or bytes_over")
   fi
   BENCH=(--small --reps 1 --cpu-devices "${SMOKE_N:-8}")
