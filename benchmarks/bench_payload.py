@@ -177,7 +177,7 @@ def main(argv=None) -> list[dict]:
             extra = [("XLA, read only", 4 * size,
                       time_read_only(count, (fan_in, fan_out), reps=reps))]
             if f == a.fractions[0]:   # the statistics pass does not depend on f
-                for label, impl in (("statistics kernel", "pallas"), ("XLA, statistics", "xla")):
+                for label, impl in (("statistics kernel", "pallas_triton"), ("XLA, statistics", "xla")):
                     extra.append((label, 12 * size, time_statistics(
                         count, (fan_in, fan_out), impl, reps=reps, interpret=interpret)))
             for label, nbytes, (dev, wall) in extra:

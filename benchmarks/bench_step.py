@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -194,7 +195,8 @@ def orthogonalizer(method: str, backend: str):
                                          out_dtype=COMPUTE_DTYPE[method])
 
 
-def dion3_step(fraction: float, method: str, backend: str, per_leaf=None):
+def dion3_step(fraction: float, method: str, backend: str, per_leaf=None,
+               passes: str = "auto"):
     """``dion3_jax.dion3`` with learning rate 0.01, megabatched or one Dion3 per parameter.
 
     Args:
@@ -205,12 +207,14 @@ def dion3_step(fraction: float, method: str, backend: str, per_leaf=None):
         dict's keys: ``optax.partition`` then labels every parameter with its own key and gives
         each its own ``dion3``, so no two parameters share a shape group (one polar call and one
         collective pair per parameter instead of per shape group).
+      passes: the memory-bound passes' ``pass_implementation``.
 
     Returns:
       The optax transformation.
     """
     def make():
-        return dion3_jax.dion3(0.01, fraction, orthogonalizer=orthogonalizer(method, backend))
+        return dion3_jax.dion3(0.01, fraction, orthogonalizer=orthogonalizer(method, backend),
+                               pass_implementation=passes)
 
     if per_leaf is None:
         return make()
@@ -345,6 +349,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["standard", "gram"])
     p.add_argument("--backends", nargs="+", default=None,
                    help="matmul backends (default: every available one)")
+    p.add_argument("--pass-implementations", nargs="+", default=["auto"],
+                   choices=["auto", "xla", "pallas_triton"],
+                   help="the memory-bound passes' implementations to time (default: auto)")
     p.add_argument("--no-baselines", action="store_true", help="skip adamw and optax muon")
     p.add_argument("--no-polar", action="store_true", help="skip the polar-only timings")
     p.add_argument("--fsdp", action="store_true",
@@ -419,13 +426,14 @@ def build_plan(a, shapes, backends) -> list[tuple]:
         plan.append(("optax.contrib.muon", optax.contrib.muon(1e-3), None, {}))
     for megabatch in [True] + ([False] if a.no_megabatch else []):
         for method in a.methods:
-            for backend in backends:
+            for backend, passes in itertools.product(backends, a.pass_implementations):
                 for f in a.fractions:
                     for suffix, options in builds if megabatch else builds[:1]:
                         name = (f"dion3 f={f:g} {method} {backend}"
+                                + ("" if passes == "auto" else f" passes={passes}")
                                 + ("" if megabatch else " no-megabatch") + suffix)
                         per_leaf = None if megabatch else sorted(shapes)
-                        plan.append((name, dion3_step(f, method, backend, per_leaf),
+                        plan.append((name, dion3_step(f, method, backend, per_leaf, passes),
                                      (method, backend, f, megabatch), options))
     return plan
 
@@ -494,7 +502,8 @@ def main(argv=None) -> list[dict]:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
     cfg = SMALL if a.small else FULL
     reps = a.reps or (3 if a.small else 10)
-    backends = a.backends or list(pallas_kernels.available_implementations())
+    backends = a.backends or [b for b in pallas_kernels.available_implementations()
+                              if b in ("xla", "mosaic", "jax_triton")]
     shapes = model_shapes(**cfg)
     n_params = sum(int(np.prod(s)) for s in shapes.values())
     params, grads = make_tree(shapes, 0), make_tree(shapes, 1, 1e-3)

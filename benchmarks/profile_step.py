@@ -234,6 +234,9 @@ def main(argv=None):
     p.add_argument("--fraction", type=float, default=0.25)
     p.add_argument("--method", default="gram", choices=["gram", "standard"])
     p.add_argument("--backend", default="auto")
+    p.add_argument("--pass-implementation", default="auto",
+                   choices=["auto", "xla", "pallas_triton"],
+                   help="the memory-bound passes' implementation")
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--show-hlo", nargs="+", default=[], metavar="KIND",
@@ -262,7 +265,8 @@ def main(argv=None):
     if mesh is not None:
         params, grads = bench_step.place(params, mesh), bench_step.place(grads, mesh)
     tx = (optax.adamw(1e-3) if a.optimizer == "adamw"
-          else bench_step.dion3_step(a.fraction, a.method, a.backend))
+          else bench_step.dion3_step(a.fraction, a.method, a.backend,
+                                     passes=a.pass_implementation))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = tx.init(params)
         step, _ = bench_step.compile_step(tx, params, grads, mesh, state,
@@ -292,7 +296,8 @@ def main(argv=None):
             json.dump(per_step, f, indent=0, sort_keys=True)
     dev = jax.devices()[0]
     what = ("optax.adamw" if a.optimizer == "adamw"
-            else f"dion3 f={a.fraction:g} {a.method} {a.backend}")
+            else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
+                 f"passes={a.pass_implementation}")
     print(f"# {dev.device_kind}{' × %d, FSDP' % len(jax.devices()) if a.fsdp else ''}"
           f"{' ' + ' '.join(a.xla_option) if a.xla_option else ''}: "
           f"{what}, "

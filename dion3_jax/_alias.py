@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 import optax
 
-from dion3_jax._config import AdjustLR, Flavour, check_range
+from dion3_jax._config import AdjustLR, Flavour, PassImplementation, check_range
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._orthogonalizer import Orthogonalizer
 from dion3_jax._routing import (  # noqa: F401  (re-exported)
@@ -66,6 +66,7 @@ def dion3(
     mu_dtype: jax.typing.DTypeLike | None = None,
     orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
     mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
     param_labels: Any = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -97,7 +98,7 @@ def dion3(
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
       flavour, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options: the matrix transform's options, see :func:`scale_by_dion3` (``mu_dtype``
+        mesh_options, pass_implementation: the matrix transform's options, see :func:`scale_by_dion3` (``mu_dtype``
         defaults to float32 for 16-bit parameters).
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
@@ -133,7 +134,8 @@ def dion3(
         scale_by_dion3(fraction, mu, beta2, flavour=flavour, adjust_lr=adjust_lr,
                        dimension_numbers=dimension_numbers, num_heads=num_heads,
                        split_sizes=split_sizes, mu_dtype=mu_dtype,
-                       orthogonalizer=orthogonalizer, mesh_options=mesh_options),
+                       orthogonalizer=orthogonalizer, mesh_options=mesh_options,
+                       pass_implementation=pass_implementation),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),
         optax.scale_by_learning_rate(learning_rate),
     )
@@ -211,6 +213,7 @@ def muon(
     mu_dtype: jax.typing.DTypeLike | None = None,
     orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
     mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
     param_labels: Any = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -228,8 +231,9 @@ def muon(
       weight_decay: decoupled weight decay of the matrices.
       weight_decay_mask: optional mask for it.
       adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, param_labels, scalar_optimizer, adam_learning_rate, adam_b1, adam_b2,
-        adam_eps, adam_weight_decay, adam_weight_decay_mask: as in :func:`dion3`.
+        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
+        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
+        :func:`dion3`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -241,7 +245,8 @@ def muon(
         learning_rate, 1.0, mu, 0.95, weight_decay, weight_decay_mask, flavour="muon",
         adjust_lr=adjust_lr, dimension_numbers=dimension_numbers, num_heads=num_heads,
         split_sizes=split_sizes, mu_dtype=mu_dtype, orthogonalizer=orthogonalizer,
-        mesh_options=mesh_options, param_labels=param_labels, scalar_optimizer=scalar_optimizer,
+        mesh_options=mesh_options, pass_implementation=pass_implementation,
+        param_labels=param_labels, scalar_optimizer=scalar_optimizer,
         adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
         adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
         adam_weight_decay_mask=adam_weight_decay_mask)
@@ -261,6 +266,7 @@ def normuon(
     mu_dtype: jax.typing.DTypeLike | None = None,
     orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
     mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
     param_labels: Any = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
@@ -279,8 +285,9 @@ def normuon(
       weight_decay: decoupled weight decay of the matrices.
       weight_decay_mask: optional mask for it.
       adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, param_labels, scalar_optimizer, adam_learning_rate, adam_b1, adam_b2,
-        adam_eps, adam_weight_decay, adam_weight_decay_mask: as in :func:`dion3`.
+        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
+        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
+        :func:`dion3`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -292,7 +299,8 @@ def normuon(
         learning_rate, 1.0, mu, beta2, weight_decay, weight_decay_mask, flavour="normuon",
         adjust_lr=adjust_lr, dimension_numbers=dimension_numbers, num_heads=num_heads,
         split_sizes=split_sizes, mu_dtype=mu_dtype, orthogonalizer=orthogonalizer,
-        mesh_options=mesh_options, param_labels=param_labels, scalar_optimizer=scalar_optimizer,
+        mesh_options=mesh_options, pass_implementation=pass_implementation,
+        param_labels=param_labels, scalar_optimizer=scalar_optimizer,
         adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
         adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
         adam_weight_decay_mask=adam_weight_decay_mask)

@@ -18,6 +18,8 @@ from dion3_jax._distributed import MeshOptions, check_mesh_options
 from dion3_jax._orthogonalizer import Orthogonalizer, as_orthogonalizer
 
 Flavour = Literal["normuon", "muon"]
+PassImplementation = Literal["auto", "xla", "pallas_triton"]
+PASS_IMPLEMENTATIONS = ("auto", "xla", "pallas_triton")
 AdjustLR = Literal["spectral_norm", "rms_norm"] | None
 FLAVOURS = ("normuon", "muon")
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
@@ -37,6 +39,7 @@ class Dion3Config(NamedTuple):
     mu_dtype: Any
     orthogonalizer: Orthogonalizer
     mesh_options: MeshOptions
+    pass_implementation: str = "auto"
 
 
 def is_tracer(x) -> bool:
@@ -131,7 +134,8 @@ def momentum_for_fraction(fraction: float, mu_full: float = 0.95) -> float:
 
 
 def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
-                split_sizes, mu_dtype, orthogonalizer, mesh_options) -> Dion3Config:
+                split_sizes, mu_dtype, orthogonalizer, mesh_options,
+                pass_implementation="auto") -> Dion3Config:
     """Validates the arguments of :func:`scale_by_dion3` and returns its static config."""
     fraction = check_fraction(fraction)
     if mu is None:
@@ -143,8 +147,11 @@ def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_
     if adjust_lr not in ADJUST_LR:
         raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr=!r}")
     _check_layout_options(dimension_numbers, num_heads, split_sizes)
+    if pass_implementation not in PASS_IMPLEMENTATIONS:
+        raise ValueError(f"pass_implementation must be one of {PASS_IMPLEMENTATIONS}, got "
+                         f"{pass_implementation=!r}")
     mesh_options = MeshOptions() if mesh_options is None else mesh_options
     check_mesh_options(mesh_options)
     return Dion3Config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
                        split_sizes, _check_mu_dtype(mu_dtype), as_orthogonalizer(orthogonalizer),
-                       mesh_options)
+                       mesh_options, pass_implementation)

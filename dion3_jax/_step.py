@@ -165,9 +165,8 @@ def _row_stats(plan: Plan, momentum: Blocks, known: dict) -> tuple[dict, dict]:
 
 
 def _implementation(cfg: Dion3Config) -> str:
-    """The statistics and payload passes' implementation: XLA with the orthogonalizer's
-    ``"xla"`` backend, else the kernels where they run."""
-    return "xla" if cfg.orthogonalizer.backend == "xla" else "auto"
+    """The statistics and payload passes' implementation (``pass_implementation``)."""
+    return cfg.pass_implementation
 
 
 def _accumulate(cfg: Dion3Config, plan: Plan, grads, moms, scales):

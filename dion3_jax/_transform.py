@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from dion3_jax import _distributed, _plan, _step
-from dion3_jax._config import AdjustLR, Dion3Config, Flavour, make_config
+from dion3_jax._config import AdjustLR, Dion3Config, Flavour, PassImplementation, make_config
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._orthogonalizer import Orthogonalizer
 
@@ -232,6 +232,7 @@ def scale_by_dion3(
     mu_dtype: jax.typing.DTypeLike | None = None,
     orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
     mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
 ) -> optax.GradientTransformation:
     r"""Dion3's orthogonal update direction for matrix parameters (before learning rate and decay).
 
@@ -272,6 +273,14 @@ def scale_by_dion3(
         sync over a replica axis, selection scope); default: the ambient mesh, if any, with
         every axis an FSDP axis. Under ``jit`` with a mesh the step runs in one
         ``jax.shard_map`` and each leaf keeps its sharding (``docs/DISTRIBUTED.md``).
+      pass_implementation: what runs the step's two memory-bound passes over the momentum (the
+        statistics pass :func:`pallas_kernels.accumulate_rows` and the payload pass
+        :func:`pallas_kernels.stack_payloads`): ``"xla"`` (XLA's fusions, every platform),
+        ``"pallas_triton"`` (Pallas kernels through Pallas' Triton lowering, NVIDIA GPUs; jax
+        0.11 deprecates it and prints a ``DeprecationWarning`` when the step compiles) or
+        ``"auto"``: the kernels where that lowering exists, else XLA (TPUs, CPUs, a jax
+        without it). Independent of the orthogonalizer's ``backend``, which picks the polar's
+        products.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`ScaleByDion3State`.
@@ -287,7 +296,7 @@ def scale_by_dion3(
       2026.
     """
     cfg = make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
-                      split_sizes, mu_dtype, orthogonalizer, mesh_options)
+                      split_sizes, mu_dtype, orthogonalizer, mesh_options, pass_implementation)
     plans: dict = {}
 
     def init_fn(params):

@@ -1,12 +1,12 @@
-"""Implementation dispatch for the symmetric products.
+"""The symmetric products ``syrk`` and ``sym_matmul``, and their implementations.
 
-``implementation`` names a backend:
+``implementation`` names one (:mod:`pallas_kernels._dispatch` resolves it):
 
 - ``"xla"``: the plain jnp reference (:mod:`pallas_kernels._reference`); always available.
 - ``"mosaic"``: the Pallas Mosaic GPU kernel (:mod:`pallas_kernels._mosaic`); Hopper (sm_90) only,
   float16/bfloat16 operands; with ``interpret=True`` it runs anywhere through GPU interpret mode.
-- ``"triton"``: the Triton kernel called through jax-triton (:mod:`pallas_kernels._triton`); NVIDIA
-  GPUs with ``jax_triton`` installed, float16/bfloat16 operands; no interpret mode.
+- ``"jax_triton"``: the Triton kernel called through jax-triton (:mod:`pallas_kernels._triton`);
+  NVIDIA GPUs with ``jax_triton`` installed, float16/bfloat16 operands; no interpret mode.
 - ``"auto"``: the fastest kernel measured on this kind of device for 16-bit operands when one
   call's ``batch · n² · k`` (the full product's multiply-adds) is at least ``AUTO_MIN_WORK``,
   else ``"xla"``.
@@ -16,74 +16,27 @@ A named implementation that cannot run raises ``ValueError``; there is no silent
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _dispatch
 from pallas_kernels._common import KERNEL_DTYPES
+from pallas_kernels._dispatch import Implementation, available_implementations
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
-
-Implementation = Literal["auto", "xla", "mosaic", "triton"]
-_KNOWN = ("auto", "xla", "mosaic", "triton")
 
 #: "auto" uses a kernel only for ``batch · n² · k >= AUTO_MIN_WORK`` (``k``: the contraction
 #: length): below that the lower-triangle walk has too few tiles, or too short a main loop, to
-#: beat XLA. One H200, 2026-11-29 (``benchmarks/bench_kernels.py``, docs/KERNELS.md): 4096³
-#: sym_matmul (1.63–1.70×) and a batch of 32 1024×4096 syrk (1.32–1.50×, 1.4e11) won; syrk
-#: 2048×8192 (3.4e10, 0.97–1.03×) and a batch of 32 1024² sym_matmul (3.4e10, 0.95–1.01×)
-#: tied. Without the diagonal-tile pass (2026-12-01) the Mosaic sym_matmul also wins on smaller
-#: products by device time (8·1024² 1.35×, 32·512² 1.63×). The line sits at 8·1024³ = 2³³, the
-#: f = 1/4 step's down projections: with them on Mosaic the step's device time went 29.49 →
-#: 29.31 ms (2026-12-02, one process, docs/BENCHMARKS.md; an earlier single comparison had the
-#: step 1% slower). Smaller products stay on XLA, where a kernel's compile time and launch would
-#: outweigh microseconds.
+#: beat XLA, and a kernel's compile time and launch outweigh microseconds. The line sits at
+#: 8·1024³ = 2³³, the f = 1/4 step's down projections (docs/KERNELS.md has the measurements).
 AUTO_MIN_WORK = 8 * 1024 ** 3
 
-#: "auto" preference per GPU generation (first available wins), from benchmarks/bench_kernels.py.
+#: The symmetric products' kernels, and "auto"'s preference per GPU generation (first available
+#: wins; benchmarks/bench_kernels.py).
+_KERNELS = ("mosaic", "jax_triton")
 _AUTO_PREFERENCE = {
-    "hopper": ("mosaic", "triton"),
-    "other": ("triton",),
+    "hopper": ("mosaic", "jax_triton"),
+    "other": ("jax_triton",),
 }
-
-
-def _default_device():
-    return jax.devices()[0]
-
-
-def _compute_capability(device) -> str | None:
-    if device.platform != "gpu":
-        return None
-    return getattr(device, "compute_capability", None)
-
-
-def _is_hopper(device) -> bool:
-    cc = _compute_capability(device)
-    return cc is not None and cc.split(".")[0] == "9"
-
-
-@functools.cache
-def _has_jax_triton() -> bool:
-    return (importlib.util.find_spec("jax_triton") is not None
-            and importlib.util.find_spec("triton") is not None)
-
-
-def available_implementations() -> tuple[str, ...]:
-    """Implementations that can run (without interpret mode) on the default backend.
-
-    Returns:
-      A tuple that always starts with ``"xla"``, followed by ``"mosaic"`` on Hopper GPUs and
-      ``"triton"`` on NVIDIA GPUs where ``jax_triton`` is importable.
-    """
-    device = _default_device()
-    names = ["xla"]
-    if _is_hopper(device):
-        names.append("mosaic")
-    if device.platform == "gpu" and "NVIDIA" in device.device_kind.upper() and _has_jax_triton():
-        names.append("triton")
-    return tuple(names)
 
 
 def _work(shape) -> int:
@@ -96,35 +49,13 @@ def _work(shape) -> int:
 
 def _resolve(implementation: str, *, dtypes, size: int, interpret) -> str:
     """Returns the concrete backend for one call (``size``: :func:`_work`), or raises."""
-    if implementation not in _KNOWN:
-        raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
-    kernel_dtypes = all(jnp.dtype(d) in KERNEL_DTYPES for d in dtypes)
-    if implementation == "xla":
-        return "xla"
-    if implementation == "auto":
-        if not kernel_dtypes or size < AUTO_MIN_WORK:
-            return "xla"
-        available = available_implementations()
-        generation = "hopper" if _is_hopper(_default_device()) else "other"
-        for name in _AUTO_PREFERENCE[generation]:
-            if name in available:
-                return name
-        return "xla"
-    if not kernel_dtypes:
-        raise ValueError(f"{implementation=!r} takes float16/bfloat16 operands, got dtypes "
-                         f"{[str(jnp.dtype(d)) for d in dtypes]}; use implementation='xla'")
-    if implementation == "triton" and interpret:
-        raise ValueError("implementation='triton' has no interpret mode (jax-triton kernels run "
-                         "only on NVIDIA GPUs); use 'mosaic' or 'xla'")
-    if implementation == "mosaic" and interpret:
-        return "mosaic"
-    if implementation not in available_implementations():
-        raise ValueError(
-            f"{implementation=!r} cannot run on the default device "
-            f"({_default_device().device_kind!r}); available: {available_implementations()}"
-            + (" (mosaic needs a Hopper GPU, sm_90)" if implementation == "mosaic" else
-               " (triton needs an NVIDIA GPU and the jax-triton package)"))
-    return implementation
+    fits = all(jnp.dtype(d) in KERNEL_DTYPES for d in dtypes)
+    generation = "hopper" if _dispatch.is_hopper(_dispatch.target_device()) else "other"
+    auto = _AUTO_PREFERENCE[generation] if size >= AUTO_MIN_WORK else ()
+    return _dispatch.resolve(
+        "syrk/sym_matmul", implementation, supported=_KERNELS, auto=auto, fits=fits,
+        needs=f"float16/bfloat16 operands, got dtypes {[str(jnp.dtype(d)) for d in dtypes]}",
+        interpret=interpret, interpretable=("mosaic",))
 
 
 #: Row and contraction multiples the kernels pad their operands to (the default tile and panel
@@ -168,7 +99,7 @@ def syrk(x: jax.Array, *, transpose: bool = False, out_dtype=None,
       transpose: return ``xᵀ · x``, ``(..., m, m)`` (BLAS ``syrk`` with ``trans='T'``): the Gram
         matrix of a tall ``x``'s columns, computed without a transposed copy of ``x``.
       out_dtype: output dtype (default ``x.dtype``); accumulation is float32.
-      implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
+      implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"jax_triton"`` (module docstring).
       interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).
 
     Returns:
@@ -183,7 +114,7 @@ def syrk(x: jax.Array, *, transpose: bool = False, out_dtype=None,
         from pallas_kernels._mosaic import syrk_mosaic
 
         return syrk_mosaic(x, transpose=transpose, out_dtype=out_dtype, interpret=interpret)
-    if impl == "triton":
+    if impl == "jax_triton":
         from pallas_kernels._triton import syrk_triton
 
         return syrk_triton(x, transpose=transpose, out_dtype=out_dtype)
@@ -210,7 +141,7 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
         kernel.
       beta: scale of ``c`` (a Python float).
       out_dtype: output dtype (default ``a.dtype``); accumulation is float32.
-      implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"triton"`` (module docstring).
+      implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"jax_triton"`` (module docstring).
       interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).
 
     Returns:
@@ -232,7 +163,7 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
 
         return sym_matmul_mosaic(a, b, c, alpha=alpha, beta=beta, out_dtype=out_dtype,
                                  interpret=interpret)
-    if impl == "triton":
+    if impl == "jax_triton":
         from pallas_kernels._triton import sym_matmul_triton
 
         return sym_matmul_triton(a, b, c, alpha=alpha, beta=beta, out_dtype=out_dtype)

@@ -8,14 +8,14 @@ every row selected (Dion3 at ``f = 1``, or a matrix with ``k = n``) or for given
 The error feedback's decay of the selected rows is not written here: the step leaves it to the
 next statistics pass as the per-row factor ``d``.
 
-- ``"pallas"``: a Pallas kernel (its Triton lowering, part of jax; NVIDIA GPUs). One launch per
-  member writes the member's payload straight into its slot of the stack
+- ``"pallas_triton"``: a Pallas kernel through Pallas' Triton lowering (NVIDIA GPUs). One
+  launch per member writes the member's payload straight into its slot of the stack
   (``input_output_aliases``); the slot is a run-time operand, so every member of a shape runs the
   same compiled kernel. With ``rows``, each block stores its selected rows (or, for rows along
-  the minor axis, columns) at their payload positions under a mask. jax 0.11 marks Pallas'
-  Triton lowering as deprecated (a ``DeprecationWarning`` when the step compiles on a GPU); where
-  a jax no longer has it, ``"auto"`` resolves to ``"xla"``. A Mosaic GPU port is the planned
-  replacement.
+  the minor axis, columns) at their payload positions under a mask. jax 0.11 deprecates that
+  lowering (compiling prints a ``DeprecationWarning``); ``"auto"`` takes the kernel only where
+  the lowering exists. Both passes in XLA make the 7B-shapes step 3.2% slower at f = 1/4 and
+  1.7% at f = 1 (docs/KERNELS.md), so the kernels stay until their Mosaic GPU port.
 - ``"xla"``: :func:`stack_payloads_reference`, plain jnp (with ``rows``, a gather).
 
 Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (selection and error
@@ -34,13 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-try:  # Pallas' Triton lowering: deprecated in jax 0.11 (module docstring)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a jax without it: "auto" resolves to XLA
-    pltriton = None
+from pallas_kernels import _dispatch
 
-PayloadImplementation = Literal["auto", "xla", "pallas"]
-_KNOWN = ("auto", "xla", "pallas")
+PayloadImplementation = Literal["auto", "xla", "pallas_triton"]
 
 #: A member's columns must be a multiple of some power of two ≥ 32 (the narrowest block row).
 _MIN_BLOCK_COLS = 32
@@ -183,7 +179,8 @@ def _select_kernel(slot_ref, denom_ref, pos_ref, s_ref, stack_in_ref, stack_ref,
         at_col = j * bc + jax.lax.broadcasted_iota(jnp.int32, (br, bc), 1)
     payload = (s_ref[...].astype(jnp.float32) / denom_ref[slot_ref[0] + k]).astype(
         stack_ref.dtype)
-    pltriton.store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload, mask=keep)
+    _dispatch.pallas_triton().store(stack_ref.at[slot_ref[0] + k, at_row, at_col], payload,
+                                    mask=keep)
 
 
 @functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
@@ -219,9 +216,7 @@ def _write_member(stack, slot, denoms, s, pos, *, total: int, part: tuple[int, i
         in_specs=[scalar, anywhere] + pos_spec + [blk] + ([] if fresh else [anywhere]),
         out_specs=anywhere,
         input_output_aliases={} if fresh else {len(operands): 0},
-        compiler_params=(None if pltriton is None
-                         else pltriton.CompilerParams(num_warps=config.num_warps,
-                                                      num_stages=1)),
+        compiler_params=_dispatch.triton_params(config.num_warps, interpret),
         interpret=interpret, name="stack_payloads",
     )(*operands, *([] if fresh else [stack]))
 
@@ -232,38 +227,13 @@ def _fresh_kernel(kernel, *refs):
     kernel(*refs[:-1], None, refs[-1])
 
 
-def _target() -> tuple[str, str]:
-    """``(platform, device kind)`` compiled for: an abstract mesh's device, else the default."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    device = abstract if abstract is not None else jax.devices()[0]
-    return device.platform, device.device_kind
-
-
-def _default_is_nvidia_gpu() -> bool:
-    platform, kind = _target()
-    return platform == "gpu" and "NVIDIA" in kind.upper() and pltriton is not None
-
-
-def resolve(implementation: str, fits: bool, needs: str, interpret: bool) -> str:
-    """``"xla"`` or ``"pallas"``: what an elementwise pass of this package runs for
-    ``implementation``. ``fits``: whether the kernel takes the shape (``needs`` says what it
-    needs, for the error).
-
-    Raises:
-      ValueError: for an unknown name, or ``"pallas"`` for a shape it does not take or off an
-        NVIDIA GPU (without ``interpret``). Nothing falls back silently.
-    """
-    if implementation not in _KNOWN:
-        raise ValueError(f"implementation must be one of {_KNOWN}, got {implementation=!r}")
-    gpu = _default_is_nvidia_gpu()
-    if implementation == "xla" or (implementation == "auto" and not (fits and gpu)):
-        return "xla"
-    if not fits:
-        raise ValueError(f"implementation='pallas' needs {needs}; use 'xla'")
-    if not (interpret or gpu):
-        raise ValueError(f"implementation='pallas' runs on NVIDIA GPUs with jax's Pallas Triton "
-                         f"lowering (or with interpret=True), not on {_target()[1]!r}; use 'xla'")
-    return "pallas"
+def resolve(op: str, implementation: str, fits: bool, needs: str, interpret: bool) -> str:
+    """``"xla"`` or ``"pallas_triton"``: what one of this package's elementwise passes runs
+    (:func:`pallas_kernels._dispatch.resolve`). ``"auto"`` takes the kernel where it runs: on an
+    NVIDIA GPU with a jax that still has Pallas' Triton lowering, for a shape it takes."""
+    return _dispatch.resolve(op, implementation, supported=("pallas_triton",),
+                             auto=("pallas_triton",), fits=fits, needs=needs,
+                             interpret=interpret, interpretable=("pallas_triton",))
 
 
 def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, out_dtype,
@@ -292,8 +262,9 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
         selected ones, so a consumer that pads its input to tile multiples finds it padded
         (the kernel writes the zero rows after its launches, or zeroes the whole stack first
         under ``padded``). None: ``pick``.
-      implementation: ``"pallas"`` (the kernel; NVIDIA GPUs, or ``interpret``), ``"xla"``, or
-        ``"auto"``: the kernel on an NVIDIA GPU when ``b`` is a multiple of 32, else XLA.
+      implementation: ``"pallas_triton"`` (the kernel; NVIDIA GPUs, or ``interpret``; its
+        columns ``b`` a multiple of 32), ``"xla"``, or ``"auto"``: the kernel where it runs
+        (an NVIDIA GPU, a jax with Pallas' Triton lowering, such columns), else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:
@@ -301,7 +272,7 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
       (``pick``) rows along ``row_axis``.
 
     Raises:
-      ValueError: for mismatched members, an unknown implementation, or ``"pallas"`` where it
+      ValueError: for mismatched members, an unknown implementation, or ``"pallas_triton"`` where it
         cannot run.
 
     Examples:
@@ -320,7 +291,8 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
     if pad_to is not None and pad_to > pick:
         rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
     needs = f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got ({a}, {b})"
-    if resolve(implementation, block_shape(a, b) is not None, needs, interpret) == "xla":
+    if resolve("stack_payloads", implementation, block_shape(a, b) is not None, needs,
+               interpret) == "xla":
         return stack_payloads_reference(sums, denoms, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
     return _stack_with_kernel(sums, denoms, out_dtype=out_dtype, rows=rows, row_axis=row_axis,

@@ -10,11 +10,13 @@ pass (so that it did not have to write the momentum a second time). Writing ``S`
 moves four full arrays through memory (``M``, ``G`` and ``S`` here, ``S`` in the payload pass)
 instead of five.
 
-- ``"pallas"``: a Pallas kernel (its Triton lowering, part of jax; NVIDIA GPUs). One program per
-  chunk of a strip of rows (of columns, when the rows lie along the minor axis): it walks its
-  chunk in blocks, writes ``S`` in place of ``M`` (``input_output_aliases``) and keeps the sums
-  in registers; the chunks' partial sums are added after the launch. Chunks give one matrix
-  enough programs to keep the GPU's memory system busy (the step launches once per matrix).
+- ``"pallas_triton"``: a Pallas kernel through Pallas' Triton lowering (NVIDIA GPUs), which jax
+  0.11 deprecates (``"auto"`` takes it only where the lowering exists; see
+  :mod:`pallas_kernels._payload`). One program per chunk of a strip of rows (of
+  columns, when the rows lie along the minor axis): it walks its chunk in blocks, writes ``S`` in
+  place of ``M`` (``input_output_aliases``) and keeps the sums in registers; the chunks' partial
+  sums are added after the launch. Chunks give one matrix enough programs to keep the GPU's
+  memory system busy (the step launches once per matrix).
 - ``"xla"``: :func:`accumulate_rows_reference`, plain jnp.
 
 The squares are of ``S·2⁻³²`` (overflow-safe, as ``dion3_jax``'s norms take them).
@@ -33,14 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-try:  # Pallas' Triton lowering: deprecated in jax 0.11 (see pallas_kernels._payload)
-    from jax.experimental.pallas import triton as pltriton
-except ImportError:  # pragma: no cover - a jax without it: "auto" resolves to XLA
-    pltriton = None
+from pallas_kernels import _dispatch, _payload
 
-from pallas_kernels import _payload
-
-RowStatsImplementation = Literal["auto", "xla", "pallas"]
+RowStatsImplementation = Literal["auto", "xla", "pallas_triton"]
 _DOWN = 2.0 ** -32
 
 
@@ -61,9 +58,9 @@ class RowStatsConfig(NamedTuple):
 
 
 #: Per row axis: rows along axis 2 (columns of memory) take 64-column strips in chunks of 128
-#: rows walked 32 at a time (the fastest of eight on the 7B-shapes groups, docs/BENCHMARKS.md
-#: session 19); rows along axis 1 take 8-row strips in chunks of 2048 columns walked 512 at a
-#: time.
+#: rows walked 32 at a time (the fastest of eight on the 7B-shapes groups,
+#: ``benchmarks/bench_payload.py``); rows along axis 1 take 8-row strips in chunks of 2048
+#: columns walked 512 at a time.
 CONFIGS = {2: RowStatsConfig(strip=64, step=32, chunk=128),
            1: RowStatsConfig(strip=8, step=512, chunk=2048)}
 #: The narrowest strip (axis 2) or step (axis 1) the kernel takes: 16 float32 columns, 64 bytes.
@@ -163,9 +160,7 @@ def _launch(m, g, d, *, row_axis: int, interpret: bool, config: RowStatsConfig):
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype), partial, partial),
         grid=(b, n // strip, summed // chunk), in_specs=[vec, whole, whole],
         out_specs=(whole, part, part), input_output_aliases={1: 0},
-        compiler_params=(None if pltriton is None
-                         else pltriton.CompilerParams(num_warps=config.num_warps,
-                                                      num_stages=1)),
+        compiler_params=_dispatch.triton_params(config.num_warps, interpret),
         interpret=interpret, name="accumulate_rows",
     )(d.astype(jnp.float32), m, g)
     return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
@@ -195,8 +190,8 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       g: gradients shaped like ``m`` (any floating dtype).
       scale: ``(batch, n)`` per-row factors ``d`` (``n = m.shape[row_axis]``).
       row_axis: the axis of the rows (1 or 2).
-      implementation: ``"pallas"`` (the kernel; NVIDIA GPUs, or ``interpret``), ``"xla"``, or
-        ``"auto"``: the kernel on an NVIDIA GPU where the shape fits it, else XLA.
+      implementation: ``"pallas_triton"`` (the kernel; NVIDIA GPUs, or ``interpret``; a shape
+        it takes), ``"xla"``, or ``"auto"``: the kernel where it runs, else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:
@@ -204,7 +199,7 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       arrays of ``Σ_j |S_ij|`` and ``Σ_j (S_ij·2⁻³²)²`` per row ``i``.
 
     Raises:
-      ValueError: for mismatched shapes, an unknown implementation, or ``"pallas"`` where it
+      ValueError: for mismatched shapes, an unknown implementation, or ``"pallas_triton"`` where it
         cannot run.
 
     Examples:
@@ -220,7 +215,7 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
     needs = (f"a minor axis with a power-of-two divisor of at least {_MIN_MINOR}, got "
              f"{m.shape[1:]} (row_axis={row_axis})")
     fits = blocks(m.shape[1:], row_axis) is not None
-    if _payload.resolve(implementation, fits, needs, interpret) == "xla":
+    if _payload.resolve("accumulate_rows", implementation, fits, needs, interpret) == "xla":
         return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
     return _launch(m, g, scale, row_axis=row_axis, interpret=interpret,
                    config=CONFIGS[row_axis])

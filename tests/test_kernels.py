@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
-from pallas_kernels import _api
+from pallas_kernels import _api, _dispatch
 
 
 #: Every run draws fresh inputs: ``fresh_key(i)`` is ``jax.random.key(SEED + i)`` (printed with
@@ -206,26 +206,28 @@ def test_unknown_implementation_raises():
     with pytest.raises(ValueError, match="implementation must be one of"):
         pallas_kernels.syrk(x, implementation="cublas")
     with pytest.raises(ValueError, match="implementation must be one of"):
-        pallas_kernels.sym_matmul(x, x, implementation="pallas")
+        pallas_kernels.sym_matmul(x, x, implementation="triton")
+    with pytest.raises(ValueError, match="has no 'pallas_triton' kernel"):
+        pallas_kernels.sym_matmul(x, x, implementation="pallas_triton")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU fallbacks")
 def test_named_kernels_raise_on_cpu():
     x = jnp.ones((256, 256), jnp.float16)
-    for impl in ("mosaic", "triton"):
-        with pytest.raises(ValueError, match="cannot run on the default device"):
+    for impl in ("mosaic", "jax_triton"):
+        with pytest.raises(ValueError, match="the target is 'cpu'"):
             pallas_kernels.syrk(x, implementation=impl)
-        with pytest.raises(ValueError, match="cannot run on the default device"):
+        with pytest.raises(ValueError, match="the target is 'cpu'"):
             pallas_kernels.sym_matmul(x, x, implementation=impl)
 
 
 def test_triton_has_no_interpret_mode():
     x = jnp.ones((64, 64), jnp.float16)
     with pytest.raises(ValueError, match="no interpret mode"):
-        pallas_kernels.syrk(x, implementation="triton", interpret=True)
+        pallas_kernels.syrk(x, implementation="jax_triton", interpret=True)
 
 
-@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+@pytest.mark.parametrize("impl", ["mosaic", "jax_triton"])
 def test_kernels_reject_non_16_bit(impl):
     x = jnp.ones((64, 64), jnp.float32)
     with pytest.raises(ValueError, match="float16/bfloat16"):
@@ -238,15 +240,16 @@ def test_auto_resolution(monkeypatch):
     assert _api._work((32, 1024, 4096)) == 32 * 1024 * 1024 * 4096
     assert _api._work((8, 1024, 1024)) == big  # the f = 1/4 down projections (7B shapes)
     assert _api._resolve("xla", dtypes=f16, size=big, interpret=False) == "xla"
-    monkeypatch.setattr(_api, "available_implementations", lambda: ("xla",))
+    monkeypatch.setattr(_dispatch, "available_implementations", lambda: ("xla",))
     assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "xla"
-    monkeypatch.setattr(_api, "available_implementations", lambda: ("xla", "mosaic", "triton"))
-    monkeypatch.setattr(_api, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(_dispatch, "available_implementations",
+                        lambda: ("xla", "mosaic", "jax_triton"))
+    monkeypatch.setattr(_dispatch, "is_hopper", lambda device: True)
     assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "mosaic"
     assert _api._resolve("auto", dtypes=f16, size=big - 1, interpret=False) == "xla"
     assert _api._resolve("auto", dtypes=(jnp.float32,), size=big, interpret=False) == "xla"
-    monkeypatch.setattr(_api, "_is_hopper", lambda device: False)
-    assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "triton"
+    monkeypatch.setattr(_dispatch, "is_hopper", lambda device: False)
+    assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "jax_triton"
 
 
 def test_mosaic_products_of_one_shape_share_a_kernel():

@@ -59,7 +59,7 @@ class GpuSuite(base.KernelSuite):
                                       for al, be in scales])
         text = fn.trace(a, b, c).lower().as_text()
         target = {"mosaic": "custom_call @mosaic_gpu",
-                  "triton": "custom_call @triton_kernel_call"}[self.IMPLEMENTATION]
+                  "jax_triton": "custom_call @triton_kernel_call"}[self.IMPLEMENTATION]
         assert text.count(target) == 1, text.count(target)
         for out, (al, be) in zip(fn(a, b, c), scales):
             _, _, _, ref = base.commuting_inputs(base.fresh_key(13), (), 384, jnp.float16, al, be)
@@ -107,9 +107,9 @@ class TestMosaicGpu(GpuSuite):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif("triton" not in _AVAILABLE, reason="needs an NVIDIA GPU and jax-triton")
+@pytest.mark.skipif("jax_triton" not in _AVAILABLE, reason="needs an NVIDIA GPU and jax-triton")
 class TestTritonGpu(GpuSuite):
-    IMPLEMENTATION = "triton"
+    IMPLEMENTATION = "jax_triton"
 
 
 def gram_ns_errors(impl: str, shape, seed: int = 0):
@@ -128,7 +128,7 @@ def gram_ns_errors(impl: str, shape, seed: int = 0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", [i for i in ("mosaic", "triton") if i in _AVAILABLE] or
+@pytest.mark.parametrize("impl", [i for i in ("mosaic", "jax_triton") if i in _AVAILABLE] or
                          [pytest.param("mosaic", marks=pytest.mark.skip(reason="needs a GPU"))])
 @pytest.mark.parametrize("shape", [(1024, 4096), (3, 512, 1536), (4096, 1024)])
 def test_gram_ns_with_kernels_agrees_with_xla(impl, shape):
@@ -177,10 +177,10 @@ def _payload_inputs(rng, batches, shape):
 
 
 def _check_against_xla(run):
-    """``run(implementation)`` with "pallas" against "xla": payloads finite and within one
+    """``run(implementation)`` with "pallas_triton" against "xla": payloads finite and within one
     float16 rounding. Returns the share of payload entries bitwise equal and the kernel's stack
     (float32)."""
-    g, w = np.asarray(run("pallas"), np.float32), np.asarray(run("xla"), np.float32)
+    g, w = np.asarray(run("pallas_triton"), np.float32), np.asarray(run("xla"), np.float32)
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
     return float(np.mean(g == w)), g
@@ -244,7 +244,7 @@ def test_statistics_kernel_agrees_with_float64(row_axis, shape, dtype):
     want = jax.jit(lambda *a: pallas_kernels.accumulate_rows_reference(*a, row_axis=row_axis))(
         m, g, d)
     s, l1, sq = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation="pallas"), donate_argnums=0)(m + 0, g, d)
+        *a, row_axis=row_axis, implementation="pallas_triton"), donate_argnums=0)(m + 0, g, d)
     # S within one rounding of the reference's (either may contract d·M + G into an FMA).
     dm = np.expand_dims(np.asarray(d, np.float64), 3 - row_axis) * np.asarray(m, np.float64)
     bound = (2.0 ** -23 + float(jnp.finfo(dtype).eps)) * (abs(dm) + abs(np.asarray(g, np.float64)))

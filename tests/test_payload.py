@@ -52,7 +52,7 @@ def test_kernel_interpreted_equals_reference_bitwise(batches, rows, cols, dtype)
     sums, ds = _members(np.random.randint(1 << 30), batches, rows, cols, dtype)
     want = jax.jit(functools.partial(stack_payloads_reference, out_dtype=jnp.float16))(sums, ds)
     got = jax.jit(functools.partial(stack_payloads, out_dtype=jnp.float16,
-                                    implementation="pallas", interpret=True))(sums, ds)
+                                    implementation="pallas_triton", interpret=True))(sums, ds)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -106,7 +106,7 @@ def test_selected_rows_kernel_interpreted_equals_reference_bitwise(row_axis, sha
     run = lambda impl: jax.jit(functools.partial(  # noqa: E731
         stack_payloads, out_dtype=jnp.float16, row_axis=row_axis, padded=padded,
         implementation=impl, interpret=True))(sums, ds, rows=rows)
-    np.testing.assert_array_equal(np.asarray(run("pallas")), np.asarray(run("xla")))
+    np.testing.assert_array_equal(np.asarray(run("pallas_triton")), np.asarray(run("xla")))
 
 
 @pytest.mark.parametrize("row_axis,padded", [(1, False), (2, False), (2, True)])
@@ -123,7 +123,7 @@ def test_pad_to_appends_zero_rows(row_axis, padded):
         stack_payloads, out_dtype=jnp.float16, row_axis=row_axis, padded=padded,
         pad_to=pad_to, implementation=impl, interpret=True))(sums, ds, rows=rows)
     plain = run("xla", None)
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", "pallas_triton"):
         stack = run(impl, pick + 7)
         assert stack.shape[row_axis] == pick + 7
         head, tail = np.split(np.asarray(stack), [pick], axis=row_axis)
@@ -172,10 +172,10 @@ def test_bad_input_raises():
         stack_payloads(sums, ds[:1], out_dtype=f16)
     narrow = _members(0, [1], 8, 20)
     with pytest.raises(ValueError, match=r"multiple of 32, got \(8, 20\)"):
-        stack_payloads(*narrow, out_dtype=f16, implementation="pallas", interpret=True)
+        stack_payloads(*narrow, out_dtype=f16, implementation="pallas_triton", interpret=True)
     if jax.default_backend() == "cpu":
-        with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
-            stack_payloads(sums, ds, out_dtype=f16, implementation="pallas")
+        with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+            stack_payloads(sums, ds, out_dtype=f16, implementation="pallas_triton")
     rows = [jnp.zeros((1, 2), jnp.int32), jnp.zeros((2, 2), jnp.int32)]
     with pytest.raises(ValueError, match="row_axis must be 1 or 2, got 0"):
         stack_payloads(sums, ds, out_dtype=f16, rows=rows, row_axis=0)
@@ -196,7 +196,7 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
                         abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     fn = jax.jit(functools.partial(stack_payloads, out_dtype=jnp.float16,
-                                   implementation="pallas", interpret=False))
+                                   implementation="pallas_triton", interpret=False))
     for rows, cols in ((4096, 11008), (11008, 4096)):
         with use_abstract_mesh(mesh):
             text = fn.trace([f32(1, rows, cols)] * 3, [f32(1)] * 3).lower(
@@ -204,7 +204,7 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
         assert text.count("stack_payloads") >= 3, text[:2000]
         rows = [jax.ShapeDtypeStruct((1, 1376), jnp.int32)] * 2
         fn = jax.jit(functools.partial(stack_payloads, out_dtype=jnp.float16, row_axis=2,
-                                       implementation="pallas", interpret=False))
+                                       implementation="pallas_triton", interpret=False))
         with use_abstract_mesh(mesh):
             text = fn.trace([f32(1, 4096, 5504)] * 2, [f32(1)] * 2, rows=rows).lower(
                 lowering_platforms=("cuda",)).as_text()
@@ -270,7 +270,7 @@ def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_
 
     def kernel(*args, **kwargs):
         calls.append(kwargs["rows"] is None)
-        return original(*args, **{**kwargs, "implementation": "pallas", "interpret": True})
+        return original(*args, **{**kwargs, "implementation": "pallas_triton", "interpret": True})
 
     monkeypatch.setattr(_step.pallas_kernels, "stack_payloads", kernel)
     got = run()
@@ -309,7 +309,7 @@ def test_step_with_a_padded_stack_equals_the_step_without(monkeypatch, kernel, s
 
     def spy(*args, **kwargs):
         pads.append((kwargs["pad_to"], kwargs["rows"][0].shape[1]))
-        extra = {"implementation": "pallas", "interpret": True} if kernel else {}
+        extra = {"implementation": "pallas_triton", "interpret": True} if kernel else {}
         return original(*args, **{**kwargs, **extra})
 
     monkeypatch.setattr(_step.pallas_kernels, "stack_payloads", spy)

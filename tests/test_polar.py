@@ -160,13 +160,13 @@ def test_padding_to_kernel_tiles_is_exact(method, shape):
 
 def test_padding_multiples_follow_the_backend(monkeypatch):
     import pallas_kernels
-    from pallas_kernels import _api
+    from pallas_kernels import _dispatch
     from pallas_kernels._mosaic import MosaicConfig
     from pallas_kernels._triton import TritonConfig
 
     assert pallas_kernels.padding_multiples((4096, 16384), jnp.float16, "xla") is None
-    monkeypatch.setattr(_api, "available_implementations", lambda: ("xla", "mosaic"))
-    monkeypatch.setattr(_api, "_is_hopper", lambda device: True)
+    monkeypatch.setattr(_dispatch, "available_implementations", lambda: ("xla", "mosaic"))
+    monkeypatch.setattr(_dispatch, "is_hopper", lambda device: True)
     assert pallas_kernels.padding_multiples((4096, 16384), jnp.float16) == (128, 64)
     assert pallas_kernels.padding_multiples((100, 300), jnp.float16) is None  # small: XLA
     assert pallas_kernels.padding_multiples((4096, 16384), jnp.float32) is None

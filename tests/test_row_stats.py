@@ -76,7 +76,7 @@ def test_kernel_interpreted_matches_reference(row_axis, shape):
     narrower than the configured ones."""
     m, g, d = _inputs(np.random.randint(1 << 30), shape, row_axis, g_dtype=jnp.bfloat16)
     want = accumulate_rows_reference(m, g, d, row_axis=row_axis)
-    got = jax.jit(functools.partial(accumulate_rows, row_axis=row_axis, implementation="pallas",
+    got = jax.jit(functools.partial(accumulate_rows, row_axis=row_axis, implementation="pallas_triton",
                                     interpret=True))(m, g, d)
     _assert_within_one_rounding(got[0], m, g, d, row_axis, want[0])
     count = shape[3 - row_axis]
@@ -124,10 +124,10 @@ def test_bad_input_raises():
         accumulate_rows(m, g.astype(jnp.int32), d, row_axis=2)
     with pytest.raises(ValueError, match=r"power-of-two divisor of at least 16, got \(8, 20\)"):
         accumulate_rows(m[:, :, :20], g[:, :, :20], d[:, :20], row_axis=2,
-                        implementation="pallas", interpret=True)
+                        implementation="pallas_triton", interpret=True)
     if jax.default_backend() == "cpu":
-        with pytest.raises(ValueError, match="runs on NVIDIA GPUs"):
-            accumulate_rows(m, g, d, row_axis=2, implementation="pallas")
+        with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+            accumulate_rows(m, g, d, row_axis=2, implementation="pallas_triton")
 
 
 def test_kernel_lowers_for_h200_at_benchmark_shapes():
@@ -137,7 +137,7 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     for row_axis, shape in ((2, (2, 4096, 11008)), (1, (2, 11008, 4096))):
         fn = jax.jit(functools.partial(accumulate_rows, row_axis=row_axis,
-                                       implementation="pallas"))
+                                       implementation="pallas_triton"))
         with use_abstract_mesh(mesh):
             text = fn.trace(f32(*shape), f32(*shape), f32(shape[0], shape[row_axis])).lower(
                 lowering_platforms=("cuda",)).as_text()
@@ -174,7 +174,7 @@ def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
 
     def kernel(*args, **kwargs):
         calls.append(kwargs["row_axis"])
-        return original(*args, **{**kwargs, "implementation": "pallas", "interpret": True})
+        return original(*args, **{**kwargs, "implementation": "pallas_triton", "interpret": True})
 
     monkeypatch.setattr(_step.pallas_kernels, "accumulate_rows", kernel)
     got = run()
