@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment in .venv with a Python >= 3.12
-# and the pinned stack that matches the GPU machine (jax 0.11.2 & co.).
-# Usage: source scripts/setup_env.sh   (or: bash scripts/setup_env.sh)
+# Create (or reuse) a virtual environment with a Python >= 3.12 and one end of the tested
+# version range, pinned exactly:
+#   bash scripts/setup_env.sh           # .venv: the lower end, requirements-ci.txt (jax 0.11.2)
+#   bash scripts/setup_env.sh latest    # .venv-latest: the upper end, requirements-ci-latest.txt
+# DION3_VENV overrides the environment's folder.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${DION3_VENV:-$ROOT/.venv}"
+case "${1:-lower}" in
+  lower) REQS="$ROOT/requirements-ci.txt"; DEFAULT_VENV="$ROOT/.venv" ;;
+  latest) REQS="$ROOT/requirements-ci-latest.txt"; DEFAULT_VENV="$ROOT/.venv-latest" ;;
+  *) echo "setup_env: unknown stack '$1' (lower or latest)" >&2; exit 2 ;;
+esac
+VENV="${DION3_VENV:-$DEFAULT_VENV}"
 
 find_python() {
   local c v
@@ -34,9 +41,9 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; sys.exit(
   "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.dion3_installed"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/requirements-ci.txt" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$REQS" -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements-ci.txt"
+  "$VENV/bin/python" -m pip install -q -r "$REQS"
   "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
   touch "$STAMP"
 fi
