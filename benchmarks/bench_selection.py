@@ -4,8 +4,8 @@ The optimizer step gathers the selected rows ``M[I]`` of each matrix, orthogonal
 ``(k, C)`` block (rows leading, as the polar wants a wide matrix) and writes two results back at
 the same rows: ``M[I] ← μ·S`` and the update ``U[I] = D``. In Flax's ``(in, out)`` layout the
 selected rows are the *minor* axis, and on the H200 the write-back of ``U`` measured 0.52 ms for a
-4096×11008 float32 matrix (~350 GB/s; ``docs/BENCHMARKS.md``, "Optimizer step"). This script times
-alternatives on the 7B shapes so that one GPU call can pick the fastest; every variant is checked
+4096×11008 float32 matrix (~350 GB/s). This script times
+alternatives on the 7B shapes so that one GPU run can pick the fastest; every variant is checked
 against the scatter-based reference first.
 
 Variants of the write-back of ``U`` (``d``: the ``(k, C)`` rows-major result):

@@ -544,6 +544,12 @@ def load_runs(path: str, planner: Planner | None = None) -> int:
     return count
 
 
+def _where(path: str) -> str:
+    """``path`` relative to the working directory when it lies inside it, else as it is."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def _meta(args, trainer) -> dict:
     import jax
 
@@ -555,7 +561,7 @@ def _meta(args, trainer) -> dict:
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         device=f"{dev.platform}: {dev.device_kind}", n_devices=jax.device_count(),
         host=platform.node(), python=platform.python_version(), jax=jax.__version__,
-        dion3_jax=os.path.dirname(dion3_jax.__file__),
+        dion3_jax=_where(os.path.dirname(dion3_jax.__file__)),
         params=trainer.n_params, data=trainer.data_info, max_steps=trainer.max_steps,
         model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads,
                    seq_len=args.seq_len, batch=args.batch, compute_dtype=args.compute_dtype),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 5 in one command: the distributed Dion3 tests and the FSDP step benchmark on a machine
-# with several GPUs (device kinds nvidia-h200-x2 / -x4 / -x8). Ends within 540 s.
+# The distributed Dion3 tests and the FSDP step benchmark in one command, on a machine with
+# several NVIDIA GPUs of one host (2, 4 or 8). Ends within 540 s.
 #
 #   bash scripts/gpu_multi.sh              # on the GPU machine, repo root as cwd (not installed:
 #                                          # PYTHONPATH=. is set here), python3 with jax[cuda]
@@ -8,7 +8,7 @@
 #   bash scripts/gpu_multi.sh --cpu-smoke 2  # a rehearsal of a 2-GPU run: the whole test files
 #                                            # and the benchmark on 2 simulated devices (~3 min)
 #
-# Writes to $OUT (else runs/gpu_multi_<UTC time>/): info.txt (nvidia-smi, jax.devices()),
+# Writes to $DION3_OUT (default runs/gpu_multi_<UTC time>/): info.txt (nvidia-smi, jax.devices()),
 # pytest.log + junit.xml (tests/test_distributed.py, tests/test_replica_sync.py on the GPUs:
 # DION3_TEST_PLATFORM=gpu), bench.log (benchmarks/bench_step.py --fsdp: AdamW, optax muon,
 # Dion3 f ∈ {1, 1/4}, megabatching on and off; per step: ms, collectives, bytes moved).
@@ -18,7 +18,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-# NVLink multicast stays off (device README / KINDS.md): it can take the shared host's GPUs down.
+# NVLink multicast (NVLS) stays off, as in every multi-GPU measurement of docs/BENCHMARKS.md.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
@@ -57,7 +57,7 @@ else
   BENCH=(--reps 5 --compile-workers 8 --show-collectives)
 fi
 
-DEST=${OUT:-runs/gpu_multi_$(date -u +%Y%m%dT%H%M%SZ)}
+DEST=${DION3_OUT:-runs/gpu_multi_$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$DEST"
 echo "# gpu_multi.sh: writing to $DEST (smoke=$SMOKE)"
 START=$SECONDS

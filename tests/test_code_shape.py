@@ -1,5 +1,6 @@
 """The library's shape rules, checked on the source: short functions, no import cycles, no
-trace-time switches, nothing that points outside the repository."""
+trace-time switches, and no tracked file that points outside the repository or names the place
+it was made (session or run ids, machine kinds, machine paths)."""
 
 from __future__ import annotations
 
@@ -84,11 +85,56 @@ def test_no_trace_time_switches_in_the_library(path):
     assert "contextvars" not in path.read_text(), path
 
 
-def test_no_tracked_file_points_outside_the_repository():
-    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split()
-    pattern = re.compile(r"DESIGN\.md|METHOD\.md|\.\./shared")
-    bad = [f for f in files if f != "tests/test_code_shape.py" and (ROOT / f).suffix in (
-        ".py", ".md", ".sh", ".txt", ".toml", "") and (ROOT / f).is_file()
-        and pattern.search((ROOT / f).read_text(errors="ignore"))]
-    assert not bad, bad
+#: What ties a text to the place the project was made, or points outside the repository:
+#: (label, pattern, flags). Every tracked text file is scanned for each.
+PLACE_PATTERNS = [
+    ("a session number", r"\bsession \d", re.IGNORECASE),
+    ("a run id", r"\brun [A-Z]{1,2}\b", 0),
+    ("a machine kind", r"nvidia-h[12]00", re.IGNORECASE),
+    ("machine lending", r"\b(?:lent|lending)\b", re.IGNORECASE),
+    ("a tool's output variable", r"\$OUT\b", 0),
+    ("a side install in /tmp", r"/tmp/t?site", 0),
+    ("an absolute machine path", r"(?<![\w.~-])/(?:work|root|home)/", 0),
+    ("a document outside the repository", r"DESIGN\.md|METHOD\.md|\.\./shared", 0),
+]
+#: Files exempt from the scan, each with its reason (nothing else is).
+PLACE_ALLOWED = {
+    "tests/test_code_shape.py": "holds the patterns themselves",
+}
+#: Not text: skipped by suffix (any other file that does not decode as UTF-8 fails the scan).
+BINARY_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".npz", ".npy", ".gz", ".tgz", ".zip",
+                   ".whl", ".pdf", ".pkl")
+
+
+def _tracked_text_files() -> dict[str, str]:
+    """``{path: text}`` of every tracked file that is text, the allowed ones left out."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split("\0")
+    texts = {}
+    for f in files:
+        path = ROOT / f
+        if not f or f in PLACE_ALLOWED or f.endswith(BINARY_SUFFIXES) or not path.is_file():
+            continue
+        texts[f] = path.read_bytes().decode("utf-8")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def tracked_texts() -> dict[str, str]:
+    return _tracked_text_files()
+
+
+def test_the_scan_sees_the_repository(tracked_texts):
+    assert {"README.md", "docs/BENCHMARKS.md", "dion3_jax/__init__.py",
+            "scripts/gpu_multi.sh"} <= set(tracked_texts)
+
+
+@pytest.mark.parametrize("label, pattern, flags", PLACE_PATTERNS,
+                         ids=[p[0] for p in PLACE_PATTERNS])
+def test_no_tracked_file_names_the_place_it_was_made(tracked_texts, label, pattern, flags):
+    """The project speaks of itself only: no session or run ids, machine kinds, lending, tool
+    variables, machine paths, or documents outside the repository."""
+    regex = re.compile(pattern, flags)
+    bad = [f"{f}:{n}: {line.strip()[:120]}" for f, text in sorted(tracked_texts.items())
+           for n, line in enumerate(text.splitlines(), 1) if regex.search(line)]
+    assert not bad, f"{label} ({pattern}) in {len(bad)} lines:\n" + "\n".join(bad)

@@ -3,8 +3,8 @@
 jax-triton has no CPU path, so the ``@triton.jit`` kernel is launched directly on NumPy buffers in a
 subprocess (the interpreter must be chosen before triton is imported). The interpreter expects torch
 tensors; a small shim passes NumPy arrays instead. Skipped where the ``triton`` package is missing
-(CI); run locally with e.g. ``pip install --target /tmp/tsite triton==3.6.0`` and
-``TRITON_SITE=/tmp/tsite``.
+(CI); run locally with e.g. ``pip install --target DIR triton==3.6.0`` and ``TRITON_SITE=DIR``
+(any folder outside the environment).
 """
 
 import importlib.util

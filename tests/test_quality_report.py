@@ -12,9 +12,9 @@ pytest.importorskip("matplotlib")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RESULTS = "docs/quality/h200_results.jsonl"
 NOTES = "docs/quality/notes.md"
-#: The command docs/QUALITY.md quotes (the GPU call's, with the library copy on PYTHONPATH).
-COMMAND = ("PYTHONPATH=runs/quality_lib python3 examples/quality_study.py --out $OUT/study.jsonl "
-           "--time-budget 550 --compile-workers 8")
+#: The command docs/QUALITY.md quotes (the GPU run's, with the library copy on PYTHONPATH).
+COMMAND = ("PYTHONPATH=runs/quality_lib python3 examples/quality_study.py "
+           "--out runs/quality/study.jsonl --time-budget 550 --compile-workers 8")
 
 
 @pytest.fixture(scope="module")

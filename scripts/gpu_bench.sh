@@ -1,57 +1,64 @@
 #!/usr/bin/env bash
-# The single-H200 measurements in one device call (see docs/BENCHMARKS.md). Runs from the repo
-# root on the GPU machine, whose python3 has jax 0.11.2 but not this repo installed and no
-# jax-triton: carry the jax-triton 0.3.1 wheel in .whl/ (see docs/KERNELS.md) to include "triton".
+# The single-GPU measurements of docs/BENCHMARKS.md, each part time-boxed. Runs from the
+# repository root on an NVIDIA GPU machine whose python3 has jax with CUDA; the repository need
+# not be installed (it is put on PYTHONPATH). For the "triton" rows, put a jax-triton wheel in
+# $DION3_WHEELS (see docs/KERNELS.md); it is installed into $DION3_SITE.
 #
-#   bash scripts/gpu_session.sh kernels   # GPU kernel tests + kernel table with variants + polar
-#   bash scripts/gpu_session.sh step      # optimizer-step benchmark (7B shapes), all variants
-#   bash scripts/gpu_session.sh commits   # the step of an older commit against the working tree
-#   bash scripts/gpu_session.sh host      # device and host time per step, command buffers on/off
-#   bash scripts/gpu_session.sh payload   # the payload kernel's launch parameters, per shape group
-#   bash scripts/gpu_session.sh compile   # the step's GPU compile time against AdamW's (8 layers)
-#   bash scripts/gpu_session.sh step-gram profile kernels-table   # parts run in the given order
+#   bash scripts/gpu_bench.sh kernels   # GPU kernel tests + kernel table with variants + polar
+#   bash scripts/gpu_bench.sh step      # optimizer-step benchmark (7B shapes), all variants
+#   bash scripts/gpu_bench.sh commits   # the step of an older commit against the working tree
+#   bash scripts/gpu_bench.sh host      # device and host time per step, command buffers on/off
+#   bash scripts/gpu_bench.sh payload   # the payload kernel's launch parameters, per shape group
+#   bash scripts/gpu_bench.sh compile   # the step's GPU compile time against AdamW's (8 layers)
+#   bash scripts/gpu_bench.sh step-gram profile kernels-table   # parts run in the given order
 #
-#   bash scripts/gpu_session.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
+#   bash scripts/gpu_bench.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
 #       first list of parts on GPU 0 and the second on GPU 1 at the same time (each process sees
-#       one GPU); their logs in $OUT/gpu0.log, $OUT/gpu1.log, every file in $OUT/logs.tgz
+#       one GPU); their logs in $DION3_OUT/gpu0.log, $DION3_OUT/gpu1.log, every file packed in
+#       $DION3_OUT/logs.tgz
 #
-# Each part is time-boxed (see below); logs and tables go to $OUT (or runs/gpu_session/).
+# Environment:
+#   DION3_OUT     where logs and tables go (default runs/gpu_bench)
+#   DION3_WHEELS  a folder of wheels to install without an index (default .whl; optional)
+#   DION3_SITE    where those wheels are installed (default runs/site)
 set -uo pipefail
 [ $# -gt 0 ] || set -- kernels
-OUT="${OUT:-runs/gpu_session}"
-mkdir -p "$OUT"
+DEST="${DION3_OUT:-runs/gpu_bench}"
+WHEELS="${DION3_WHEELS:-.whl}"
+SITE="${DION3_SITE:-runs/site}"
+mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/jax_triton ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl
+if ls "$WHEELS"/*.whl >/dev/null 2>&1 && [ ! -d "$SITE/jax_triton" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    "$WHEELS"/*.whl
 fi
-[ -d /tmp/site/jax_triton ] && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+[ -d "$SITE/jax_triton" ] && export PYTHONPATH="$(cd "$SITE" && pwd):$PYTHONPATH"
 
 if [ "$1" = --split ]; then
-  [ $# -eq 3 ] || { echo 'usage: gpu_session.sh --split "PARTS for GPU 0" "PARTS for GPU 1"'; exit 2; }
-  root=$(mktemp -d)  # (the device tool brings back at most 8 files: the logs travel packed)
+  [ $# -eq 3 ] || { echo 'usage: gpu_bench.sh --split "PARTS for GPU 0" "PARTS for GPU 1"'; exit 2; }
+  root=$(mktemp -d)  # the two halves' files, packed into one archive at the end
   # shellcheck disable=SC2086  # each list is split into its parts on purpose
-  CUDA_VISIBLE_DEVICES=0 OUT="$root/gpu0" bash "$0" $2 > "$root/gpu0.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 DION3_OUT="$root/gpu0" bash "$0" $2 > "$root/gpu0.log" 2>&1 &
   p0=$!
   # shellcheck disable=SC2086
-  CUDA_VISIBLE_DEVICES=1 OUT="$root/gpu1" bash "$0" $3 > "$root/gpu1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 DION3_OUT="$root/gpu1" bash "$0" $3 > "$root/gpu1.log" 2>&1 &
   p1=$!
   wait $p0; rc0=$?
   wait $p1; rc1=$?
-  tar czf "$OUT/logs.tgz" -C "$root" gpu0 gpu1 gpu0.log gpu1.log
-  cp "$root/gpu0.log" "$root/gpu1.log" "$OUT/"
+  tar czf "$DEST/logs.tgz" -C "$root" gpu0 gpu1 gpu0.log gpu1.log
+  cp "$root/gpu0.log" "$root/gpu1.log" "$DEST/"
   grep -h -E '^== |^\| |passed|failed' "$root/gpu0.log" "$root/gpu1.log" | tail -c 11000
   echo "GPU 0 ($2) rc=$rc0; GPU 1 ($3) rc=$rc1"
   exit $((rc0 || rc1))
 fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import jax, pallas_kernels; print(jax.__version__, jax.devices(), pallas_kernels.available_implementations())" | tee -a "$OUT/gpu.txt"
-date -u | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$DEST/gpu.txt"
+python3 -c "import jax, pallas_kernels; print(jax.__version__, jax.devices(), pallas_kernels.available_implementations())" | tee -a "$DEST/gpu.txt"
+date -u | tee -a "$DEST/gpu.txt"
 
-run() {  # run NAME SECONDS CMD...: time-boxed, logged to $OUT/NAME.txt
+run() {  # run NAME SECONDS CMD...: time-boxed, logged to $DION3_OUT/NAME.txt
   local name=$1 secs=$2; shift 2
   echo "== $name (limit ${secs}s): $*"
-  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.txt"
+  timeout "$secs" "$@" 2>&1 | tee "$DEST/$name.txt"
   echo "== $name rc=${PIPESTATUS[0]}"
 }
 
@@ -60,11 +67,11 @@ case "$PART" in
   kernels)  # GPU kernel tests, kernel table with the pipeline-depth variants, polar per backend.
     run kernel_tests 290 python3 -m pytest -q -rs tests/test_kernels_gpu.py
     run bench_kernels 280 python3 benchmarks/bench_kernels.py --polar --reps 20 --variants \
-      --json "$OUT/bench_kernels.jsonl"
+      --json "$DEST/bench_kernels.jsonl"
     ;;
   kernels-table)  # The kernel table with the default configurations only, polar per backend.
     run bench_kernels 150 python3 benchmarks/bench_kernels.py --polar --reps 20 \
-      --json "$OUT/bench_kernels.jsonl"
+      --json "$DEST/bench_kernels.jsonl"
     ;;
   polar-test)  # Gram NS through the kernels against XLA's (the last GPU test, on its own).
     run polar_tests 90 python3 -m pytest -q -rs tests/test_kernels_gpu.py -k gram_ns
