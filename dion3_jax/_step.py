@@ -670,13 +670,15 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, fact
 
 
 def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
-    """The scaled directions written into zero updates (selected rows only); blocks → leaves."""
+    """The scaled directions written into zero updates (selected rows only); blocks → leaves,
+    in :func:`_rules.update_dtype` of each gradient (float32 for 16-bit leaves)."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
         d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
         ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
             d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
-    return _leaves(plan, ublk, grads)
+    return _leaves(plan, ublk, [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
+                                for g in grads])
 
 
 def _leaves(plan: Plan, blocks: Blocks | None, like) -> list[jax.Array]:
