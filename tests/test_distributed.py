@@ -222,8 +222,7 @@ def test_bfloat16_sharded_equals_single_device():
     update as the single-device one is.
 
     Both are bf16 approximations of the same update, and they differ from each other by bf16
-    rounding: the assembled matrix of a global-scope segment is zero-padded, so its products
-    have other sizes (on GPUs, other GEMM kernels too). So the yardstick is each one's distance
+    rounding: the devices' sums (norms, NorMuon's statistics) add in other orders. So the yardstick is each one's distance
     from the exact update (float32 everything, Newton-Schulz in float32 at "highest" matmul
     precision): per leaf, the sharded distance is at most twice the single-device one (max and
     mean), plus one bf16 ulp at unit scale (2^-8) for the output rounding. A misplaced row or a
