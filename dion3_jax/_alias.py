@@ -82,6 +82,11 @@ def dion3(
     learning rate: ``W ← W − lr·(wd·W + scale·D)`` on the selected rows, ``W ← W − lr·wd·W``
     elsewhere. Other leaves get ``optax.adamw`` (or ``optax.lion``).
 
+    The matrices' updates are float32 for 16-bit (bfloat16, float16) parameters and already
+    hold the decay and the learning rate, both computed in float32; ``optax.apply_updates`` adds
+    them to the parameter in float32 and rounds once: ``W_new`` is the 16-bit rounding of the
+    float32 value ``(1 − lr·wd)·W − lr·scale·D``. Updates of float32 parameters are float32.
+
     .. warning::
       Embeddings and the LM head (unembedding) are 2-D but must not be orthogonalized. The
       default labels send leaves whose path matches :data:`DEFAULT_SCALAR_PATTERN` (``embed``,
@@ -136,7 +141,7 @@ def dion3(
                        split_sizes=split_sizes, mu_dtype=mu_dtype,
                        orthogonalizer=orthogonalizer, mesh_options=mesh_options,
                        pass_implementation=pass_implementation),
-        optax.add_decayed_weights(weight_decay, weight_decay_mask),
+        _with_params_in_update_dtype(optax.add_decayed_weights(weight_decay, weight_decay_mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
     scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
@@ -151,6 +156,22 @@ def dion3(
             return default_param_labels(params, dimension_numbers)
     return _committed_counts(
         optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels))
+
+
+def _with_params_in_update_dtype(tx: optax.GradientTransformation
+                                 ) -> optax.GradientTransformation:
+    """``tx`` that sees each parameter cast to its update's dtype.
+
+    The matrices' updates are float32 for 16-bit parameters (:func:`scale_by_dion3`), so the
+    weight decay ``wd·W`` is then computed in float32 too (``optax.add_decayed_weights`` alone
+    would round it to the parameter's dtype first). A no-op for float32 parameters.
+    """
+    def update_fn(updates, state, params=None):
+        if params is not None:
+            params = jax.tree.map(lambda u, p: p.astype(u.dtype), updates, params)
+        return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, update_fn)
 
 
 def _replicated_like(params):

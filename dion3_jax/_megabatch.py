@@ -44,6 +44,9 @@ class GroupKey(NamedTuple):
       shape: the payload's (rows, cols) on the sending device, in the orientation the
         orthogonalizer gets (the leaf's own, or wide for one that takes only wide matrices).
       dtype: the payload dtype.
+      kept: ``"all_to_all"`` of global-scope row shards: the rows of the assembled matrix that
+        the orthogonalizer gets, the ``k`` selected ones in order (every device sends
+        ``min(k, rows per device)``, the rest zero padding); 0: all of them.
     """
 
     route: Route
@@ -51,6 +54,7 @@ class GroupKey(NamedTuple):
     concat_axis: int
     shape: tuple[int, int]
     dtype: jnp.dtype
+    kept: int = 0
 
 
 def _pad_count(x: jax.Array, multiple: int) -> jax.Array:
@@ -70,8 +74,42 @@ def checked(orthogonalize, x):
     return y
 
 
+def _kept_rows(counts: jax.Array, sent: int, kept: int):
+    """Where the ``kept`` selected rows lie in assembled matrices of ``W`` pieces of ``sent``
+    rows, piece ``d`` holding ``counts[:, d]`` of them first (in order), and the inverse.
+
+    Returns:
+      ``(slots, sources, keep)``: ``(per, kept)``, the assembled row of each kept row;
+      ``(per, W·sent)``, the kept row each assembled row takes and whether it takes one.
+    """
+    w = counts.shape[1]
+    ends = jnp.cumsum(counts, axis=1)
+    starts = ends - counts
+    p = jnp.arange(kept, dtype=counts.dtype)
+    piece = jnp.minimum(jnp.sum(ends[:, None, :] <= p[None, :, None], axis=2), w - 1)
+    slots = piece * sent + p - jnp.take_along_axis(starts, piece, axis=1)
+    t = jnp.arange(w * sent, dtype=counts.dtype)
+    within = t % sent
+    sources = starts[:, t // sent] + within
+    keep = within < counts[:, t // sent]
+    return jnp.clip(slots, 0, w * sent - 1), jnp.minimum(sources, kept - 1), keep
+
+
+def kept_rows(x: jax.Array, counts: jax.Array, kept: int) -> jax.Array:
+    """``(batch, kept)``: the entries of ``x`` (``(batch, W·sent)``: ``W`` pieces of ``sent``,
+    piece ``d`` holding ``counts[:, d]`` kept entries first) that are kept, in order."""
+    sent = x.shape[1] // counts.shape[1]
+    return jnp.take_along_axis(x, _kept_rows(counts, sent, kept)[0], axis=1)
+
+
+def _along(index: jax.Array, axis: int) -> jax.Array:
+    """A ``(per, m)`` index broadcast to take along ``axis`` (1 or 2) of a 3-D array."""
+    return jnp.expand_dims(index, 3 - axis)
+
+
 def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
-                        orthogonalizer: Callable[[jax.Array], jax.Array]) -> jax.Array:
+                        orthogonalizer: Callable[[jax.Array], jax.Array],
+                        counts: jax.Array | None = None) -> jax.Array:
     """Orthogonalizes a stacked group ``(N, a, b)`` of local payloads; returns the local pieces.
 
     Args:
@@ -79,6 +117,9 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
       key: the group's static key.
       axis_size: number of devices along ``key.axes``.
       orthogonalizer: ``(batch, rows, cols) -> polar factors``.
+      counts: with ``key.kept``, ``(N, W)`` int32: how many selected rows each device's piece
+        of each matrix holds (first, in order); the orthogonalizer then gets only those,
+        ``key.kept`` per matrix, as on one device, and zero padding goes back in their place.
 
     Returns:
       An array shaped like ``x``: the device's pieces of the orthogonalized matrices.
@@ -106,7 +147,16 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
         whole = jnp.moveaxis(recv, 0, 1).reshape((per, w * a, b))
     else:
         whole = jnp.moveaxis(recv, 0, 2).reshape((per, a, w * b))
-    o = checked(orthogonalizer, whole)
+    if key.kept:
+        mine = jax.lax.dynamic_slice_in_dim(_pad_count(counts, w),
+                                            jax.lax.axis_index(key.axes) * per, per, axis=0)
+        slots, sources, keep = _kept_rows(mine, xp.shape[key.concat_axis], key.kept)
+        kept = jnp.take_along_axis(whole, _along(slots, key.concat_axis), axis=key.concat_axis)
+        o = checked(orthogonalizer, kept)
+        o = jnp.where(_along(keep, key.concat_axis), jnp.take_along_axis(
+            o, _along(sources, key.concat_axis), axis=key.concat_axis), jnp.zeros((), o.dtype))
+    else:
+        o = checked(orthogonalizer, whole)
     if key.concat_axis == 1:
         pieces = jnp.moveaxis(o.reshape((per, w, a, b)), 1, 0)
     else:

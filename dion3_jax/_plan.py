@@ -109,10 +109,12 @@ class Plan(NamedTuple):
 
 
 def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx,
-           any_orientation: bool):
-    """The unit's shape group and whether its payload is transposed to the group's shape."""
+           any_orientation: bool, kept: int | None = None):
+    """The unit's shape group and whether its payload is transposed to the group's shape
+    (``kept``: global-scope row shards, the selected rows of the assembled matrix)."""
     ra = layout.row_axis
-    rows_assembled = pick * (ctx.size(comm) if shard == "rows" else 1)
+    sent = pick * (ctx.size(comm) if shard == "rows" else 1)
+    rows_assembled = sent if kept is None else kept
     # The payload keeps its layout (polar(Xᵀ) = polar(X)ᵀ, so a transpose would only move
     # memory) unless the orthogonalizer takes only wide matrices.
     keep = any_orientation or rows_assembled == layout.c
@@ -123,7 +125,8 @@ def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dt
         route = "split" if split else "on_device"
         return _megabatch.GroupKey(route, comm if split else (), 0, shape, dtype), swap
     concat = want if shard == "rows" else 3 - want
-    return _megabatch.GroupKey("all_to_all", comm, concat, shape, dtype), swap
+    return _megabatch.GroupKey("all_to_all", comm, concat, shape, dtype,
+                               0 if rows_assembled == sent else rows_assembled), swap
 
 
 def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int,
@@ -152,7 +155,7 @@ def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str
         else:
             pick, every = min(k, seg.width), k == seg.layout.n
         group, swap = _group("rows", lp.comm, False, lay, lb.c, pick, dtype, ctx,
-                             any_orientation)
+                             any_orientation, None if scope == "local" else k)
         units.append(Unit(start + len(units), leaf, 0, lay, lb.c, "rows", lp.comm, False, seg, k,
                           pick, seg.whole and every, group, swap))
     return units

@@ -26,6 +26,16 @@ from dion3_jax import _norms, _selection
 NORMUON_EPS = 1e-8
 
 
+def update_dtype(grad_dtype) -> jnp.dtype:
+    """The dtype of the updates of a leaf whose gradient has ``grad_dtype``: at least float32.
+
+    A 16-bit parameter's update stays in float32 so that the learning rate, the weight decay and
+    ``optax.apply_updates`` (which adds it to the parameter in float32) round the new parameter
+    once, from float32; float32 and float64 gradients keep their dtype.
+    """
+    return jnp.promote_types(grad_dtype, jnp.float32)
+
+
 def lr_scale(adjust_lr: str | None, fan_out: int, fan_in: int) -> float:
     """Shape factor η'/lr of one (fan_out × fan_in) matrix.
 

@@ -133,6 +133,14 @@ def batched_top_rows(requests: list[tuple[jax.Array, int]], ascending: bool = Fa
     return out
 
 
+def rows_per_device(top: jax.Array, width: int, devices: int) -> jax.Array:
+    """``(batch, devices)``: how many of the global rows ``top`` (``(batch, k)``, indices into
+    ``devices`` row ranges of ``width`` each) lie in each device's range."""
+    owner = top // width
+    return jnp.sum(owner[..., None] == jnp.arange(devices, dtype=owner.dtype), axis=1,
+                   dtype=jnp.int32)
+
+
 def row_positions(idx: jax.Array, n: int) -> jax.Array:
     """``(batch, n)`` int32: the position of each row in ``idx`` (``(batch, k)``), ``k`` for rows
     not selected; out-of-range (padding) indices are ignored."""

@@ -53,7 +53,10 @@ class Pick(NamedTuple):
     payload: jax.Array | None   # S[I], (batch, pick, C) in the block's orientation; None
                                 # where the payload pass gathers (``Accumulated.one_pass``)
     sq_sum: jax.Array | None    # full and row-segment units: this device's part of
-                                # Σ (S·2⁻³²)² per matrix (_norms); others: _batch_sq_sums
+                                # Σ (S·2⁻³²)² per matrix (_norms); global-scope row segments:
+                                # per picked row, (batch, pick); others: _batch_sq_sums
+    counts: jax.Array | None = None  # global-scope row segments: (batch, W) selected rows
+                                     # per device (_selection.rows_per_device)
 
 
 class Polar(NamedTuple):
@@ -268,8 +271,10 @@ def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, st
     """A "rows" unit's payload (with ``gather``; else None): its picked local rows, padding
     rows zeroed."""
     ra = u.layout.row_axis
+    counts = None
     if cfg.mesh_options.selection_scope == "global":
         li, valid = _mine_of_global(u, top, plan.ctx.size(u.comm))
+        counts = _selection.rows_per_device(top, u.seg.width, plan.ctx.size(u.comm))
     else:
         li = top
         valid = jnp.take_along_axis(scores, li, axis=1) > -jnp.inf
@@ -278,11 +283,16 @@ def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, st
     rows = jnp.sort(rows, axis=1)               # ascending; the padding rows come last
     valid = rows < n_local
     clamped = jnp.minimum(rows, n_local - 1)
-    sq = None if row_sums is None else _selection.selected_sq_sum(row_sums, clamped, valid)
+    if row_sums is None:
+        sq = None
+    elif counts is not None:    # summed after the gather, in the one-device order
+        sq = jnp.where(valid, jnp.take_along_axis(row_sums, clamped, axis=1), 0.0)
+    else:
+        sq = _selection.selected_sq_sum(row_sums, clamped, valid)
     if not gather:
-        return Pick(rows, None, sq)
+        return Pick(rows, None, sq, counts)
     s = _selection.gather_rows(m, clamped, ra)
-    return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), sq)
+    return Pick(rows, s * jnp.expand_dims(valid, 3 - ra).astype(s.dtype), sq, counts)
 
 
 def _sizes(plan: Plan, uids) -> list[int]:
@@ -370,6 +380,7 @@ class GroupBatch(NamedTuple):
     stacked: jax.Array | None        # what the collective sends: None for on-device groups
                                      # (one-pass ones: the stack, maybe padded past key.shape)
     normalized: bool                 # ``stacked`` is S/(‖S‖+ε) in the orthogonalizer's dtype
+    counts: jax.Array | None = None  # ``key.kept``: the members' Pick.counts stacked
 
 
 def _route(plan: Plan, b) -> str:
@@ -387,15 +398,24 @@ def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
     return out
 
 
-def _sent_norms(plan: Plan, sq_sums) -> dict[int, jax.Array]:
+def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
     """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
-    all-reduced (one float per matrix; one collective per mesh-axes tuple)."""
+    all-reduced (one float per matrix; one collective per mesh-axes tuple). Global-scope row
+    segments all-gather their picked rows' sums instead (``pick`` floats per matrix) and add
+    the ``k`` selected ones in the one-device order, so that the polar's input is the
+    one-device input bitwise."""
     sel = [j for j, b in enumerate(plan.batches) if _route(plan, b) == "all_to_all"]
-    totals = batched_psum([(sq_sums[j], plan.units[plan.batches[j].uids[0]].comm)
-                           for j in sel])
+    rows = [j for j in sel if sq_sums[j].ndim == 2]
+    sel = [j for j in sel if sq_sums[j].ndim == 1]
+    comm = lambda j: plan.units[plan.batches[j].uids[0]].comm  # noqa: E731
     whole = [None] * len(plan.batches)
-    for j, t in zip(sel, totals):
+    for j, t in zip(sel, batched_psum([(sq_sums[j], comm(j)) for j in sel])):
         whole[j] = t
+    for j, g in zip(rows, batched_all_gather([(sq_sums[j], comm(j)) for j in rows])):
+        b = plan.batches[j]
+        counts = _megabatch.stack([picks[i].counts for i in b.uids])
+        g = jnp.moveaxis(g, 0, 1).reshape((g.shape[1], -1))          # (batch, W · pick)
+        whole[j] = jnp.sum(_megabatch.kept_rows(g, counts, plan.units[b.uids[0]].k), axis=1)
     return _norms_by_batch(plan, whole, "all_to_all")
 
 
@@ -445,7 +465,7 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
     (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then averaged
     over the replicas first) the raw payloads are stacked."""
     orth = cfg.orthogonalizer
-    sent = _sent_norms(plan, sq_sums) if plan.send_normalized else {}
+    sent = _sent_norms(plan, sq_sums, picks) if plan.send_normalized else {}
     local = _norms_by_batch(plan, sq_sums, "on_device")
     unit_rows = _unit_rows(plan, rows)
     batches = []
@@ -470,7 +490,8 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
             if plan.ctx.compressed:
                 stacked = replica_mean(stacked, plan.ctx.replica_axis,
                                        cfg.mesh_options.replica_wire_dtype)
-        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized))
+        counts = _megabatch.stack([picks[i].counts for i in uids]) if key.kept else None
+        batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized, counts))
     return batches
 
 
@@ -505,10 +526,11 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
             selected = b.parts
         elif b.normalized:          # normalised and cast already: the iteration only
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes),
-                                               orth.of_normalized)
+                                               orth.of_normalized, b.counts)
             selected = b.parts or [None] * len(b.uids)
         else:
-            o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth)
+            o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth,
+                                               b.counts)
             selected = _megabatch.unstack(b.stacked, sizes)
         pieces = _megabatch.unstack(o, sizes, True)
         if o.shape[1:] != b.key.shape:  # a padded stack (_pad_to): sliced after the barrier,
@@ -669,13 +691,15 @@ def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, fact
 
 
 def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
-    """The scaled directions written into zero updates (selected rows only); blocks → leaves."""
+    """The scaled directions written into zero updates (selected rows only); blocks → leaves,
+    in :func:`_rules.update_dtype` of each gradient (float32 for 16-bit leaves)."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
         d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
         ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
             d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
-    return _leaves(plan, ublk, grads)
+    return _leaves(plan, ublk, [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
+                                for g in grads])
 
 
 def _leaves(plan: Plan, blocks: Blocks | None, like) -> list[jax.Array]:

@@ -283,7 +283,9 @@ def scale_by_dion3(
         products.
 
     Returns:
-      An ``optax.GradientTransformation`` with state :class:`ScaleByDion3State`.
+      An ``optax.GradientTransformation`` with state :class:`ScaleByDion3State`. Its updates
+      have each gradient's dtype promoted to float32 (float32 for 16-bit gradients, which keeps
+      the update's own rounding out of 16-bit parameters: ``optax.apply_updates`` rounds once).
 
     Raises:
       ValueError: for an invalid hyperparameter or distribution option (at construction), a

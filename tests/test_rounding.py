@@ -1,0 +1,110 @@
+"""16-bit parameters are rounded once per step: ``W_new`` is the 16-bit rounding of the float32
+value ``(1 − lr·wd)·W − lr·scale·D`` (``D`` the step's direction, zero off the selected rows),
+through ``optax.apply_updates`` and ``nnx.Optimizer``.
+
+The reference rounds the float64 value once. A float32 evaluation may round the other way only
+where that value lies within a few float32 ulps of a 16-bit rounding boundary: those elements
+(about 1e-4 of them in bfloat16, 1e-3 in float16) may take either neighbour; every other element must match bitwise.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import dion3_jax
+
+#: Every run draws fresh inputs (printed with each test by ``conftest.print_module_seed``).
+SEED = int(np.random.default_rng().integers(1 << 30))
+STEPS = 3
+SHAPE = (64, 128)
+
+
+def _round(x: np.ndarray, dtype) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16)
+
+
+def assert_rounded_once(new, w, direction, lr: float, wd: float, what: str) -> None:
+    """``new`` is the rounding of ``(1 − lr·wd)·w − lr·direction`` (computed in float64) to
+    ``new``'s dtype, except that an element within a few float32 ulps of a rounding boundary
+    may take either neighbour."""
+    w64, d64 = np.asarray(w, np.float64), np.asarray(direction, np.float64)
+    exact = (1.0 - lr * wd) * w64 - lr * d64
+    tol = 2.0 ** -22 * (np.abs(w64) + lr * np.abs(d64))
+    lo, hi = _round(exact - tol, new.dtype), _round(exact + tol, new.dtype)
+    got = np.asarray(new)
+    ambiguous = lo != hi
+    print(what, new.dtype, ambiguous.mean())
+    assert ambiguous.mean() < 5e-3, (what, ambiguous.mean())   # float16: ~1e-3
+    wrong = ~ambiguous & (got != _round(exact, new.dtype))
+    wrong |= ambiguous & (got != lo) & (got != hi)
+    assert not wrong.any(), (f"{what}: {int(wrong.sum())} of {wrong.size} elements are not the "
+                             f"single rounding, e.g. {got[wrong][:3]} for {exact[wrong][:3]}")
+
+
+def _inputs(dtype, seed):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.standard_normal(SHAPE) * 0.5, dtype),
+              "b": jnp.asarray(rng.standard_normal(SHAPE[1]), dtype)}
+    # Global norm ≈ 27: clipped to 20, and its float16 sum of squares does not overflow.
+    grads = [{k: jnp.asarray(rng.standard_normal(v.shape) * 0.3, dtype)
+              for k, v in params.items()} for _ in range(STEPS)]
+    return params, grads
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+@pytest.mark.parametrize("wd,schedule", [(0.0, False), (0.1, True)])
+def test_16bit_params_are_rounded_once(dtype, fraction, wd, schedule):
+    """``optax.chain(clip_by_global_norm, dion3)`` on 16-bit params, constant or scheduled
+    learning rate: each step's new matrix is one rounding of the float32 update of the float32
+    direction (the same step on the float32 copies of the clipped gradients)."""
+    params, grads = _inputs(dtype, SEED + int(fraction * 4) + 10 * schedule)
+    lr = optax.linear_schedule(0.05, 0.01, STEPS) if schedule else 0.03
+    clip = optax.clip_by_global_norm(20.0)
+    tx = optax.chain(clip, dion3_jax.dion3(lr, fraction, weight_decay=wd))
+    direction = dion3_jax.scale_by_dion3(fraction)   # the same step on float32 inputs
+    state, ref_state = tx.init(params), direction.init({"w": jnp.zeros(SHAPE)})
+    for step, g in enumerate(grads):
+        clipped, _ = jax.jit(clip.update)(g, clip.init(params))
+        d, ref_state = jax.jit(direction.update)({"w": clipped["w"].astype(jnp.float32)},
+                                                 ref_state)
+        upd, state = jax.jit(tx.update)(g, state, params)
+        assert upd["w"].dtype == jnp.float32 and upd["b"].dtype == dtype
+        new = optax.apply_updates(params, upd)
+        assert new["w"].dtype == new["b"].dtype == dtype
+        rate = float(lr(step)) if schedule else lr
+        assert float(jnp.max(jnp.abs(d["w"]))) > 0
+        assert_rounded_once(new["w"], params["w"], d["w"], rate, wd, f"step {step}")
+        params = new
+
+
+class _Tiny(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, dtype):
+        self.l1 = nnx.Linear(SHAPE[0], SHAPE[1], param_dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.sum(jnp.tanh(self.l1(x)) ** 2)
+
+
+def test_nnx_optimizer_rounds_bfloat16_kernels_once():
+    """``nnx.Optimizer`` (which calls ``optax.apply_updates``) with bfloat16 kernels, f = 1/4."""
+    model = _Tiny(nnx.Rngs(SEED % 1000), jnp.bfloat16)
+    lr, wd = 0.02, 0.05
+    opt = nnx.Optimizer(model, dion3_jax.dion3(lr, 0.25, weight_decay=wd), wrt=nnx.Param)
+    direction = dion3_jax.scale_by_dion3(0.25)
+    ref_state = direction.init({"w": jnp.zeros(SHAPE)})
+    x = jnp.asarray(np.random.default_rng(SEED).standard_normal((16, SHAPE[0])), jnp.bfloat16)
+    for step in range(STEPS):
+        grads = nnx.grad(lambda m: m(x))(model)
+        d, ref_state = direction.update({"w": grads.l1.kernel[...].astype(jnp.float32)},
+                                        ref_state)
+        w = model.l1.kernel[...]
+        opt.update(model, grads)
+        assert model.l1.kernel[...].dtype == jnp.bfloat16
+        assert_rounded_once(model.l1.kernel[...], w, d["w"], lr, wd, f"step {step}")
