@@ -270,19 +270,22 @@ def test_bfloat16_params_stay_bfloat16():
 
 def test_float16_momentum_default_does_not_overflow():
     """float16 parameters: a row that is never selected sums every gradient; in a float16
-    momentum it overflows to inf within 40 steps of gradients ~3000 (max 65504), in the default
-    float32 momentum it does not. The momentum dtype is the parameter's for float32."""
+    momentum it saturates at 65504 (float16's largest; ``pallas_kernels.scaled_sum``) within 40
+    steps of gradients ~3000, in the default float32 momentum it stays exact (below the bound).
+    The momentum dtype is the parameter's for float32."""
     params = {"w": jnp.zeros((16, 64), jnp.float16)}
     g = np.ones((16, 64), np.float16) * 3000
     g[:, 0] *= 2                                 # row 0 is always the one selected at f = 1/64
     g = {"w": jnp.asarray(g)}
-    for mu_dtype, finite in ((None, True), (jnp.float16, False)):
+    for mu_dtype, saturated in ((None, False), (jnp.float16, True)):
         tx = dion3_jax.scale_by_dion3(1 / 64, mu_dtype=mu_dtype)
         state = tx.init(params)
         for _ in range(40):
             u, state = jax.jit(tx.update)(g, state)
         assert u["w"].dtype == jnp.float16
-        assert bool(jnp.all(jnp.isfinite(state.momentum["w"]))) == finite, mu_dtype
+        m = state.momentum["w"]
+        assert bool(jnp.all(jnp.isfinite(m))) and bool(jnp.all(jnp.isfinite(u["w"]))), mu_dtype
+        assert (float(jnp.max(jnp.abs(m.astype(jnp.float32)))) == 65504.0) == saturated, mu_dtype
     assert dion3_jax.scale_by_dion3().init({"w": jnp.zeros((4, 8))}).momentum["w"].dtype == \
         jnp.float32
 
