@@ -83,9 +83,9 @@ def dion3(
 
     .. warning::
       Embeddings and the LM head (unembedding) are 2-D but must not be orthogonalized. The
-      default labels send leaves whose path matches :data:`DEFAULT_SCALAR_PATTERN` (``embed``,
-      ``lm_head``, ``head``, ``wte``, ...) to the scalar optimizer; name yours accordingly or pass
-      ``param_labels``.
+      default labels send leaves with a path component that :data:`DEFAULT_SCALAR_PATTERN`
+      matches as a whole (``embed``, ``token_embedding``, ``lm_head``, ``head``, ``wte``,
+      ``wpe``, ...) to the scalar optimizer; name yours accordingly or pass ``param_labels``.
 
     Args:
       learning_rate: base learning rate or schedule (Dion3 default in the reference: 0.01–0.02).
