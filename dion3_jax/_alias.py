@@ -89,9 +89,9 @@ def dion3(
 
     .. warning::
       Embeddings and the LM head (unembedding) are 2-D but must not be orthogonalized. The
-      default labels send leaves whose path matches :data:`DEFAULT_SCALAR_PATTERN` (``embed``,
-      ``lm_head``, ``head``, ``wte``, ...) to the scalar optimizer; name yours accordingly or pass
-      ``param_labels``.
+      default labels send leaves with a path component that :data:`DEFAULT_SCALAR_PATTERN`
+      matches as a whole (``embed``, ``token_embedding``, ``lm_head``, ``head``, ``wte``,
+      ``wpe``, ...) to the scalar optimizer; name yours accordingly or pass ``param_labels``.
 
     Args:
       learning_rate: base learning rate or schedule (Dion3 default in the reference: 0.01–0.02).
@@ -99,7 +99,9 @@ def dion3(
         :func:`transfer_learning_rate` to move a learning rate between fractions.
       mu: error-feedback decay (momentum at ``f = 1``); default ``0.95^(1/f)``, see
         :func:`dion3_jax.momentum_for_fraction` (``mu=0.95`` is the reference's default).
-      beta2: NorMuon second-moment EMA coefficient.
+      beta2: NorMuon second-moment EMA coefficient. ``mu`` and ``beta2`` are numbers (Python or
+        NumPy scalars) or arrays (``optax.inject_hyperparams``), not schedules: a callable raises
+        a ``ValueError`` at construction (as it does for ``adam_b1``, ``adam_b2``, ``adam_eps``).
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
       flavour, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
@@ -209,11 +211,12 @@ def _committed_counts(tx: optax.GradientTransformationExtraArgs
 def _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
                       adam_eps, adam_weight_decay, scalar_optimizer) -> None:
     """Construction-time checks of :func:`dion3`'s own arguments (finite, in range, typed)."""
-    check_range("learning_rate", learning_rate, 0.0, math.inf, hi_open=True)
-    check_range("weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
-    check_range("adam_weight_decay", adam_weight_decay, 0.0, math.inf, hi_open=True)
+    check_range("learning_rate", learning_rate, 0.0, math.inf, hi_open=True, schedule=True)
+    check_range("weight_decay", weight_decay, 0.0, math.inf, hi_open=True, schedule=True)
+    check_range("adam_weight_decay", adam_weight_decay, 0.0, math.inf, hi_open=True, schedule=True)
     if adam_learning_rate is not None:
-        check_range("adam_learning_rate", adam_learning_rate, 0.0, math.inf, hi_open=True)
+        check_range("adam_learning_rate", adam_learning_rate, 0.0, math.inf, hi_open=True,
+                    schedule=True)
     check_range("adam_b1", adam_b1, 0.0, 1.0, hi_open=True)
     check_range("adam_b2", adam_b2, 0.0, 1.0, hi_open=True)
     check_range("adam_eps", adam_eps, 0.0, math.inf, hi_open=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 import math
 
+from dion3_jax import _numbers
+
 Coefficients = tuple[tuple[float, float, float], ...]
 
 # Raw Polar Express coefficients (5 steps).
@@ -83,7 +85,7 @@ def get_coefficients(coefficients: str | Sequence[Sequence[float]], steps: int |
         if not all(math.isfinite(v) for t in coeffs for v in t):
             raise ValueError(f"coefficients must be finite, got {coefficients=!r}")
     if steps is not None:
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        if not _numbers.is_int(steps) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps=!r}")
         if steps <= len(coeffs):
             coeffs = coeffs[:steps]

@@ -12,8 +12,9 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dion3_jax import _layout
+from dion3_jax import _layout, _numbers
 from dion3_jax._distributed import MeshOptions, check_mesh_options
 from dion3_jax._orthogonalizer import Orthogonalizer, as_orthogonalizer
 
@@ -52,23 +53,29 @@ def check_fraction(fraction) -> float:
         raise ValueError(
             "fraction must be a static Python number (it fixes array shapes); with "
             "optax.inject_hyperparams pass static_args=('fraction',)")
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        raise TypeError(f"fraction must be a Python int or float, got {fraction=!r}")
+    if not _numbers.is_scalar_number(fraction):
+        raise TypeError(f"fraction must be a Python or NumPy int or float, got {fraction=!r}")
     f = float(fraction)
     if not 0.0 < f <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction=!r}")
     return f
 
 
-def check_range(name: str, value, lo: float, hi: float, hi_open: bool = False) -> None:
+def check_range(name: str, value, lo: float, hi: float, hi_open: bool = False,
+                schedule: bool = False) -> None:
     """Raises when a concrete ``value`` is outside ``[lo, hi]`` (or ``[lo, hi)``).
 
-    Callables (schedules) and tracers pass; ``None``, strings and other non-numbers raise a
-    ``TypeError`` naming ``name``; NaN and out-of-range values a ``ValueError``.
+    Tracers pass, and callables where ``schedule`` (an optax schedule of the step count);
+    elsewhere a callable raises a ``ValueError`` naming ``name`` and the value. ``None``,
+    strings, bools and other non-numbers raise a ``TypeError`` naming ``name``; NaN and
+    out-of-range values a ``ValueError``. Python and NumPy scalars (and 0-d arrays) are numbers.
     """
-    if callable(value) or is_tracer(value):
+    if is_tracer(value) or (schedule and callable(value)):
         return
-    if value is None or isinstance(value, (str, bytes, bool)):
+    if callable(value):
+        raise ValueError(f"{name} must be a number, not a schedule or other callable (only the "
+                         f"learning rates and weight decays take schedules), got {name}={value!r}")
+    if value is None or isinstance(value, (str, bytes, bool, np.bool_)):
         raise TypeError(f"{name} must be a number, got {name}={value!r}")
     try:
         v = float(value)

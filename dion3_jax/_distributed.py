@@ -30,7 +30,7 @@ import jax
 from jax.sharding import AxisType, PartitionSpec as P
 import numpy as np
 
-from dion3_jax import _layout
+from dion3_jax import _layout, _numbers
 
 SELECTION_SCOPES = ("local", "global")
 REPLICA_SELECTIONS = ("random", "norms")
@@ -137,7 +137,7 @@ def _check_wire_dtype(dtype) -> None:
 def _check_seed_and_specs(seed, param_specs) -> None:
     if isinstance(seed, jax.core.Tracer):
         raise ValueError("seed must be a static int")
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not _numbers.is_int(seed):
         raise TypeError(f"seed must be an int, got {seed=!r}")
     if param_specs is not None and not (callable(param_specs) or isinstance(param_specs, P)
                                         or not _layout.is_single_value(param_specs)):

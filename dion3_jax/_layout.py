@@ -21,7 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from optax.contrib import MuonDimensionNumbers
+
+from dion3_jax import _numbers
 
 # Same fields (reduction_axis, output_axis) as optax's Muon spec; optax's class is accepted too.
 DimensionNumbers = MuonDimensionNumbers
@@ -29,14 +32,14 @@ FLAX_DIMENSION_NUMBERS = DimensionNumbers(reduction_axis=0, output_axis=1)
 
 
 def _norm_axes(axes, ndim: int, what: str, shape, name: str) -> tuple[int, ...]:
-    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    axes = (axes,) if _numbers.is_int(axes) else tuple(axes)
     if not axes:
         raise ValueError(f"{what} must name at least one axis, got {axes=} for {name} ({shape=})")
     out = []
     for a in axes:
-        if not isinstance(a, int) or isinstance(a, bool) or not -ndim <= a < ndim:
+        if not _numbers.is_int(a) or not -ndim <= a < ndim:
             raise ValueError(f"{what} {a!r} is out of range for {name} ({shape=})")
-        out.append(a % ndim)
+        out.append(int(a) % ndim)
     if len(set(out)) != len(out):
         raise ValueError(f"{what} repeats an axis: {axes=} for {name} ({shape=})")
     return tuple(out)
@@ -137,11 +140,10 @@ class LeafLayout:
 
 def check_num_heads(num_heads, name: str = "") -> int | None:
     """Validates a ``num_heads`` value (None or a positive int)."""
-    if num_heads is not None and (not isinstance(num_heads, int) or isinstance(num_heads, bool)
-                                  or num_heads < 1):
+    if num_heads is not None and (not _numbers.is_int(num_heads) or num_heads < 1):
         raise ValueError(f"num_heads must be a positive int or None, got {num_heads=!r}"
                          + (f" for {name}" if name else ""))
-    return num_heads
+    return None if num_heads is None else int(num_heads)
 
 
 def check_split_sizes(split_sizes, name: str = "") -> tuple[int, ...] | None:
@@ -150,10 +152,10 @@ def check_split_sizes(split_sizes, name: str = "") -> tuple[int, ...] | None:
         return None
     if (isinstance(split_sizes, (str, bytes)) or not isinstance(split_sizes, Sequence)
             or len(split_sizes) < 2
-            or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in split_sizes)):
+            or any(not _numbers.is_int(s) or s < 1 for s in split_sizes)):
         raise ValueError(f"split_sizes must be a sequence of ≥ 2 positive ints, got "
                          f"{split_sizes=!r}" + (f" for {name}" if name else ""))
-    return tuple(split_sizes)
+    return tuple(int(s) for s in split_sizes)
 
 
 def make_layout(shape: tuple[int, ...], dimension_numbers: DimensionNumbers | None = None,
@@ -230,11 +232,11 @@ def make_layout(shape: tuple[int, ...], dimension_numbers: DimensionNumbers | No
 
 
 def _is_spec_leaf(x: Any) -> bool:
-    if x is None or isinstance(x, (int, float, str)):
+    if x is None or isinstance(x, str) or _numbers.is_real(x) or isinstance(x, (bool, np.bool_)):
         return True
     if hasattr(x, "reduction_axis") and hasattr(x, "output_axis"):
         return True
-    return isinstance(x, (tuple, list)) and all(isinstance(v, int) for v in x)
+    return isinstance(x, (tuple, list)) and all(_numbers.is_int(v) for v in x)
 
 
 def is_single_value(spec: Any) -> bool:

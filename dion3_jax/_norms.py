@@ -7,7 +7,10 @@ A power of two changes no rounding, so the norm is bitwise the plain one unless 
 below ``2⁻³¹`` (≈ 4.7e-10) in magnitude; such entries are then dropped from the sum, which only
 matters for a whole matrix (or row) whose norm is itself tiny, below the ``1e-7`` the polar adds
 to its norm anyway. Norms up to about 7e28 are finite; beyond that the norm is NaN, never
-``inf``, so the update turns NaN (detectable, e.g. by ``optax.apply_if_finite``) instead of zero.
+``inf`` (never a silently zero quotient). The step does not get there: its summed momentum
+saturates at ``±2⁷⁹`` (``pallas_kernels.scaled_sum``), so the norm of any matrix of up to 2³⁴
+entries is below 2⁹⁶ and finite, and a finite gradient gives a finite update and state. (A NaN
+here would not be caught by ``optax.apply_if_finite``: it checks the gradients it is given.)
 """
 
 from __future__ import annotations

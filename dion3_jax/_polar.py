@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from dion3_jax import _norms
+from dion3_jax import _norms, _numbers
 from dion3_jax._coefficients import Coefficients, get_coefficients
 
 Method = Literal["gram", "standard"]
@@ -177,7 +177,7 @@ def _validate(method, restarts, backend, compute_dtype, out_dtype, eps, n_steps)
     if isinstance(restarts, (str, bytes)) or not isinstance(restarts, Sequence):
         raise ValueError(f"restarts must be a sequence of step indices, got {restarts=!r}")
     for r in restarts:
-        if not isinstance(r, int) or isinstance(r, bool) or not 0 < r < n_steps:
+        if not _numbers.is_int(r) or not 0 < r < n_steps:
             raise ValueError(
                 f"restarts must hold ints in [1, {n_steps - 1}] (0-based steps of a {n_steps}-step "
                 f"iteration), got {restarts=!r}")

@@ -3,11 +3,14 @@
 The rules, for each leaf, first match wins (``dimension_numbers`` as given to :func:`dion3`):
 
 1. rank < 2 (scalars, Python floats, vectors): scalar optimizer.
-2. a path component names a per-feature vector (:data:`DEFAULT_VECTOR_PATTERN`: ``bias``,
-   ``scale``, ``gamma``, norm layers, ...): scalar optimizer, whatever the rank, so that stacked
-   biases ``(layers, out)`` are never orthogonalized.
-3. a path component names an embedding or the output head (:data:`DEFAULT_SCALAR_PATTERN`):
-   scalar optimizer.
+2. a path component names a per-feature parameter (:data:`DEFAULT_VECTOR_PATTERN`: ``bias``,
+   ``scale``, ``gamma``, norm layers, Mamba's ``A_log`` and ``D``, ...): scalar optimizer,
+   whatever the rank, so that stacked biases ``(layers, out)`` are never orthogonalized.
+3. a path component names an embedding (token or position) or the output head
+   (:data:`DEFAULT_SCALAR_PATTERN`): scalar optimizer.
+
+A pattern names a component when it matches the whole component (``re.fullmatch``, ignoring
+case): ``norm`` and ``q_norm`` are norm layers, ``abnormal_proj`` is not.
 4. ``dimension_numbers`` given as a tree or a callable: a ``DimensionNumbers`` means Dion3,
    ``None`` the scalar optimizer.
 5. rank 2: Dion3 (a Flax ``(in, out)`` kernel).
@@ -38,15 +41,24 @@ from dion3_jax import _layout
 
 DION3_LABEL = "dion3"
 SCALAR_LABEL = "scalar"
-#: Path components (searched case-insensitively) that mark an embedding or an output head.
-DEFAULT_SCALAR_PATTERN = r"embed|^wte$|^wpe$|^lm_head$|^head$|^unembed|^classifier$"
+# Every pattern is matched against whole key-path components (``re.fullmatch``, ignoring case):
+# ``norm`` names a norm layer, ``abnormal_proj`` is not one. ``(\w+_)?`` and ``(_\w+)?`` allow
+# underscore-joined words before and after (``q_norm``, ``norm_out``, ``token_embedding``).
+#: Path components that mark an embedding (token or position) or an output head.
+DEFAULT_SCALAR_PATTERN = (
+    r"(\w+_)?(embed|embeds|embedding|embeddings|embedder|emb)(_\w+)?"
+    r"|wte|wpe|(\w+_)?pos(ition(al)?)?_enc(oding)?s?|rel_pos(_\w+)?"
+    r"|lm_head|head|unembed\w*|classifier")
 #: The output-head part of :data:`DEFAULT_SCALAR_PATTERN` (used to check that a head is named).
-DEFAULT_HEAD_PATTERN = r"^lm_head$|^head$|^unembed|^classifier$"
-#: Path components that mark a per-feature vector (biases, gains, norm layers), any rank.
+DEFAULT_HEAD_PATTERN = r"lm_head|head|unembed\w*|classifier"
+#: Path components that mark a per-feature parameter (biases, gains, norm layers, tokens, and
+#: state-space parameters that are not linear maps: Mamba's ``A_log``, ``D``, ``dt_bias``), any
+#: rank.
 DEFAULT_VECTOR_PATTERN = (
-    r"^bias|bias$|^b$|^scales?$|_scale$|^offset$|^gamma$|^beta$|^g$"
-    r"|norm|^ln(\d+|f)?$|^ln_|^bn(_?\d+)?$"
-    r"|^temperature$|^alpha$|^lambdas?$|^mean$|^var$|token$|^cls$")
+    r"(\w+_)?bias(es)?(_\w+)?|b|(\w+_)?scales?|offset|gamma|beta|g"
+    r"|(\w+_)?(layer|rms|batch|group|instance)?_?norm(\d+|_\w+)?|ln(\d+|f|_\w+)?|bn(_?\d+)?"
+    r"|temperature|alpha|lambdas?|mean|var|(\w+_)?tokens?|cls"
+    r"|a_log|d")
 #: Linen's automatic module names, which do not say which dense layer is the output head.
 AUTO_NAME_PATTERN = r"^(Dense|DenseGeneral|Einsum)_\d+$"
 _MAX_LISTED = 8
@@ -103,10 +115,11 @@ def _explicit(dimension_numbers: Any) -> bool:
 
 
 def _match(pattern: re.Pattern | None, names: list[str]) -> str | None:
-    """The first of ``names`` that ``pattern`` matches (``None``: none, or no pattern)."""
+    """The first of ``names`` (path components) that ``pattern`` matches as a whole
+    (``None``: none, or no pattern)."""
     if pattern is None:
         return None
-    return next((n for n in names if pattern.search(n)), None)
+    return next((n for n in names if pattern.fullmatch(n)), None)
 
 
 def _route(path, leaf, dims, lookup, patterns) -> Route:
@@ -261,8 +274,8 @@ def default_param_labels(params: Any, dimension_numbers: Any = None,
     Args:
       params: the parameter tree (dicts, ``nnx.State``, any pytree).
       dimension_numbers: as in :func:`dion3_jax.dion3`.
-      scalar_pattern: regular expression searched (case-insensitively) in each path component;
-        a match marks an embedding or head (scalar optimizer).
+      scalar_pattern: regular expression matched (case-insensitively) against each whole path
+        component (``re.fullmatch``); a match marks an embedding or head (scalar optimizer).
       vector_pattern: likewise for per-feature vectors (scalar optimizer at any rank);
         ``None`` turns the rule off.
       head_pattern: likewise for the output head (scalar optimizer); also used to refuse trees

@@ -249,7 +249,10 @@ def scale_by_dion3(
         Default ``None``: ``0.95^(1/f)`` (:func:`dion3_jax.momentum_for_fraction`: the same
         memory per row as momentum 0.95 at ``f = 1``; 0.8145 at ``f = 1/4``). Pass ``mu=0.95``
         for the reference's constant default.
-      beta2: EMA coefficient of the NorMuon per-row second moment.
+      beta2: EMA coefficient of the NorMuon per-row second moment. ``fraction``, ``mu`` and
+        ``beta2`` are numbers (Python or NumPy scalars); ``mu`` and ``beta2`` may also be arrays
+        (``optax.inject_hyperparams``). Schedules are not supported for ``mu`` and ``beta2``: a
+        callable raises a ``ValueError`` at construction.
       flavour: ``"normuon"`` (row-normalised, the Dion3 default) or ``"muon"`` (plain polar).
       adjust_lr: per-matrix shape factor: ``"spectral_norm"`` (√(fan_out/fan_in)),
         ``"rms_norm"`` (0.2·√max(fan_out, fan_in), AdamW-compatible learning rates) or ``None``.

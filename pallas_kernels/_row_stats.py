@@ -19,7 +19,8 @@ instead of five.
   memory system busy (the step launches once per matrix).
 - ``"xla"``: :func:`accumulate_rows_reference`, plain jnp.
 
-The squares are of ``S·2⁻³²`` (overflow-safe, as ``dion3_jax``'s norms take them).
+The squares are of ``S·2⁻³²`` (overflow-safe, as ``dion3_jax``'s norms take them); ``S``
+saturates at ``±2⁷⁹`` (:func:`scaled_sum`), so neither sum overflows.
 
 Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (selection and error
 feedback).
@@ -67,11 +68,22 @@ CONFIGS = {2: RowStatsConfig(strip=64, step=32, chunk=128),
 _MIN_MINOR = 16
 
 
+#: Where ``|S|`` saturates (:func:`scaled_sum`): 2⁷⁹ ≈ 6.0e23, so that a matrix of up to 2³⁴
+#: entries has finite sums of ``(S·2⁻³²)²`` and a finite norm.
+SATURATION = 2.0 ** 79
+
+
 def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array) -> jax.Array:
     """``S = scale ⊙ M + G`` in ``M``'s dtype, computed in float32 (``scale`` broadcasts
-    against ``m``)."""
-    s = scale.astype(jnp.float32) * m.astype(jnp.float32) + g.astype(jnp.float32)
-    return s.astype(m.dtype)
+    against ``m``); where ``M`` and ``G`` are finite, ``S`` saturates at
+    ``±min(SATURATION, finfo(M.dtype).max)`` (a sum past float32's range included), elsewhere
+    the ``inf`` or NaN of a non-finite operand stays."""
+    dtype, inf = m.dtype, np.float32(np.inf)
+    bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
+    m, g = m.astype(jnp.float32), g.astype(jnp.float32)
+    s = scale.astype(jnp.float32) * m + g
+    finite = (jnp.abs(m) < inf) & (jnp.abs(g) < inf)
+    return jnp.where(finite, jnp.minimum(jnp.maximum(s, -bound), bound), s).astype(dtype)
 
 
 def _sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:

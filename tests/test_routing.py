@@ -322,3 +322,53 @@ def test_python_float_leaf_goes_to_adamw():
     grads = {"w": jnp.ones((8, 16)), "t": 0.5}
     upd = tx.update(grads, tx.init(params), params)[0]
     np.testing.assert_allclose(upd["t"], _adamw_update(grads, params)["t"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,label", [
+    # substrings of a name decide nothing: the whole path component must match
+    ("abnormal_proj", "dion3"), ("normalizer", "dion3"), ("prenorm", "dion3"),
+    ("biased_proj", "dion3"), ("embedded_proj", "dion3"), ("header", "dion3"),
+    ("tokenizer_proj", "dion3"), ("variance_proj", "dion3"), ("gate", "dion3"),
+    ("dt_proj", "dion3"), ("x_proj", "dion3"), ("out_proj", "dion3"), ("A", "dion3"),
+    # norm layers, biases, scales, tokens: any rank
+    ("norm", "scalar"), ("q_norm", "scalar"), ("input_layernorm", "scalar"),
+    ("final_layer_norm", "scalar"), ("LayerNorm_0", "scalar"), ("RMSNorm_1", "scalar"),
+    ("norm1", "scalar"), ("norm_out", "scalar"), ("ln_f", "scalar"), ("lnf", "scalar"),
+    ("bn_1", "scalar"), ("bias", "scalar"), ("q_bias", "scalar"), ("bias_ih", "scalar"),
+    ("attn_scale", "scalar"), ("cls_token", "scalar"),
+    # 2-D parameters that are not linear maps
+    ("A_log", "scalar"), ("D", "scalar"), ("dt_bias", "scalar"),
+    ("relative_position_bias_table", "scalar"),
+    # token and position embeddings, heads
+    ("pos_embed", "scalar"), ("wpe", "scalar"), ("position_embedding", "scalar"),
+    ("position_embeddings", "scalar"), ("pos_emb", "scalar"), ("rel_pos_h", "scalar"),
+    ("positional_encoding", "scalar"), ("embed_tokens", "scalar"), ("wte", "scalar"),
+    ("lm_head", "scalar"), ("unembedding", "scalar"), ("classifier", "scalar"),
+])
+def test_default_patterns_match_whole_path_components(name, label):
+    params = {"block": {name: jnp.ones((64, 16)), "kernel": jnp.ones((16, 16))}}
+    labels = dion3_jax.default_param_labels(params)
+    assert labels["block"][name] == label, dion3_jax.routing_table(params)
+    assert labels["block"]["kernel"] == "dion3"
+
+
+def test_mamba_state_space_parameters_go_to_the_scalar_optimizer():
+    """A Mamba block's ``A_log`` ``(d_inner, d_state)`` is a decay table, not a linear map; it
+    was orthogonalized with no warning. Its projections stay matrices; the table says why."""
+    mixer = {"in_proj": {"kernel": jnp.ones((16, 64))}, "x_proj": {"kernel": jnp.ones((32, 8))},
+             "dt_proj": {"kernel": jnp.ones((4, 32)), "bias": jnp.ones((32,))},
+             "A_log": jnp.ones((32, 16)), "D": jnp.ones((32,)), "dt_bias": jnp.ones((32,)),
+             "out_proj": {"kernel": jnp.ones((32, 16))}}
+    labels = dion3_jax.default_param_labels({"mixer": mixer})["mixer"]
+    assert labels["A_log"] == labels["D"] == labels["dt_bias"] == "scalar"
+    assert all(labels[k]["kernel"] == "dion3" for k in ("in_proj", "x_proj", "dt_proj",
+                                                        "out_proj"))
+    table = _table_rows(dion3_jax.routing_table({"mixer": mixer}))
+    assert table["['mixer']['A_log']"][1:] == ["scalar", "-", "vector name 'A_log'"]
+
+
+def test_user_patterns_match_whole_components_too():
+    params = {"mix": jnp.ones((2, 8)), "mixer": {"kernel": jnp.ones((8, 8))}}
+    labels = dion3_jax.default_param_labels(
+        params, vector_pattern=dion3_jax.DEFAULT_VECTOR_PATTERN + "|mix")
+    assert labels == {"mix": "scalar", "mixer": {"kernel": "dion3"}}

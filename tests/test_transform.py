@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 import jax.extend
@@ -270,19 +271,22 @@ def test_bfloat16_params_stay_bfloat16():
 
 def test_float16_momentum_default_does_not_overflow():
     """float16 parameters: a row that is never selected sums every gradient; in a float16
-    momentum it overflows to inf within 40 steps of gradients ~3000 (max 65504), in the default
-    float32 momentum it does not. The momentum dtype is the parameter's for float32."""
+    momentum it saturates at 65504 (float16's largest; ``pallas_kernels.scaled_sum``) within 40
+    steps of gradients ~3000, in the default float32 momentum it stays exact (below the bound).
+    The momentum dtype is the parameter's for float32."""
     params = {"w": jnp.zeros((16, 64), jnp.float16)}
     g = np.ones((16, 64), np.float16) * 3000
     g[:, 0] *= 2                                 # row 0 is always the one selected at f = 1/64
     g = {"w": jnp.asarray(g)}
-    for mu_dtype, finite in ((None, True), (jnp.float16, False)):
+    for mu_dtype, saturated in ((None, False), (jnp.float16, True)):
         tx = dion3_jax.scale_by_dion3(1 / 64, mu_dtype=mu_dtype)
         state = tx.init(params)
         for _ in range(40):
             u, state = jax.jit(tx.update)(g, state)
         assert u["w"].dtype == jnp.float32
-        assert bool(jnp.all(jnp.isfinite(state.momentum["w"]))) == finite, mu_dtype
+        m = state.momentum["w"]
+        assert bool(jnp.all(jnp.isfinite(m))) and bool(jnp.all(jnp.isfinite(u["w"]))), mu_dtype
+        assert (float(jnp.max(jnp.abs(m.astype(jnp.float32)))) == 65504.0) == saturated, mu_dtype
     assert dion3_jax.scale_by_dion3().init({"w": jnp.zeros((4, 8))}).momentum["w"].dtype == \
         jnp.float32
 
@@ -321,6 +325,67 @@ def test_invalid_hyperparameters_raise_at_construction(kwargs, name):
     kwargs = {"learning_rate": 0.01, **kwargs}
     with pytest.raises(ValueError, match=name):
         dion3_jax.dion3(**kwargs)
+
+
+@pytest.mark.parametrize("name", ["mu", "beta2", "adam_b1", "adam_b2", "adam_eps"])
+def test_schedules_are_refused_where_unsupported(name):
+    """``mu``, ``beta2`` and the scalar optimizer's moments take no schedule: a callable raises a
+    ValueError naming the argument and the value at construction (it used to pass the checks
+    and fail inside the step)."""
+    def schedule(count):
+        return 0.9
+
+    with pytest.raises(ValueError, match=f"{name} must be a number.*{name}=<function"):
+        dion3_jax.dion3(0.01, **{name: schedule})
+    if name in ("mu", "beta2"):
+        with pytest.raises(ValueError, match=name):
+            dion3_jax.scale_by_dion3(**{name: schedule})
+    with pytest.raises(ValueError, match="mu_full"):
+        dion3_jax.momentum_for_fraction(0.5, schedule)
+
+
+def test_schedules_still_accepted_for_learning_rates_and_weight_decay():
+    sched = optax.linear_schedule(0.02, 0.0, 10)
+    tx = dion3_jax.dion3(sched, weight_decay=sched, adam_learning_rate=sched,
+                         adam_weight_decay=sched)
+    params = {"w": jnp.ones((16, 16)), "b": jnp.zeros((16,))}
+    u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(u))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"fraction": np.float32(0.25)}, {"fraction": np.int64(1)}, {"fraction": np.float16(0.5)},
+    {"fraction": np.float64(0.25)}, {"mu": np.float32(0.9)}, {"beta2": np.float32(0.9)},
+    {"learning_rate": np.float32(0.01)}, {"weight_decay": np.float64(0.1)},
+    {"adam_b1": np.float32(0.9)}, {"adam_eps": np.float32(1e-8)},
+    {"num_heads": np.int64(2)}, {"split_sizes": (np.int64(8), np.int32(8))},
+    {"dimension_numbers": DimensionNumbers(np.int64(0), np.int32(1))},
+    {"mesh_options": dion3_jax.MeshOptions(seed=np.int64(3))},
+    {"orthogonalizer": {"restarts": (np.int64(2),), "steps": np.int64(5)}},
+])
+def test_numpy_scalars_are_accepted_like_python_numbers(kwargs):
+    """NumPy scalars work wherever Python numbers do (``np.float32(0.25)`` and ``np.int64(1)``
+    used to be refused while ``np.float64(0.25)``, a float subclass, passed)."""
+    if "orthogonalizer" in kwargs:
+        kwargs = {"orthogonalizer": dion3_jax.make_orthogonalizer(**kwargs["orthogonalizer"])}
+    tx = dion3_jax.dion3(**{"learning_rate": 0.01, **kwargs})
+    params = {"w": jnp.ones((16, 16))}
+    u, _ = jax.jit(tx.update)(params, tx.init(params), params)
+    assert bool(jnp.all(jnp.isfinite(u["w"])))
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    ({"fraction": np.float32(1.5)}, "fraction=np.float32(1.5)"),
+    ({"fraction": np.int64(0)}, "fraction=np.int64(0)"),
+    ({"mu": np.float32(1.5)}, "mu=np.float32(1.5)"),
+    ({"beta2": np.float64(1.0)}, "beta2=np.float64(1.0)"),
+    ({"num_heads": np.int64(0)}, "num_heads=np.int64(0)"),
+    ({"num_heads": np.True_}, "num_heads=np.True_"),
+    ({"split_sizes": (np.int64(4), np.int64(-1))}, "split_sizes"),
+])
+def test_bad_numpy_scalars_raise_value_errors_naming_them(kwargs, text):
+    with pytest.raises(ValueError, match=re.escape(text)):
+        dion3_jax.dion3(**{"learning_rate": 0.01, **kwargs})
 
 
 @pytest.mark.parametrize("kwargs,name", [
