@@ -24,9 +24,9 @@ from dion3_jax import _norms, _numbers
 from dion3_jax._coefficients import Coefficients, get_coefficients
 
 Method = Literal["gram", "standard"]
-Backend = Literal["auto", "xla", "mosaic", "triton"]
+Backend = Literal["auto", "xla", "mosaic", "jax_triton"]
 _METHODS = ("gram", "standard")
-_BACKENDS = ("auto", "xla", "mosaic", "triton")
+_BACKENDS = ("auto", "xla", "mosaic", "jax_triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
 
 
@@ -212,7 +212,7 @@ def polar(x: jax.Array, *, method: Method = "gram",
       compute_dtype: dtype of the iteration; defaults to float16 for ``"gram"`` and bfloat16 for
         ``"standard"``. Products accumulate in float32.
       backend: matmul backend for the symmetric products (``pallas_kernels``): ``"auto"``,
-        ``"xla"``, ``"mosaic"`` or ``"triton"``.
+        ``"xla"``, ``"mosaic"`` or ``"jax_triton"``.
       eps: added to the Frobenius norm before dividing.
       out_dtype: dtype of the result; default: ``x``'s. A consumer that works in float32 anyway
         can take the result in the compute dtype (no float32 copy is written; Dion3 does this,

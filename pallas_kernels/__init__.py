@@ -2,7 +2,7 @@
 
 ``syrk(x) = x xᵀ`` and ``sym_matmul(a, b, c) = α·a·b + β·c`` for products known to be symmetric.
 ``implementation`` picks the backend: ``"xla"`` (plain jnp, always available), ``"mosaic"`` (Pallas
-Mosaic GPU, Hopper), ``"triton"`` (jax-triton) or ``"auto"``.
+Mosaic GPU, Hopper), ``"jax_triton"`` (jax-triton) or ``"auto"``.
 
 ``accumulate_rows`` writes the summed momentum ``S = d ⊙ M + G`` with each row's ℓ1 norm and sum of
 squares (the statistics pass); ``stack_payloads`` writes the selected rows of ``S``, normalised,

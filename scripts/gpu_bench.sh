@@ -83,7 +83,7 @@ case "$PART" in
     run bench_step_gram 300 python3 benchmarks/bench_step.py --no-polar --methods gram \
       --backends mosaic --fractions 0.25 0.125 1 0.5
     run bench_step_more 170 python3 benchmarks/bench_step.py --no-polar --no-baselines \
-      --methods gram standard --backends xla triton --fractions 0.25
+      --methods gram standard --backends xla jax_triton --fractions 0.25
     ;;
   step-all)  # Every row of the step table in ONE process (rows compared only within one run):
              # the variants compile on 8 threads first, then run one after another.
