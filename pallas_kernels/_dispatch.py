@@ -128,6 +128,14 @@ def resolve(op: str, implementation: str, *, supported: Sequence[str],
     return implementation
 
 
+def resolve_pass(op: str, implementation: str, fits: bool, needs: str, interpret: bool) -> str:
+    """``"xla"`` or ``"pallas_triton"``: what one of the two elementwise passes
+    (``accumulate_rows``, ``stack_payloads``) runs. ``"auto"`` takes the kernel where it runs:
+    on an NVIDIA GPU with a jax that still has Pallas' Triton lowering, for a shape it takes."""
+    return resolve(op, implementation, supported=("pallas_triton",), auto=("pallas_triton",),
+                   fits=fits, needs=needs, interpret=interpret, interpretable=("pallas_triton",))
+
+
 def pallas_triton():
     """``jax.experimental.pallas.triton``, imported when a ``"pallas_triton"`` kernel is built
     (importing the deprecated lowering only then)."""

@@ -227,15 +227,6 @@ def _fresh_kernel(kernel, *refs):
     kernel(*refs[:-1], None, refs[-1])
 
 
-def resolve(op: str, implementation: str, fits: bool, needs: str, interpret: bool) -> str:
-    """``"xla"`` or ``"pallas_triton"``: what one of this package's elementwise passes runs
-    (:func:`pallas_kernels._dispatch.resolve`). ``"auto"`` takes the kernel where it runs: on an
-    NVIDIA GPU with a jax that still has Pallas' Triton lowering, for a shape it takes."""
-    return _dispatch.resolve(op, implementation, supported=("pallas_triton",),
-                             auto=("pallas_triton",), fits=fits, needs=needs,
-                             interpret=interpret, interpretable=("pallas_triton",))
-
-
 def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, out_dtype,
                    rows: Sequence[jax.Array] | None = None, row_axis: int = 1,
                    padded: bool = True, pad_to: int | None = None,
@@ -291,8 +282,8 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
     if pad_to is not None and pad_to > pick:
         rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
     needs = f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got ({a}, {b})"
-    if resolve("stack_payloads", implementation, block_shape(a, b) is not None, needs,
-               interpret) == "xla":
+    if _dispatch.resolve_pass("stack_payloads", implementation, block_shape(a, b) is not None,
+                             needs, interpret) == "xla":
         return stack_payloads_reference(sums, denoms, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
     return _stack_with_kernel(sums, denoms, out_dtype=out_dtype, rows=rows, row_axis=row_axis,

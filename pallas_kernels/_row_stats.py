@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _dispatch, _payload
+from pallas_kernels import _dispatch
 
 RowStatsImplementation = Literal["auto", "xla", "pallas_triton"]
 _DOWN = 2.0 ** -32
@@ -227,7 +227,7 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
     needs = (f"a minor axis with a power-of-two divisor of at least {_MIN_MINOR}, got "
              f"{m.shape[1:]} (row_axis={row_axis})")
     fits = blocks(m.shape[1:], row_axis) is not None
-    if _payload.resolve("accumulate_rows", implementation, fits, needs, interpret) == "xla":
+    if _dispatch.resolve_pass("accumulate_rows", implementation, fits, needs, interpret) == "xla":
         return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
     return _launch(m, g, scale, row_axis=row_axis, interpret=interpret,
                    config=CONFIGS[row_axis])

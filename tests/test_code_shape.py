@@ -1,6 +1,6 @@
 """The library's shape rules, checked on the source: short functions, no import cycles, no
-trace-time switches, and no tracked file that points outside the repository or names the place
-it was made (session or run ids, machine kinds, machine paths)."""
+trace-time switches, and no tracked file that points outside the repository or carries
+provenance instead of the library's own terms (log numbers, hosting labels, absolute paths)."""
 
 from __future__ import annotations
 
@@ -85,13 +85,13 @@ def test_no_trace_time_switches_in_the_library(path):
     assert "contextvars" not in path.read_text(), path
 
 
-#: What ties a text to the place the project was made, or points outside the repository:
-#: (label, pattern, flags). Every tracked text file is scanned for each.
+#: Provenance that belongs in git history, not in a tracked text, and pointers outside the
+#: repository: (label, pattern, flags). Every tracked text file is scanned for each.
 PLACE_PATTERNS = [
-    ("a session number", r"\bsession \d", re.IGNORECASE),
-    ("a run id", r"\brun [A-Z]{1,2}\b", 0),
-    ("a machine kind", r"nvidia-h[12]00", re.IGNORECASE),
-    ("machine lending", r"\b(?:lent|lending)\b", re.IGNORECASE),
+    ("a work-log number", r"\bsession \d", re.IGNORECASE),
+    ("a benchmark-log id", r"\brun [A-Z]{1,2}\b", 0),
+    ("a hosting label", r"nvidia-h[12]00", re.IGNORECASE),
+    ("a hosting term", r"\b(?:lent|lending)\b", re.IGNORECASE),
     ("a tool's output variable", r"\$OUT\b", 0),
     ("a side install in /tmp", r"/tmp/t?site", 0),
     ("an absolute machine path", r"(?<![\w.~-])/(?:work|root|home)/", 0),
@@ -132,8 +132,7 @@ def test_the_scan_sees_the_repository(tracked_texts):
 @pytest.mark.parametrize("label, pattern, flags", PLACE_PATTERNS,
                          ids=[p[0] for p in PLACE_PATTERNS])
 def test_no_tracked_file_names_the_place_it_was_made(tracked_texts, label, pattern, flags):
-    """The project speaks of itself only: no session or run ids, machine kinds, lending, tool
-    variables, machine paths, or documents outside the repository."""
+    """The project speaks of itself only: none of ``PLACE_PATTERNS`` in any tracked text."""
     regex = re.compile(pattern, flags)
     bad = [f"{f}:{n}: {line.strip()[:120]}" for f, text in sorted(tracked_texts.items())
            for n, line in enumerate(text.splitlines(), 1) if regex.search(line)]
