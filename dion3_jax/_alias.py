@@ -24,7 +24,7 @@ from dion3_jax._routing import (  # noqa: F401  (re-exported)
     SCALAR_LABEL,
     default_param_labels,
 )
-from dion3_jax._transform import scale_by_dion3
+from dion3_jax._transform import any_committed, scale_by_dion3
 
 
 def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fraction: float
@@ -177,7 +177,9 @@ def _with_params_in_update_dtype(tx: optax.GradientTransformation
 
 
 def _replicated_like(params):
-    """A sharding that puts a scalar where the params live (None when they are not placed)."""
+    """A sharding that puts a scalar where the params live (None when none is committed)."""
+    if not any_committed(params):
+        return None
     for x in jax.tree.leaves(params):
         sharding = getattr(x, "sharding", None)
         if isinstance(x, jax.core.Tracer) or sharding is None:
@@ -193,8 +195,9 @@ def _committed_counts(tx: optax.GradientTransformationExtraArgs
                       ) -> optax.GradientTransformationExtraArgs:
     """``tx`` whose ``init`` places its scalar state (optax's step counts) like the params.
 
-    optax creates counts uncommitted; the first jitted ``update`` then sees other argument
-    placements than the second (whose state came out of jit) and compiles twice.
+    optax creates counts uncommitted. With committed params the first jitted ``update`` would
+    then see other argument placements than the second (whose state came out of jit, committed)
+    and compile twice; with uncommitted params every state leaf stays uncommitted.
     """
     def init_fn(params):
         state = tx.init(params)

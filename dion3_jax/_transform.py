@@ -93,11 +93,24 @@ def fold_momentum_scale(opt_state: Any) -> Any:
                         opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
 
 
-def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context) -> jax.Array:
-    """Zeros placed like ``ref``'s mesh with ``spec`` (state leaves keep the params' layout)."""
+def any_committed(params) -> bool:
+    """Whether any concrete leaf of ``params`` is committed to its devices.
+
+    jit commits its outputs when any input is committed. The state ``init`` returns follows the
+    same rule, so a step fed its own outputs sees the placements of its first call and compiles
+    once, whether the params were made with ``jnp`` (uncommitted) or placed with
+    ``jax.device_put`` (committed).
+    """
+    return any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+               for x in jax.tree.leaves(params))
+
+
+def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context, commit: bool) -> jax.Array:
+    """Zeros placed like ``ref``'s mesh with ``spec`` (state leaves keep the params' layout);
+    on one device, committed to ``ref``'s device only if ``commit`` (:func:`any_committed`)."""
     concrete = isinstance(ref, jax.Array) and not isinstance(ref, jax.core.Tracer)
     if not ctx.distributed:
-        if concrete and len(ref.sharding.device_set) == 1:
+        if commit and concrete and len(ref.sharding.device_set) == 1:
             return jnp.zeros(shape, dtype, device=ref.sharding)
         return jnp.zeros(shape, dtype)
     sharding = getattr(ref, "sharding", None)
@@ -158,15 +171,17 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     ctx, plans = _plan.leaf_plans(cfg, params)
     leaves, treedef = jax.tree.flatten(params)
     normuon = cfg.flavour == "normuon"
+    commit = any_committed(params)
     mom, var, scale = [], [], []
     for p, pl in zip(leaves, plans):
-        mom.append(_zeros(p.shape, momentum_dtype(cfg.mu_dtype, p.dtype), p, pl.spec, ctx))
+        mom.append(_zeros(p.shape, momentum_dtype(cfg.mu_dtype, p.dtype), p, pl.spec, ctx, commit))
         # The momentum's row factors d start at 1 (placed like the second moments).
-        scale.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx) + 1)
+        scale.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx, commit)
+                     + 1)
         if normuon:
-            var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx))
-    # Placed like the momentum (committed), so the first jitted update compiles once.
-    count = (_zeros((), jnp.int32, leaves[0], jax.P(), ctx) if leaves
+            var.append(_zeros(pl.layout.variance_shape, jnp.float32, p, pl.var_spec, ctx, commit))
+    # Placed like the momentum, so the first jitted update compiles once.
+    count = (_zeros((), jnp.int32, leaves[0], jax.P(), ctx, commit) if leaves
              else jnp.zeros([], jnp.int32))
     return ScaleByDion3State(count=count, momentum=treedef.unflatten(mom),
                              variance=treedef.unflatten(var) if normuon else None,

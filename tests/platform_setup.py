@@ -33,7 +33,6 @@ def on_platform():
 
 
 def committed(tree):
-    """``tree`` on the default device 0, committed like the params a jitted step returns, so that
-    a step fed its own outputs compiles once (uncommitted inputs would make the first call
-    another cache entry)."""
+    """``tree`` on the default device 0, committed, like params placed with ``jax.device_put``
+    (a step compiles once either way: ``tests/test_compiles_once.py``)."""
     return jax.device_put(tree, jax.devices()[0])
