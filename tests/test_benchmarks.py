@@ -131,3 +131,15 @@ def test_bench_kernels_runs_only_the_shapes_asked_for(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.startswith(("syrk ", "sym_matmul "))]
     assert rows and {(r[0], r[1]) for r in rows} == {("sym_matmul", "2x128x128")}, rows
+
+
+def test_polar_dtype_orders_the_dtypes_by_their_rounding():
+    """bfloat16 rounds the polar's iteration more than float16; float32 is the reference."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import polar_dtype
+
+    table = {(r["method"], r["dtype"]): r for r in polar_dtype.rows((2, 32, 128), seeds=1)}
+    for method in ("gram", "standard"):
+        assert table[method, "float32"]["distance"] == 0.0
+        assert 0 < table[method, "float16"]["distance"] < table[method, "bfloat16"]["distance"]
+        assert 0.6 < table[method, "bfloat16"]["sv_min"] and table[method, "bfloat16"]["sv_max"] < 1.4
