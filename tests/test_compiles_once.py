@@ -80,8 +80,13 @@ def _compiles_after_the_first_step(tx, params, *, donate: bool, steps: int = 3) 
     return len(seen)
 
 
-@pytest.mark.parametrize("donate", [False, True], ids=["plain", "donated"])
-@pytest.mark.parametrize("placement", ["uncommitted", "committed", "mesh"])
+# The fast loop: the README's case (uncommitted params, no donation); the other placements and
+# donation run with the slow tests.
+@pytest.mark.parametrize("placement,donate", [
+    ("uncommitted", False),
+    *(pytest.param(p, d, marks=pytest.mark.slow)
+      for p, d in [("uncommitted", True), ("committed", False), ("committed", True),
+                   ("mesh", False), ("mesh", True)])])
 def test_dion3_step_compiles_once(placement, donate):
     params, where = _place(_params(np.random.default_rng(0)), placement)
     with where:
@@ -89,6 +94,7 @@ def test_dion3_step_compiles_once(placement, donate):
         assert _compiles_after_the_first_step(tx, params, donate=donate) == 0
 
 
+@pytest.mark.slow   # the same init as dion3's, through other builders
 @pytest.mark.parametrize("make", [
     lambda: dion3_jax.muon(0.02, **POLAR),
     lambda: dion3_jax.normuon(0.02, **POLAR),

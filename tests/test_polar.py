@@ -297,7 +297,7 @@ def test_polar_beyond_the_norm_range_is_nan_not_zero():
     assert np.all(np.isnan(got))
 
 
-@pytest.mark.parametrize("shape", [(3, 16, 40), (2, 40, 16),
+@pytest.mark.parametrize("shape", [(3, 16, 40), pytest.param((2, 40, 16), marks=pytest.mark.slow),
                                    pytest.param((2, 24, 24), marks=pytest.mark.slow)])
 def test_of_normalized_is_polar_of_the_normalised_input(shape):
     """``Orthogonalizer.of_normalized`` (what Dion3 calls on payloads it normalised and cast

@@ -92,6 +92,7 @@ class _Tiny(nnx.Module):
         return jnp.sum(jnp.tanh(self.l1(x)) ** 2)
 
 
+@pytest.mark.slow   # the optax path above is the fast loop's check of the same rounding
 def test_nnx_optimizer_rounds_bfloat16_kernels_once():
     """``nnx.Optimizer`` (which calls ``optax.apply_updates``) with bfloat16 kernels, f = 1/4."""
     model = _Tiny(nnx.Rngs(SEED % 1000), jnp.bfloat16)
