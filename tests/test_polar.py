@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dion3_jax
-from dion3_jax import polar
+from dion3_jax import newton_schulz, polar
 from dion3_jax._polar_operator import BuiltinPolar
 import dion3_reference as ref
 
@@ -130,12 +130,13 @@ def test_bad_inputs():
 
 
 def test_coefficient_presets():
-    pe = dion3_jax.get_coefficients("polar_express")
+    pe = newton_schulz.get_coefficients("polar_express")
     np.testing.assert_allclose(pe[0], (8.28721201814563 / 1.05, -23.595886519098837 / 1.05**3,
                                        17.300387312530933 / 1.05**5))
-    assert len(dion3_jax.get_coefficients("jordan")) == 5
-    assert len(dion3_jax.get_coefficients("you", steps=7)) == 7
-    assert dion3_jax.get_coefficients("you", steps=2) == dion3_jax.COEFFICIENT_PRESETS["you"][:2]
+    assert len(newton_schulz.get_coefficients("jordan")) == 5
+    assert len(newton_schulz.get_coefficients("you", steps=7)) == 7
+    assert (newton_schulz.get_coefficients("you", steps=2)
+            == newton_schulz.COEFFICIENT_PRESETS["you"][:2])
 
 
 @pytest.mark.parametrize("method,shape", [("gram", (2, 100, 300)), ("gram", (1, 120, 125)),
