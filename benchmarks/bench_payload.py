@@ -36,10 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 
 try:
-    import dion3_jax
+    from dion3_jax._selection import num_selected
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import dion3_jax
+    from dion3_jax._selection import num_selected
 import pallas_kernels
 from pallas_kernels import _payload
 from pallas_kernels._payload import PayloadConfig
@@ -157,7 +157,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     for f in a.fractions:
         for name, count, fan_in, fan_out in groups:
-            pick = None if f == 1 else dion3_jax.num_selected(f, fan_out)
+            pick = None if f == 1 else num_selected(f, fan_out)
             base = None
             for v in names:
                 config = VARIANTS[v]

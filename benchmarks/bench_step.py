@@ -76,6 +76,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
+from dion3_jax._selection import num_selected
 import pallas_kernels
 from _timing import median_ms
 from _trace import device_ms
@@ -328,7 +329,7 @@ def time_polar(shapes, fraction: float, ortho, reps: int) -> float:
     """The step's polar work alone: one batched call per (wide shape) group of selected rows."""
     groups: dict[tuple[int, int], int] = {}
     for fan_in, fan_out in shapes.values():
-        k = dion3_jax.num_selected(fraction, fan_out)
+        k = num_selected(fraction, fan_out)
         groups[tuple(sorted((k, fan_in)))] = groups.get(tuple(sorted((k, fan_in))), 0) + 1
     xs = [jax.random.normal(jax.random.key(i), (c, a, b), jnp.float32)
           for i, ((a, b), c) in enumerate(groups.items())]

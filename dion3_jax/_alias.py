@@ -4,27 +4,30 @@ Only hidden-layer matrices are orthogonalized. Biases, norms and other non-matri
 token embedding and the LM head, which are 2-D but are NOT matrices in this sense (their rows are
 lookup tables / class scores, not a linear map between hidden spaces) — go to a scalar optimizer
 through ``optax.partition``.
+
+The three optimizers are made by :func:`_optimizer` from one builder, :func:`_build`, whose
+keyword-only parameters are their options: each option is defined once, there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import inspect
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import optax
 
 from dion3_jax._config import AdjustLR, Flavour, PassImplementation, check_range
 from dion3_jax._distributed import MeshOptions
+from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer
-from dion3_jax._routing import (  # noqa: F401  (re-exported)
-    DEFAULT_SCALAR_PATTERN,
-    DION3_LABEL,
-    SCALAR_LABEL,
-    default_param_labels,
-)
+from dion3_jax._routing import DION3_LABEL, SCALAR_LABEL, default_param_labels
 from dion3_jax._transform import any_committed, scale_by_dion3
+from dion3_jax._types import Label, Mask, PerLeaf
+
+Optimizer = optax.GradientTransformationExtraArgs
 
 
 def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fraction: float
@@ -50,32 +53,101 @@ def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fracti
     return learning_rate * math.sqrt(from_fraction / to_fraction)
 
 
-def dion3(
+def _build(
     learning_rate: optax.ScalarOrSchedule,
-    fraction: float = 0.25,
-    mu: jax.typing.ArrayLike | None = None,
-    beta2: jax.typing.ArrayLike = 0.95,
-    weight_decay: optax.ScalarOrSchedule = 0.01,
-    weight_decay_mask: Any = None,
+    fraction: float,
+    mu: jax.typing.ArrayLike | None,
+    beta2: jax.typing.ArrayLike,
+    weight_decay: optax.ScalarOrSchedule,
+    weight_decay_mask: Mask | None,
     *,
     flavour: Flavour = "normuon",
     adjust_lr: AdjustLR = "spectral_norm",
-    dimension_numbers: Any = None,
-    num_heads: Any = None,
-    split_sizes: Any = None,
+    dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
+    num_heads: PerLeaf[int | None] | None = None,
+    split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
     mu_dtype: jax.typing.DTypeLike | None = None,
     orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
     mesh_options: MeshOptions | None = None,
     pass_implementation: PassImplementation = "auto",
-    param_labels: Any = None,
+    param_labels: PerLeaf[Label] | None = None,
     scalar_optimizer: Literal["adamw", "lion"] = "adamw",
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     adam_b1: jax.typing.ArrayLike = 0.9,
     adam_b2: jax.typing.ArrayLike = 0.95,
     adam_eps: jax.typing.ArrayLike = 1e-8,
     adam_weight_decay: optax.ScalarOrSchedule = 0.0,
-    adam_weight_decay_mask: Any = None,
+    adam_weight_decay_mask: Mask | None = None,
 ) -> optax.GradientTransformationExtraArgs:
+    """The one builder of :func:`dion3`, :func:`muon` and :func:`normuon` (documented there)."""
+    _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
+                      adam_eps, adam_weight_decay, scalar_optimizer)
+    matrix_tx = optax.chain(
+        scale_by_dion3(fraction, mu, beta2, flavour=flavour, adjust_lr=adjust_lr,
+                       dimension_numbers=dimension_numbers, num_heads=num_heads,
+                       split_sizes=split_sizes, mu_dtype=mu_dtype,
+                       orthogonalizer=orthogonalizer, mesh_options=mesh_options,
+                       pass_implementation=pass_implementation),
+        _with_params_in_update_dtype(optax.add_decayed_weights(weight_decay, weight_decay_mask)),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
+    if scalar_optimizer == "adamw":
+        scalar_tx = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
+                                weight_decay=adam_weight_decay, mask=adam_weight_decay_mask)
+    else:
+        scalar_tx = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2, weight_decay=adam_weight_decay,
+                               mask=adam_weight_decay_mask)
+    if param_labels is None:
+        def param_labels(params):
+            return default_param_labels(params, dimension_numbers)
+    return _committed_counts(
+        optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels))
+
+
+def _optimizer(**fixed) -> Callable[[Callable], Callable[..., Optimizer]]:
+    """Makes a public optimizer from a stub: ``_build`` with the stub's signature.
+
+    The stub (never called) gives the name, the docstring and the positional parameters with
+    their defaults; ``fixed`` gives the values of ``_build``'s other parameters that the
+    optimizer does not take. The optimizer's keyword-only parameters are the rest of
+    ``_build``'s, and every annotation is ``_build``'s, so each option is defined once.
+
+    Raises:
+      TypeError: (at import) when the stub and ``fixed`` do not cover ``_build``'s parameters.
+    """
+    base = inspect.signature(_build)
+
+    def make(stub: Callable) -> Callable[..., Optimizer]:
+        own = inspect.signature(stub).parameters
+        positional = [base.parameters[name].replace(default=p.default) for name, p in own.items()]
+        keywords = [p for name, p in base.parameters.items()
+                    if p.kind is p.KEYWORD_ONLY and name not in fixed and name not in own]
+        sig = base.replace(parameters=positional + keywords)
+        uncovered = set(base.parameters) - set(sig.parameters) - set(fixed)
+        if uncovered or set(fixed) & set(sig.parameters):
+            raise TypeError(f"{stub.__name__}: _build's {sorted(uncovered)} are neither taken "
+                            f"nor fixed, or fixed {sorted(fixed)} are also taken")
+
+        def optimizer(*args, **kwargs) -> Optimizer:
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return _build(**bound.arguments, **fixed)
+
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(optimizer, attr, getattr(stub, attr))
+        optimizer.__signature__ = sig
+        optimizer.__annotations__ = {
+            **{p.name: p.annotation for p in sig.parameters.values()},
+            "return": sig.return_annotation}
+        return optimizer
+
+    return make
+
+
+@_optimizer()
+def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
+          weight_decay_mask=None):
     r"""Dion3 for matrix parameters, AdamW (or Lion) for everything else.
 
     Matrix leaves get :func:`dion3_jax.scale_by_dion3`, then decoupled weight decay and the
@@ -89,9 +161,10 @@ def dion3(
 
     .. warning::
       Embeddings and the LM head (unembedding) are 2-D but must not be orthogonalized. The
-      default labels send leaves with a path component that :data:`DEFAULT_SCALAR_PATTERN`
-      matches as a whole (``embed``, ``token_embedding``, ``lm_head``, ``head``, ``wte``,
-      ``wpe``, ...) to the scalar optimizer; name yours accordingly or pass ``param_labels``.
+      default labels send leaves with a path component that
+      :data:`dion3_jax.routing.DEFAULT_SCALAR_PATTERN` matches as a whole (``embed``,
+      ``token_embedding``, ``lm_head``, ``head``, ``wte``, ``wpe``, ...) to the scalar
+      optimizer; name yours accordingly or pass ``param_labels``.
 
     Args:
       learning_rate: base learning rate or schedule (Dion3 default in the reference: 0.01–0.02).
@@ -105,8 +178,8 @@ def dion3(
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
       flavour, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, pass_implementation: the matrix transform's options, see :func:`scale_by_dion3` (``mu_dtype``
-        defaults to float32 for 16-bit parameters).
+        mesh_options, pass_implementation: the matrix transform's options, see
+        :func:`scale_by_dion3` (``mu_dtype`` defaults to float32 for 16-bit parameters).
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
       scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
@@ -135,29 +208,51 @@ def dion3(
       Amsel et al., `Dion3: Full-Stack Orthogonal Updates <https://arxiv.org/abs/2608.11612>`_,
       2026.
     """
-    _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
-                      adam_eps, adam_weight_decay, scalar_optimizer)
-    matrix_tx = optax.chain(
-        scale_by_dion3(fraction, mu, beta2, flavour=flavour, adjust_lr=adjust_lr,
-                       dimension_numbers=dimension_numbers, num_heads=num_heads,
-                       split_sizes=split_sizes, mu_dtype=mu_dtype,
-                       orthogonalizer=orthogonalizer, mesh_options=mesh_options,
-                       pass_implementation=pass_implementation),
-        _with_params_in_update_dtype(optax.add_decayed_weights(weight_decay, weight_decay_mask)),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-    scalar_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-    if scalar_optimizer == "adamw":
-        scalar_tx = optax.adamw(scalar_lr, b1=adam_b1, b2=adam_b2, eps=adam_eps,
-                                weight_decay=adam_weight_decay, mask=adam_weight_decay_mask)
-    else:
-        scalar_tx = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2, weight_decay=adam_weight_decay,
-                               mask=adam_weight_decay_mask)
-    if param_labels is None:
-        def param_labels(params):
-            return default_param_labels(params, dimension_numbers)
-    return _committed_counts(
-        optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels))
+
+
+@_optimizer(fraction=1.0, beta2=0.95, flavour="muon")
+def muon(learning_rate, mu=0.95, weight_decay=0.01, weight_decay_mask=None):
+    """Muon (momentum ``U = μU + G``, no Nesterov) through the Dion3 code path at ``f = 1``.
+
+    Args:
+      learning_rate: base learning rate or schedule.
+      mu: momentum coefficient.
+      weight_decay: decoupled weight decay of the matrices.
+      weight_decay_mask: optional mask for it.
+      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
+        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
+        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
+        :func:`dion3`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    References:
+      Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024.
+    """
+
+
+@_optimizer(fraction=1.0, flavour="normuon")
+def normuon(learning_rate, mu=0.95, beta2=0.95, weight_decay=0.01, weight_decay_mask=None):
+    """NorMuon (row-normalised Muon) through the Dion3 code path at ``f = 1``.
+
+    Args:
+      learning_rate: base learning rate or schedule.
+      mu: momentum coefficient.
+      beta2: second-moment EMA coefficient.
+      weight_decay: decoupled weight decay of the matrices.
+      weight_decay_mask: optional mask for it.
+      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
+        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
+        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
+        :func:`dion3`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+
+    References:
+      Li et al., `NorMuon <https://arxiv.org/abs/2510.05491>`_, 2025.
+    """
 
 
 def _with_params_in_update_dtype(tx: optax.GradientTransformation
@@ -225,109 +320,3 @@ def _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, 
     check_range("adam_eps", adam_eps, 0.0, math.inf, hi_open=True)
     if scalar_optimizer not in ("adamw", "lion"):
         raise ValueError(f"scalar_optimizer must be 'adamw' or 'lion', got {scalar_optimizer=!r}")
-
-
-def muon(
-    learning_rate: optax.ScalarOrSchedule,
-    mu: jax.typing.ArrayLike = 0.95,
-    weight_decay: optax.ScalarOrSchedule = 0.01,
-    weight_decay_mask: Any = None,
-    *,
-    adjust_lr: AdjustLR = "spectral_norm",
-    dimension_numbers: Any = None,
-    num_heads: Any = None,
-    split_sizes: Any = None,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
-    mesh_options: MeshOptions | None = None,
-    pass_implementation: PassImplementation = "auto",
-    param_labels: Any = None,
-    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.95,
-    adam_eps: jax.typing.ArrayLike = 1e-8,
-    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
-    adam_weight_decay_mask: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-    """Muon (momentum ``U = μU + G``, no Nesterov) through the Dion3 code path at ``f = 1``.
-
-    Args:
-      learning_rate: base learning rate or schedule.
-      mu: momentum coefficient.
-      weight_decay: decoupled weight decay of the matrices.
-      weight_decay_mask: optional mask for it.
-      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
-        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
-        :func:`dion3`.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``.
-
-    References:
-      Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024.
-    """
-    return dion3(
-        learning_rate, 1.0, mu, 0.95, weight_decay, weight_decay_mask, flavour="muon",
-        adjust_lr=adjust_lr, dimension_numbers=dimension_numbers, num_heads=num_heads,
-        split_sizes=split_sizes, mu_dtype=mu_dtype, orthogonalizer=orthogonalizer,
-        mesh_options=mesh_options, pass_implementation=pass_implementation,
-        param_labels=param_labels, scalar_optimizer=scalar_optimizer,
-        adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
-        adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
-        adam_weight_decay_mask=adam_weight_decay_mask)
-
-
-def normuon(
-    learning_rate: optax.ScalarOrSchedule,
-    mu: jax.typing.ArrayLike = 0.95,
-    beta2: jax.typing.ArrayLike = 0.95,
-    weight_decay: optax.ScalarOrSchedule = 0.01,
-    weight_decay_mask: Any = None,
-    *,
-    adjust_lr: AdjustLR = "spectral_norm",
-    dimension_numbers: Any = None,
-    num_heads: Any = None,
-    split_sizes: Any = None,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
-    mesh_options: MeshOptions | None = None,
-    pass_implementation: PassImplementation = "auto",
-    param_labels: Any = None,
-    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.95,
-    adam_eps: jax.typing.ArrayLike = 1e-8,
-    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
-    adam_weight_decay_mask: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-    """NorMuon (row-normalised Muon) through the Dion3 code path at ``f = 1``.
-
-    Args:
-      learning_rate: base learning rate or schedule.
-      mu: momentum coefficient.
-      beta2: second-moment EMA coefficient.
-      weight_decay: decoupled weight decay of the matrices.
-      weight_decay_mask: optional mask for it.
-      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
-        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
-        :func:`dion3`.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``.
-
-    References:
-      Li et al., `NorMuon <https://arxiv.org/abs/2510.05491>`_, 2025.
-    """
-    return dion3(
-        learning_rate, 1.0, mu, beta2, weight_decay, weight_decay_mask, flavour="normuon",
-        adjust_lr=adjust_lr, dimension_numbers=dimension_numbers, num_heads=num_heads,
-        split_sizes=split_sizes, mu_dtype=mu_dtype, orthogonalizer=orthogonalizer,
-        mesh_options=mesh_options, pass_implementation=pass_implementation,
-        param_labels=param_labels, scalar_optimizer=scalar_optimizer,
-        adam_learning_rate=adam_learning_rate, adam_b1=adam_b1, adam_b2=adam_b2,
-        adam_eps=adam_eps, adam_weight_decay=adam_weight_decay,
-        adam_weight_decay_mask=adam_weight_decay_mask)

@@ -16,7 +16,7 @@ import numpy as np
 
 from dion3_jax import _layout, _numbers
 from dion3_jax._distributed import MeshOptions, check_mesh_options
-from dion3_jax._orthogonalizer import Orthogonalizer, as_orthogonalizer
+from dion3_jax._polar_operator import PolarOperator, as_polar_operator
 
 Flavour = Literal["normuon", "muon"]
 PassImplementation = Literal["auto", "xla", "pallas_triton"]
@@ -38,7 +38,7 @@ class Dion3Config(NamedTuple):
     num_heads: Any
     split_sizes: Any
     mu_dtype: Any
-    orthogonalizer: Orthogonalizer
+    orthogonalizer: PolarOperator
     mesh_options: MeshOptions
     pass_implementation: str = "auto"
 
@@ -160,5 +160,5 @@ def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_
     mesh_options = MeshOptions() if mesh_options is None else mesh_options
     check_mesh_options(mesh_options)
     return Dion3Config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
-                       split_sizes, _check_mu_dtype(mu_dtype), as_orthogonalizer(orthogonalizer),
+                       split_sizes, _check_mu_dtype(mu_dtype), as_polar_operator(orthogonalizer),
                        mesh_options, pass_implementation)

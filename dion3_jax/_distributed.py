@@ -31,6 +31,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 import numpy as np
 
 from dion3_jax import _layout, _numbers
+from dion3_jax._types import PerLeaf
 
 SELECTION_SCOPES = ("local", "global")
 REPLICA_SELECTIONS = ("random", "norms")
@@ -91,8 +92,8 @@ class MeshOptions(NamedTuple):
     selection_scope: Literal["local", "global"] = "local"
     replica_selection: Literal["random", "norms"] = "random"
     seed: int = 0
-    param_specs: Any = None
-    replica_wire_dtype: Any = None
+    param_specs: PerLeaf[P] | None = None
+    replica_wire_dtype: jax.typing.DTypeLike | None = None
 
 
 def check_mesh_options(options: MeshOptions) -> None:

@@ -207,7 +207,7 @@ def polar(x: jax.Array, *, method: Method = "gram",
       coefficients: a preset name (``"polar_express"``, ``"you"``, ``"jordan"``) or a sequence of
         ``(a, b, c)`` triples, one per step.
       restarts: 0-based steps at which Gram Newton-Schulz restarts (ignored by ``"standard"``);
-        see :func:`dion3_jax.autotune_restarts`.
+        see :func:`dion3_jax.newton_schulz.autotune_restarts`.
       steps: number of steps (default: the length of the coefficient list).
       compute_dtype: dtype of the iteration; defaults to float16 for ``"gram"`` and bfloat16 for
         ``"standard"``. Products accumulate in float32.

@@ -21,14 +21,13 @@ saving a checkpoint).
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 from dion3_jax._transform import ScaleByDion3State
+from dion3_jax._types import AnyMesh, OptState
 
 
-def _pmean_momentum(opt_state: Any, replica_axis: str) -> Any:
+def _pmean_momentum(opt_state: OptState, replica_axis: str) -> OptState:
     def fix(node):
         if isinstance(node, ScaleByDion3State):
             node = node.folded()
@@ -38,7 +37,8 @@ def _pmean_momentum(opt_state: Any, replica_axis: str) -> Any:
     return jax.tree.map(fix, opt_state, is_leaf=lambda x: isinstance(x, ScaleByDion3State))
 
 
-def synchronize_momentum(opt_state: Any, replica_axis: str = "dcn", *, mesh=None) -> Any:
+def synchronize_momentum(opt_state: OptState, replica_axis: str = "dcn", *,
+                         mesh: AnyMesh | None = None) -> OptState:
     """Averages every Dion3 momentum over the replica axis (call before saving a checkpoint).
 
     After compressed sync (``replica_axis`` set and ``update`` called inside a shard_map over it)

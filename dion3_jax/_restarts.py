@@ -381,13 +381,13 @@ def _format_restarts(combo: tuple[int, ...]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m dion3_jax.restarts --coefficients polar_express``.
+    """Command line: ``python -m dion3_jax.newton_schulz --coefficients polar_express``.
 
     Prints, for each number of restarts up to the chosen one, the best candidate sets with their
     growth, then the chosen set. Returns the exit status (0; 1 if no set meets the bound).
     """
     parser = argparse.ArgumentParser(
-        prog="python -m dion3_jax.restarts",
+        prog="python -m dion3_jax.newton_schulz",
         description="Choose Gram Newton-Schulz restart positions by bounding the condition number "
                     "of Q when the float16 Gram matrix has spurious negative eigenvalues.")
     parser.add_argument(

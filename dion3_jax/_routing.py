@@ -38,6 +38,8 @@ import jax
 import numpy as np
 
 from dion3_jax import _layout
+from dion3_jax._layout import DimensionNumbers
+from dion3_jax._types import Label, Params, PerLeaf, Tree
 
 DION3_LABEL = "dion3"
 SCALAR_LABEL = "scalar"
@@ -260,10 +262,11 @@ def check_routes(routes: list[Route]) -> None:
         raise ValueError("\n\n".join(parts))
 
 
-def default_param_labels(params: Any, dimension_numbers: Any = None,
+def default_param_labels(params: Params,
+                         dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
                          scalar_pattern: str = DEFAULT_SCALAR_PATTERN, *,
                          vector_pattern: str | None = DEFAULT_VECTOR_PATTERN,
-                         head_pattern: str | None = DEFAULT_HEAD_PATTERN) -> Any:
+                         head_pattern: str | None = DEFAULT_HEAD_PATTERN) -> Tree[Label]:
     """Labels each leaf ``"dion3"`` or ``"scalar"``, or refuses (see :mod:`dion3_jax._routing`).
 
     In short: rank < 2 leaves, leaves named like biases / norm scales (any rank) and embeddings
@@ -331,8 +334,11 @@ def _format(header: tuple, rows: list[tuple]) -> str:
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *map(line, rows)])
 
 
-def routing_table(params: Any, *, dimension_numbers: Any = None, num_heads: Any = None,
-                  split_sizes: Any = None, param_labels: Any = None) -> str:
+def routing_table(params: Params, *,
+                  dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
+                  num_heads: PerLeaf[int | None] | None = None,
+                  split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
+                  param_labels: PerLeaf[Label] | None = None) -> str:
     """The routing :func:`dion3_jax.dion3` applies to ``params``, as a table.
 
     Pass the same ``dimension_numbers``, ``num_heads``, ``split_sizes`` and ``param_labels`` as

@@ -27,7 +27,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,9 @@ import optax
 from dion3_jax import _distributed, _plan, _step
 from dion3_jax._config import AdjustLR, Dion3Config, Flavour, PassImplementation, make_config
 from dion3_jax._distributed import MeshOptions
+from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer
+from dion3_jax._types import OptState, PerLeaf
 
 
 class ScaleByDion3State(NamedTuple):
@@ -47,14 +49,20 @@ class ScaleByDion3State(NamedTuple):
     The step writes ``S = M + G`` once and leaves its selected rows' decay ``μ`` in
     ``momentum_scale``, where the next step applies it as it reads the momentum: one full pass
     over the momentum fewer per step.
+
+    Attributes:
+      count: the number of updates applied; shape ``()``, int32.
+      momentum: shaped like the params; dtype ``mu_dtype`` (default: float32 for 16-bit
+        parameters, else the parameter's).
+      variance: the NorMuon per-row second moments, float32, each param's shape with its
+        reduction axes of size 1; None for ``flavour="muon"``.
+      momentum_scale: the momentum's per-row factors (1 or ``μ``), float32, shaped like the
+        second moments.
     """
 
-    count: jax.Array  # shape=(), dtype=int32: number of updates applied.
-    momentum: optax.Updates  # like params; dtype mu_dtype (default: param dtype, ≥ float32).
-    # Per-row second moments: each param's shape with its reduction axes of size 1, float32.
-    # None for flavour="muon".
+    count: jax.Array
+    momentum: optax.Updates
     variance: optax.Updates | None
-    # Per-row factors of the momentum, shaped like the variance, float32 (1 or μ).
     momentum_scale: optax.Updates
 
     def full_momentum(self) -> optax.Updates:
@@ -68,7 +76,7 @@ class ScaleByDion3State(NamedTuple):
                              momentum_scale=jax.tree.map(jnp.ones_like, self.momentum_scale))
 
 
-def fold_momentum_scale(opt_state: Any) -> Any:
+def fold_momentum_scale(opt_state: OptState) -> OptState:
     """Every :class:`ScaleByDion3State` in ``opt_state`` with its row factors folded into the
     momentum: ``momentum`` becomes :meth:`ScaleByDion3State.full_momentum` and
     ``momentum_scale`` ones. The optimizer continues from it as from the state it came from (up
@@ -241,9 +249,9 @@ def scale_by_dion3(
     *,
     flavour: Flavour = "normuon",
     adjust_lr: AdjustLR = "spectral_norm",
-    dimension_numbers: Any = None,
-    num_heads: Any = None,
-    split_sizes: Any = None,
+    dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
+    num_heads: PerLeaf[int | None] | None = None,
+    split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
     mu_dtype: jax.typing.DTypeLike | None = None,
     orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
     mesh_options: MeshOptions | None = None,

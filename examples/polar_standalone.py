@@ -78,9 +78,10 @@ def main(argv=None) -> dict:
     x = jax.random.normal(jax.random.key(0), tuple(args.shape), jnp.float32).astype(args.dtype)
     u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
     exact = u @ vt
+    restarts = dion3_jax.newton_schulz.autotune_restarts(args.coefficients)
     print(f"input: {args.shape[0]} random {args.shape[1]}×{args.shape[2]} matrices, {x.dtype}; "
-          f"coefficients {args.coefficients!r}, Gram restarts "
-          f"{dion3_jax.autotune_restarts(args.coefficients)}; device {jax.devices()[0]}")
+          f"coefficients {args.coefficients!r}, Gram restarts {restarts}; "
+          f"device {jax.devices()[0]}")
     print(f"{'method':<10} {'ms':>8} {'error vs SVD':>13} {'σ(O) min – max':>16}")
     results = {}
     for method in ("gram", "standard"):

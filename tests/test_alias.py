@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import typing
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -241,3 +244,57 @@ def test_flax_nnx_optimizer_trains():
 
     losses = [float(step(model, opt)) for _ in range(40)]
     assert losses[-1] < 0.7 * losses[0], losses[::10]
+
+
+def _parameters(fn) -> list[tuple[str, str, object]]:
+    return [(p.name, p.kind.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_aliases_share_one_set_of_options():
+    """``muon`` and ``normuon`` take ``dion3``'s keyword-only options except ``flavour``, with the
+    same defaults and annotations; their positional parameters are pinned here."""
+    pos = {name: [(n, d) for n, k, d in _parameters(fn) if k == "POSITIONAL_OR_KEYWORD"]
+           for name, fn in (("dion3", dion3_jax.dion3), ("muon", dion3_jax.muon),
+                            ("normuon", dion3_jax.normuon))}
+    assert pos == {
+        "dion3": [("learning_rate", inspect.Parameter.empty), ("fraction", 0.25), ("mu", None),
+                  ("beta2", 0.95), ("weight_decay", 0.01), ("weight_decay_mask", None)],
+        "muon": [("learning_rate", inspect.Parameter.empty), ("mu", 0.95),
+                 ("weight_decay", 0.01), ("weight_decay_mask", None)],
+        "normuon": [("learning_rate", inspect.Parameter.empty), ("mu", 0.95), ("beta2", 0.95),
+                    ("weight_decay", 0.01), ("weight_decay_mask", None)]}
+    full = inspect.signature(dion3_jax.dion3).parameters
+    keywords = [p for p in full.values() if p.kind is p.KEYWORD_ONLY]
+    assert len(keywords) == 17 and keywords[0].name == "flavour"
+    for fn in (dion3_jax.muon, dion3_jax.normuon):
+        params = inspect.signature(fn).parameters
+        assert [p for p in params.values() if p.kind is p.KEYWORD_ONLY] == keywords[1:]
+        assert all(params[n].annotation == full[n].annotation for n in params)
+        assert typing.get_type_hints(fn)["param_labels"] == typing.get_type_hints(
+            dion3_jax.dion3)["param_labels"]
+    with pytest.raises(TypeError, match="beta2"):
+        dion3_jax.muon(0.01, beta2=0.9)
+    with pytest.raises(TypeError, match="flavour"):
+        dion3_jax.normuon(0.01, flavour="muon")
+    with pytest.raises(TypeError):
+        dion3_jax.muon(0.01, 0.9, 0.0, None, "rms_norm")   # the options are keyword-only
+
+
+@pytest.mark.parametrize("name", ["muon", "normuon"])
+def test_muon_and_normuon_are_dion3_at_fraction_one(name):
+    """Bitwise the updates of ``dion3`` at ``f = 1`` with the alias's flavour and defaults (the
+    definition of the aliases), options passed positionally and by keyword alike."""
+    params, grads = _params(), _grads(_params())
+    kw = dict(adjust_lr="rms_norm", adam_learning_rate=3e-3, adam_weight_decay=0.1)
+    if name == "muon":
+        alias = dion3_jax.muon(0.02, 0.9, 0.05, None, **kw)
+        ref = dion3_jax.dion3(0.02, 1.0, 0.9, 0.95, 0.05, flavour="muon", **kw)
+    else:
+        alias = dion3_jax.normuon(0.02, 0.9, beta2=0.8, weight_decay=0.05, **kw)
+        ref = dion3_jax.dion3(0.02, 1.0, 0.9, 0.8, 0.05, flavour="normuon", **kw)
+    s1, s2 = committed(alias.init(params)), committed(ref.init(params))
+    for _ in range(2):
+        u1, s1 = jax.jit(alias.update)(grads, s1, params)
+        u2, s2 = jax.jit(ref.update)(grads, s2, params)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                     u1, u2)

@@ -114,7 +114,7 @@ def test_polar_standalone_presets_match_the_library():
     import dion3_jax
     import polar_standalone
 
-    assert set(polar_standalone.COEFFICIENTS) == set(dion3_jax.COEFFICIENT_PRESETS)
+    assert set(polar_standalone.COEFFICIENTS) == set(dion3_jax.newton_schulz.COEFFICIENT_PRESETS)
 
 
 def test_help_shows_defaults_on_every_flag():

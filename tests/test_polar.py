@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import dion3_jax
-from dion3_jax import polar
+from dion3_jax import newton_schulz, polar
+from dion3_jax._polar_operator import BuiltinPolar
 import dion3_reference as ref
 
 
@@ -129,12 +130,13 @@ def test_bad_inputs():
 
 
 def test_coefficient_presets():
-    pe = dion3_jax.get_coefficients("polar_express")
+    pe = newton_schulz.get_coefficients("polar_express")
     np.testing.assert_allclose(pe[0], (8.28721201814563 / 1.05, -23.595886519098837 / 1.05**3,
                                        17.300387312530933 / 1.05**5))
-    assert len(dion3_jax.get_coefficients("jordan")) == 5
-    assert len(dion3_jax.get_coefficients("you", steps=7)) == 7
-    assert dion3_jax.get_coefficients("you", steps=2) == dion3_jax.COEFFICIENT_PRESETS["you"][:2]
+    assert len(newton_schulz.get_coefficients("jordan")) == 5
+    assert len(newton_schulz.get_coefficients("you", steps=7)) == 7
+    assert (newton_schulz.get_coefficients("you", steps=2)
+            == newton_schulz.COEFFICIENT_PRESETS["you"][:2])
 
 
 @pytest.mark.parametrize("method,shape", [("gram", (2, 100, 300)), ("gram", (1, 120, 125)),
@@ -177,7 +179,7 @@ def test_padding_multiples_follow_the_backend(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_stacked_parts_equal_polar_of_the_concatenation(method):
-    """``make_orthogonalizer(...).stacked(parts)`` normalises each part before stacking; the result
+    """The built-in operator's ``stacked(parts)`` normalises each part before stacking; the result
     is ``polar(concatenate(parts))``: float64 to 1e-12, the float16 default to fp16 tolerance.
     (Wide parts: a tall batch is normalised and stacked alike, and both sides then take the same
     tall iteration, tested above.)"""
@@ -187,19 +189,20 @@ def test_stacked_parts_equal_polar_of_the_concatenation(method):
              for b, s in zip((1, 3, 2), (1e-3, 1.0, 40.0))]
     with jax.enable_x64(True):
         p64 = [p.astype(jnp.float64) for p in parts]
-        f = dion3_jax.make_orthogonalizer(method=method, compute_dtype=jnp.float64, backend="xla")
+        f = BuiltinPolar(dion3_jax.make_orthogonalizer(method=method, compute_dtype=jnp.float64,
+                                                       backend="xla"))
         got, want = f.stacked(p64), polar(jnp.concatenate(p64), method=method,
                                            compute_dtype=jnp.float64, backend="xla")
         assert got.shape == (6, *shape) and got.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-12)
-    f = jax.jit(dion3_jax.make_orthogonalizer(method=method, backend="xla").stacked)
+    f = jax.jit(BuiltinPolar(dion3_jax.make_orthogonalizer(method=method, backend="xla")).stacked)
     got, want = np.asarray(f(parts)), np.asarray(polar(jnp.concatenate(parts), method=method,
                                                        backend="xla"))
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
 def test_stacked_parts_must_match():
-    f = dion3_jax.make_orthogonalizer(backend="xla")
+    f = BuiltinPolar(dion3_jax.make_orthogonalizer(backend="xla"))
     with pytest.raises(ValueError, match="share their matrix shape"):
         f.stacked([jnp.ones((1, 4, 8)), jnp.ones((1, 4, 9))])
     with pytest.raises(ValueError, match="share their matrix shape"):
@@ -220,7 +223,8 @@ def test_stacked_with_given_norms():
         parts = [jnp.asarray(rng.standard_normal((b, 24, 64)) * s)
                  for b, s in zip((3, 2), (1e-3, 40.0))]
         sq = [jnp.sqrt(jnp.sum(p ** 2, axis=(1, 2))) for p in parts]
-        f = dion3_jax.make_orthogonalizer(method="gram", compute_dtype=jnp.float64, backend="xla")
+        f = BuiltinPolar(dion3_jax.make_orthogonalizer(method="gram", compute_dtype=jnp.float64,
+                                                       backend="xla"))
         want = np.asarray(f.stacked(parts))
         got = np.asarray(jax.jit(f.stacked)(parts, [sq[0], sq[1]]))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
@@ -300,10 +304,10 @@ def test_polar_beyond_the_norm_range_is_nan_not_zero():
 @pytest.mark.parametrize("shape", [(3, 16, 40), pytest.param((2, 40, 16), marks=pytest.mark.slow),
                                    pytest.param((2, 24, 24), marks=pytest.mark.slow)])
 def test_of_normalized_is_polar_of_the_normalised_input(shape):
-    """``Orthogonalizer.of_normalized`` (what Dion3 calls on payloads it normalised and cast
-    itself) gives the bits of ``polar`` on the same input, which normalises first: dividing a
-    float16 matrix of unit norm by ``1 + eps`` again rounds back to it."""
-    orth = dion3_jax.make_orthogonalizer(backend="xla")
+    """The built-in operator's ``of_normalized`` (what Dion3 calls on payloads it normalised
+    and cast itself) gives the bits of ``polar`` on the same input, which normalises first:
+    dividing a float16 matrix of unit norm by ``1 + eps`` again rounds back to it."""
+    orth = BuiltinPolar(dion3_jax.make_orthogonalizer(backend="xla"))
     x = jnp.asarray(np.random.default_rng().standard_normal(shape, np.float32))
     y = (x / (jnp.linalg.norm(x, axis=(1, 2), keepdims=True) + orth.eps)).astype(
         orth.input_dtype)

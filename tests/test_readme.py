@@ -94,9 +94,9 @@ def test_license_is_the_apache_text():
 
 
 def test_restarts_command_prints_what_the_readme_says():
-    line = next(c for c in bash_commands(README) if "dion3_jax.restarts" in c)
+    line = next(c for c in bash_commands(README) if "dion3_jax.newton_schulz" in c)
     expected = re.search(r"last line: (.*)$", next(
-        raw for raw in README.splitlines() if "dion3_jax.restarts --" in raw)).group(1).strip()
+        raw for raw in README.splitlines() if "dion3_jax.newton_schulz --" in raw)).group(1).strip()
     args = line.split()[1:]  # drop "python": run with this interpreter
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=120).stdout

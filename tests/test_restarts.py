@@ -213,7 +213,7 @@ def test_autotune_rejects_bad_arguments(kwargs, match):
 
 
 def _run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "dion3_jax.restarts", *args], cwd=_REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "dion3_jax.newton_schulz", *args], cwd=_REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
 
 

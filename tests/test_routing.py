@@ -370,5 +370,5 @@ def test_mamba_state_space_parameters_go_to_the_scalar_optimizer():
 def test_user_patterns_match_whole_components_too():
     params = {"mix": jnp.ones((2, 8)), "mixer": {"kernel": jnp.ones((8, 8))}}
     labels = dion3_jax.default_param_labels(
-        params, vector_pattern=dion3_jax.DEFAULT_VECTOR_PATTERN + "|mix")
+        params, vector_pattern=dion3_jax.routing.DEFAULT_VECTOR_PATTERN + "|mix")
     assert labels == {"mix": "scalar", "mixer": {"kernel": "dion3"}}

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import dion3_jax
-from dion3_jax import DimensionNumbers
+from dion3_jax import DimensionNumbers, _selection
 import dion3_reference as ref
 from platform_setup import committed
 
@@ -167,10 +167,10 @@ def test_default_precision_close_to_reference():
 
 
 def test_k_rule():
-    assert dion3_jax.num_selected(0.07, 100) == 8
-    assert dion3_jax.num_selected(0.25, 10) == 3
-    assert dion3_jax.num_selected(1e-6, 10) == 1
-    assert dion3_jax.num_selected(1, 7) == 7
+    assert _selection.num_selected(0.07, 100) == 8
+    assert _selection.num_selected(0.25, 10) == 3
+    assert _selection.num_selected(1e-6, 10) == 1
+    assert _selection.num_selected(1, 7) == 7
 
 
 def test_only_selected_rows_move_and_decay():
@@ -182,7 +182,7 @@ def test_only_selected_rows_move_and_decay():
     upd, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, state)
     upd = np.asarray(upd["w"])
     moved = np.flatnonzero(np.abs(upd).sum(axis=0) > 0)
-    k = dion3_jax.num_selected(f, n)
+    k = _selection.num_selected(f, n)
     expected = np.sort(np.argsort(-np.abs(g).sum(axis=0))[:k])
     np.testing.assert_array_equal(moved, expected)
     mom = np.asarray(state.full_momentum()["w"])

@@ -1,0 +1,27 @@
+"""The name patterns of the default routing (:func:`dion3_jax.default_param_labels`).
+
+Each is a regular expression matched, ignoring case, against every whole component of a leaf's
+path (``re.fullmatch``); ``docs/ROUTING.md`` lists what each one matches. Pass an extended one
+to :func:`dion3_jax.default_param_labels` (``scalar_pattern=``, ``vector_pattern=``,
+``head_pattern=``) and that as ``param_labels=``, e.g. to send a ``mix`` vector to the scalar
+optimizer::
+
+    labels = lambda p: dion3_jax.default_param_labels(
+        p, vector_pattern=routing.DEFAULT_VECTOR_PATTERN + "|mix")
+
+Attributes:
+  DEFAULT_SCALAR_PATTERN: embeddings (token or position) and output heads: the scalar
+    optimizer.
+  DEFAULT_VECTOR_PATTERN: per-feature parameters (biases, gains, norm layers, tokens, Mamba's
+    ``A_log`` and ``D``): the scalar optimizer, at any rank.
+  DEFAULT_HEAD_PATTERN: output heads, also used to refuse trees of auto-named layers without
+    a named head.
+"""
+
+from dion3_jax._routing import DEFAULT_HEAD_PATTERN, DEFAULT_SCALAR_PATTERN, DEFAULT_VECTOR_PATTERN
+
+__all__ = (
+    "DEFAULT_HEAD_PATTERN",
+    "DEFAULT_SCALAR_PATTERN",
+    "DEFAULT_VECTOR_PATTERN",
+)
