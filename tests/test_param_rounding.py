@@ -120,3 +120,28 @@ def test_tiny_rounding_plan_step():
             assert _same_bits(a, reference(w, du)), rounding
     assert not all(_same_bits(_once(w, du), _twice(w, du))
                    for w, du in zip(jax.tree.leaves(p1), jax.tree.leaves(u)))
+
+
+def test_rounding_report_is_computed_from_the_runs():
+    """The committed ``--plan rounding`` results with fresh random losses: the section's paired
+    differences and means follow them."""
+    import rounding_report
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "quality",
+                        "h200_rounding.jsonl")
+    assert rounding_report.is_rounding_results(path)
+    _, runs = rounding_report._load([path])
+    rng = np.random.default_rng(SEED + 2)
+    for r in runs:
+        r["final_heldout"] = float(rng.uniform(1, 2))
+    groups = rounding_report.by_variant(runs)
+    assert len(groups) == 3 and all(len(v) == 3 for v in groups.values())
+    for variants in groups.values():
+        got = rounding_report.paired(variants, ("bfloat16", "twice"), ("bfloat16", "once"))
+        want = [variants[("bfloat16", "twice")][s]["final_heldout"]
+                - variants[("bfloat16", "once")][s]["final_heldout"] for s in range(3)]
+        assert got == want
+    table, _ = rounding_report._tables(groups)
+    dion3 = groups[next(k for k in groups if k.startswith("Dion3"))]
+    mean = np.mean([r["final_heldout"] for r in dion3[("float32", "once")].values()])
+    assert f"{mean:.4f} ± " in table
