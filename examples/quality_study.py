@@ -15,6 +15,12 @@ The runs are queued by priority and planned phase by phase from the results so f
 3. a learning-rate × f grid around the transferred rate (tests the √f rule) and two weight-decay
    rules (constant, and ``wd·√f``, which keeps the per-step decay ``lr·wd`` the same for every f).
 
+The parameters are float32 and the activations bfloat16 unless ``--param-dtype bfloat16``
+stores the parameters in bfloat16 (``--rounding`` then says how the update is added:
+``examples/param_rounding.py``). ``--plan rounding`` runs another, fixed plan instead: Dion3
+f = 1/4, NorMuon and AdamW at the study's best learning rates, each with float32 master weights
+and with bfloat16 parameters rounded once and twice, three seeds each.
+
 Every optimizer config is compiled once, ahead of time and in parallel: the learning rate, μ and
 weight decay live in the optimizer state (``optax.inject_hyperparams``; ``fraction`` is static),
 and the warm-up + cosine schedule is computed inside the step from the step counter.
@@ -24,9 +30,11 @@ Usage::
     python examples/quality_study.py --tiny --out runs/quality/tiny.jsonl   # CPU check, ~1 min
     python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
+    python examples/quality_study.py --plan rounding --out runs/quality/rounding.jsonl
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
-plots under ``docs/quality/``.
+plots under ``docs/quality/``; results of ``--plan rounding`` (given among the files) become the
+section "bf16 parameters: rounding" (``examples/rounding_report.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ import numpy as np
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)  # train_lm, the main job's model and data
 
+import param_rounding  # noqa: E402
+
 MU_RULES = ("const", "pow")  # μ = 0.95, or μ = 0.95^(1/f)
 WD_RULES = ("const", "sqrt_f")  # wd, or wd·√f
 FRACTIONS = (0.5, 0.25, 0.125)
@@ -62,6 +72,7 @@ NOTES_MARK = "<!-- end of summary -->"
 def build_parser() -> argparse.ArgumentParser:
     """The study's flags (every one validated before any data is read)."""
     import _common
+    import param_rounding
 
     p = _common.make_parser(__doc__)
     p.add_argument("--out", default="runs/quality/results.jsonl",
@@ -88,8 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_common.positive_int, default=512,
                    help="context length in bytes")
     p.add_argument("--batch", type=_common.positive_int, default=32, help="sequences per step")
+    p.add_argument("--plan", default="study", choices=["study", "rounding"],
+                   help="study: the adaptive plan of the three phases; rounding: every optimizer "
+                        "under the three parameter-storage variants of examples/param_rounding.py")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="activation dtype (parameters stay float32)")
+                   help="activation dtype")
+    p.add_argument("--param-dtype", default="float32", choices=list(param_rounding.PARAM_DTYPES),
+                   help="dtype the parameters are stored in (--plan study)")
+    p.add_argument("--rounding", default="once", choices=list(param_rounding.ROUNDINGS),
+                   help="16-bit parameters: add the float32 update and round once, or round the "
+                        "update to the parameter dtype first (--plan study)")
     p.add_argument("--data-mb", type=_common.positive_float, default=12.0,
                    help="cap on the stdlib text read (MB)")
     p.add_argument("--heldout-percent", type=_common.percent, default=5.0,
@@ -114,6 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.d_model, args.layers, args.heads, args.seq_len, args.batch = 32, 1, 2, 32, 4
         args.steps, args.eval_every, args.eval_batches, args.data_mb = 24, 8, 2, 1.0
         args.compute_dtype = "float32"
+    if args.rounding == "twice" and args.param_dtype == "float32":
+        p.error("--rounding twice rounds the update to the parameter dtype: it needs "
+                "--param-dtype bfloat16")
+    if args.plan == "rounding" and (args.param_dtype, args.rounding) != ("float32", "once"):
+        p.error("--plan rounding runs every --param-dtype and --rounding itself: pass neither")
     if args.d_model % args.heads or (args.d_model // args.heads) % 2:
         p.error(f"--d-model must be --heads × an even head size, got {args.d_model}, {args.heads}")
     for flag in ("report", "resume", "notes"):
@@ -145,18 +169,31 @@ class Run:
     wd_rule: str = "const"
     adam_lr: float = 0.0  # lr of the AdamW branch of NorMuon / Dion3
     lr_mult: float = 1.0  # lr / transferred lr (Dion3 grid)
+    param_dtype: str = "float32"  # examples/param_rounding.py
+    rounding: str = "once"
 
     @property
     def family(self) -> str:
         return f"dion3@{self.fraction:g}" if self.opt == "dion3" else self.opt
 
+    @property
+    def step_name(self) -> str:
+        """The compiled step: the family, and the parameter storage unless float32."""
+        if self.param_dtype == "float32":
+            return self.family
+        return f"{self.family} {self.param_dtype} {self.rounding}"
+
     def key(self) -> tuple:
         return (self.opt, self.fraction, round(self.mu, 6), round(self.lr, 9), round(self.wd, 9),
-                round(self.adam_lr, 9), self.steps, self.seed)
+                round(self.adam_lr, 9), self.steps, self.seed, self.param_dtype, self.rounding)
 
 
 def config_name(r: dict) -> str:
     """A readable name of a run's configuration (everything but the seed)."""
+    return _optimizer_name(r) + param_rounding.config_suffix(r)
+
+
+def _optimizer_name(r: dict) -> str:
     if r["opt"] == "adamw":
         return f"AdamW lr {r['lr']:.3g}" + (f", {r['steps']} steps" if r["phase"] == "time" else "")
     if r["opt"] == "normuon":
@@ -172,9 +209,14 @@ class Planner:
     ADAMW_LRS = (1e-3, 2e-3, 4e-3, 8e-3)
     NORMUON_LRS = (0.01, 0.02, 0.04)
     ADAMW_WD, MATRIX_WD, BIG_WD = 0.1, 0.01, 0.1
+    #: The best peak learning rates of the study's sweeps (docs/QUALITY.md), for --plan rounding.
+    BEST_ADAMW_LR, BEST_NORMUON_LR = 2e-3, 0.04
+    ROUNDING_OPTS = ("dion3", "normuon", "adamw")
 
-    def __init__(self, steps: int, max_steps: int):
+    def __init__(self, steps: int, max_steps: int, param_dtype: str = "float32",
+                 rounding: str = "once"):
         self.steps, self.max_steps = steps, max_steps
+        self.storage = dict(param_dtype=param_dtype, rounding=rounding)  # of the study's runs
         self.results: dict[tuple, dict] = {}
         self.step_ms: dict[str, float] = {}  # the first measured (equal-time runs use it)
         self.last_ms: dict[str, float] = {}  # the latest measured (time-budget guesses use it)
@@ -184,7 +226,7 @@ class Planner:
     def record(self, run: Run, result: dict) -> None:
         self.results[run.key()] = result
         self.step_ms.setdefault(run.family, result["step_ms"])
-        self.last_ms[run.family] = result["step_ms"]
+        self.last_ms[run.step_name] = result["step_ms"]
 
     def _loss(self, run: Run) -> float:
         r = self.results.get(run.key())
@@ -202,11 +244,13 @@ class Planner:
             yield make(lrs[-1] * 2, 0)
 
     def adamw(self, lr, seed, steps=None, phase="adamw"):
-        return Run(phase, "adamw", lr, seed, steps or self.steps, wd=self.ADAMW_WD)
+        return Run(phase, "adamw", lr, seed, steps or self.steps, wd=self.ADAMW_WD,
+                   **self.storage)
 
     def normuon(self, lr, seed, steps=None, phase="normuon", wd=None):
         return Run(phase, "normuon", lr, seed, steps or self.steps,
-                   wd=self.MATRIX_WD if wd is None else wd, adam_lr=self.adam_best())
+                   wd=self.MATRIX_WD if wd is None else wd, adam_lr=self.adam_best(),
+                   **self.storage)
 
     def dion3(self, f, mu_rule, seed, lr_mult=1.0, wd_rule="const", base_wd=None, phase="dion3"):
         import dion3_jax
@@ -216,7 +260,36 @@ class Planner:
         wd = self.MATRIX_WD if base_wd is None else base_wd
         wd = wd * math.sqrt(f) if wd_rule == "sqrt_f" else wd
         return Run(phase, "dion3", lr, seed, self.steps, f, mu, mu_rule, wd, wd_rule,
-                   self.adam_best(), lr_mult)
+                   self.adam_best(), lr_mult, **self.storage)
+
+    def rounding_run(self, opt: str, seed: int, param_dtype: str, rounding: str) -> Run:
+        """A run of --plan rounding: ``opt`` at the study's best learning rate (Dion3: f = 1/4,
+        the library's μ = 0.95^(1/f), NorMuon's best lr moved by the √f rule)."""
+        import dion3_jax
+
+        storage = dict(param_dtype=param_dtype, rounding=rounding)
+        adam_lr, matrix_lr = self.BEST_ADAMW_LR, self.BEST_NORMUON_LR
+        if opt == "adamw":
+            return Run("rounding", "adamw", adam_lr, seed, self.steps, wd=self.ADAMW_WD,
+                       **storage)
+        if opt == "normuon":
+            return Run("rounding", "normuon", matrix_lr, seed, self.steps, wd=self.MATRIX_WD,
+                       adam_lr=adam_lr, **storage)
+        f = 0.25
+        return Run("rounding", "dion3", dion3_jax.transfer_learning_rate(matrix_lr, 1.0, f),
+                   seed, self.steps, f, dion3_jax.momentum_for_fraction(f), "pow",
+                   self.MATRIX_WD, adam_lr=adam_lr, **storage)
+
+    def examples(self, plan: str) -> dict[str, Run]:
+        """One run per compiled step of ``plan``, by step name (their values are set per run)."""
+        if plan == "rounding":
+            runs = [self.rounding_run(opt, 0, *v) for opt in self.ROUNDING_OPTS
+                    for v in param_rounding.VARIANTS]
+        else:
+            runs = [self.adamw(1e-3, 0), self.normuon(0.02, 0)]
+            runs += [Run("x", "dion3", 0.04, 0, self.steps, f, adam_lr=1e-3, **self.storage)
+                     for f in FRACTIONS]
+        return {run.step_name: run for run in runs}
 
     def adam_best(self) -> float:
         return self._best_lr(self.adamw, self.ADAMW_LRS + (5e-4, 1.6e-2))
@@ -236,7 +309,14 @@ class Planner:
 
     # -- the phases, in priority order -----------------------------------------------------
 
-    def phases(self):
+    def phases(self, plan: str = "study"):
+        """(phase name, a function returning its runs), in priority order."""
+        if plan == "rounding":
+            for seed in range(3):
+                yield f"rounding seed {seed}", lambda seed=seed: [
+                    self.rounding_run(opt, seed, *v) for opt in self.ROUNDING_OPTS
+                    for v in param_rounding.VARIANTS]
+            return
         yield "adamw lr sweep", lambda: [self.adamw(lr, 0) for lr in self.ADAMW_LRS]
         yield "adamw sweep edge", lambda: list(self._extend(self.adamw, self.ADAMW_LRS))
         yield "normuon lr sweep", lambda: [self.normuon(lr, 0) for lr in self.NORMUON_LRS]
@@ -292,8 +372,18 @@ class Planner:
 # ---------------------------------------------------------------------------------------------
 
 
-def _make_tx(family: str):
-    """An ``inject_hyperparams`` optimizer for a family; values are set per run in the state."""
+def _make_tx(family: str, param_dtype: str = "float32"):
+    """An ``inject_hyperparams`` optimizer for a family; values are set per run in the state.
+
+    For 16-bit parameters it runs on float32 copies (``param_rounding.float32_view``).
+    """
+    make = _make_base_tx(family)
+    if param_dtype == "float32":
+        return make
+    return lambda run: param_rounding.float32_view(make(run))
+
+
+def _make_base_tx(family: str):
     import optax
 
     import dion3_jax
@@ -365,12 +455,15 @@ class Trainer:
 
     # -- pure functions ------------------------------------------------------------------------
 
-    def params(self, seed: int):
+    def params(self, seed: int, param_dtype: str = "float32"):
+        """The model's initial parameters for ``seed``, stored in ``param_dtype`` (a 16-bit
+        model starts from the rounding of the float32 initialisation)."""
         from flax import nnx
 
         import train_lm
 
-        return nnx.split(train_lm.ByteLM(self.model_cfg, nnx.Rngs(seed)), nnx.Param)[1]
+        params = nnx.split(train_lm.ByteLM(self.model_cfg, nnx.Rngs(seed)), nnx.Param)[1]
+        return param_rounding.cast_params(params, param_dtype)
 
     def _loss(self, params, batch):
         import optax
@@ -385,9 +478,8 @@ class Trainer:
         idx = starts[step][:, None] + jnp.arange(self.args.seq_len + 1)
         return data[idx].astype(jnp.int32)
 
-    def _step_fn(self, tx):
+    def _step_fn(self, tx, rounding: str = "once"):
         import jax
-        import optax
 
         def step(params, opt_state, data, starts, hp):
             i = opt_state.count
@@ -398,7 +490,7 @@ class Trainer:
             if "adam_learning_rate" in hps:
                 hps["adam_learning_rate"] = hp["adam_lr"] * mult
             updates, opt_state = tx.update(grads, opt_state._replace(hyperparams=hps), params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            return param_rounding.apply_updates(params, updates, rounding), opt_state, loss
 
         return step
 
@@ -430,20 +522,23 @@ class Trainer:
         return jax.device_put(rng.integers(0, high, size=(self.max_steps, self.args.batch),
                                            dtype=np.int32))
 
-    def compile_all(self, families: list[str], example: dict[str, Run]) -> None:
-        """Lowers every family's step (and the eval and grad-only steps), compiles in threads."""
+    def compile_all(self, examples: dict[str, Run]) -> None:
+        """Lowers the step of every ``examples`` entry (by step name), an evaluation per
+        parameter dtype and the grad-only step, and compiles them in threads."""
         import jax
 
-        params, starts = self.params(0), self._starts(0)
-        lowered = {}
-        for fam in families:
-            make = _make_tx(fam)
-            tx = make(example[fam])
-            state = tx.init(params)
-            step = jax.jit(self._step_fn(tx), donate_argnums=(0, 1))
-            lowered[fam] = (make, step.lower(params, state, self.train_dev, starts,
-                                             self._hp(example[fam])))
-        lowered["eval"] = (None, jax.jit(self._eval_fn).lower(params, self.held_dev))
+        starts, lowered = self._starts(0), {}
+        for name, run in examples.items():
+            make = _make_tx(run.family, run.param_dtype)
+            params = self.params(0, run.param_dtype)
+            tx = make(run)
+            step = jax.jit(self._step_fn(tx, run.rounding), donate_argnums=(0, 1))
+            lowered[name] = (make, step.lower(params, tx.init(params), self.train_dev, starts,
+                                              self._hp(run)))
+        for dtype in sorted({run.param_dtype for run in examples.values()}):
+            lowered[_eval_name(dtype)] = (None, jax.jit(self._eval_fn).lower(
+                self.params(0, dtype), self.held_dev))
+        params = self.params(0)
         lowered["grad"] = (None, jax.jit(self._grad_fn).lower(params, self.train_dev, starts, 0))
 
         def compile_one(name):
@@ -465,10 +560,11 @@ class Trainer:
         params, starts = self.params(0), self._starts(0)
         return _median_ms(lambda i: exe(params, self.train_dev, starts, i), reps, warmup=1)
 
-    def step_ms(self, family: str, run: Run, reps: int = 30) -> float:
-        """Milliseconds of one training step of ``family`` (median of ``reps`` synced steps)."""
-        make, exe = self.compiled[family]
-        params = self.params(0)
+    def step_ms(self, run: Run, reps: int = 30) -> float:
+        """Milliseconds of one training step of ``run``'s compiled step (median of ``reps``
+        synced steps)."""
+        make, exe = self.compiled[run.step_name]
+        params = self.params(0, run.param_dtype)
         box = [params, make(run).init(params)]
         starts, hp = self._starts(0), self._hp(run)
 
@@ -478,15 +574,15 @@ class Trainer:
 
         return _median_ms(one, reps, warmup=3)
 
-    def evaluate(self, params) -> float:
-        return float(self.compiled["eval"][1](params, self.held_dev))
+    def evaluate(self, params, param_dtype: str = "float32") -> float:
+        return float(self.compiled[_eval_name(param_dtype)][1](params, self.held_dev))
 
     def train(self, run: Run) -> dict:
         """Trains one run; returns its record (curves, final held-out loss, step time)."""
         import jax
 
-        make, exe = self.compiled[run.family]
-        params = self.params(run.seed)
+        make, exe = self.compiled[run.step_name]
+        params = self.params(run.seed, run.param_dtype)
         state = make(run).init(params)
         starts, hp = self._starts(run.seed), self._hp(run)
         ev = sorted(set(range(self.args.eval_every, run.steps, self.args.eval_every))
@@ -500,7 +596,7 @@ class Trainer:
             jax.block_until_ready(loss)
             train_s += time.perf_counter() - t0
             done = stop
-            curve.append((stop, self.evaluate(params), round(train_s, 4)))
+            curve.append((stop, self.evaluate(params, run.param_dtype), round(train_s, 4)))
         train_losses = [float(x) for x in jax.device_get(losses)]
         return dict(
             **dataclasses.asdict(run), family=run.family, config=None,
@@ -508,6 +604,11 @@ class Trainer:
             train_curve=_block_means(train_losses, 10), step_ms=1e3 * train_s / run.steps,
             train_s=train_s,
         )
+
+
+def _eval_name(param_dtype: str) -> str:
+    """The compiled evaluation of parameters stored in ``param_dtype``."""
+    return "eval" if param_dtype == "float32" else f"eval {param_dtype}"
 
 
 def _median_ms(call, reps: int, warmup: int) -> float:
@@ -551,20 +652,25 @@ def _where(path: str) -> str:
 
 
 def _meta(args, trainer) -> dict:
+    """The results file's first record: the command, versions, model, data and plan. It names
+    no machine and no absolute path (the data root is named by the Python version)."""
     import jax
 
     import dion3_jax
 
     dev = jax.devices()[0]
+    stdlib = f"python{sys.version_info.major}.{sys.version_info.minor} stdlib"
     return dict(
-        type="meta", argv=sys.argv[1:], tag=args.tag,
+        type="meta", argv=sys.argv[1:], tag=args.tag, plan=args.plan,
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         device=f"{dev.platform}: {dev.device_kind}", n_devices=jax.device_count(),
-        host=platform.node(), python=platform.python_version(), jax=jax.__version__,
+        python=platform.python_version(), jax=jax.__version__,
         dion3_jax=_where(os.path.dirname(dion3_jax.__file__)),
-        params=trainer.n_params, data=trainer.data_info, max_steps=trainer.max_steps,
+        params=trainer.n_params, data=dict(trainer.data_info, root=stdlib),
+        max_steps=trainer.max_steps,
         model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads,
-                   seq_len=args.seq_len, batch=args.batch, compute_dtype=args.compute_dtype),
+                   seq_len=args.seq_len, batch=args.batch, compute_dtype=args.compute_dtype,
+                   param_dtype=args.param_dtype, rounding=args.rounding),
         steps=args.steps, eval_every=args.eval_every, eval_batches=args.eval_batches,
     )
 
@@ -576,7 +682,7 @@ def study(args: argparse.Namespace) -> str:
     if os.path.exists(args.out):
         raise SystemExit(f"{args.out} exists; pass a new --out (results are never overwritten)")
     trainer = Trainer(args)
-    planner = Planner(args.steps, trainer.max_steps)
+    planner = Planner(args.steps, trainer.max_steps, args.param_dtype, args.rounding)
     for path in args.resume or []:
         print(f"resumed {load_runs(path, planner)} runs from {path}", flush=True)
     if args.steps > trainer.max_steps:
@@ -588,13 +694,14 @@ def study(args: argparse.Namespace) -> str:
 
         emit(_meta(args, trainer))
         print(f"model {trainer.n_params / 1e6:.1f}M params; data {trainer.data_info}", flush=True)
-        examples = {"adamw": planner.adamw(1e-3, 0), "normuon": planner.normuon(0.02, 0)}
-        examples.update({f"dion3@{f:g}": Run("x", "dion3", 0.04, 0, args.steps, f, adam_lr=1e-3)
-                         for f in FRACTIONS})
-        trainer.compile_all(list(examples), examples)
+        examples = planner.examples(args.plan)
+        trainer.compile_all(examples)
         grad_ms = trainer.grad_ms()
-        step_ms = {f: trainer.step_ms(f, run) for f, run in examples.items()}
-        planner.step_ms.update(step_ms)  # equal-time runs: step times measured before any run
+        step_ms = {name: trainer.step_ms(run) for name, run in examples.items()}
+        family_ms = {}  # equal-time runs: step times measured before any run
+        for name, run in examples.items():
+            family_ms.setdefault(run.family, step_ms[name])
+        planner.step_ms.update(family_ms)
         emit(dict(type="timing", compile_s=trainer.compile_s, grad_ms=grad_ms, step_ms=step_ms,
                   elapsed_s=time.perf_counter() - start))
         print(f"compiled in {time.perf_counter() - start:.0f} s: {trainer.compile_s}; "
@@ -604,11 +711,11 @@ def study(args: argparse.Namespace) -> str:
 
 
 def _run_phases(args, trainer, planner, emit, start) -> None:
-    for phase, plan in planner.phases():
+    for phase, plan in planner.phases(args.plan):
         for run in plan():
             if run.key() in planner.results:
                 continue
-            guess = planner.last_ms.get(run.family, 50.0) * run.steps / 1e3 + 1.0
+            guess = planner.last_ms.get(run.step_name, 50.0) * run.steps / 1e3 + 1.0
             left = args.time_budget - (time.perf_counter() - start)
             if guess > left:
                 emit(dict(type="skip", phase=phase, run=dataclasses.asdict(run), left_s=left))
@@ -624,16 +731,28 @@ def _run_phases(args, trainer, planner, emit, start) -> None:
                   f"(t={rec['elapsed_s']:.0f} s)", flush=True)
 
 
+def report(args: argparse.Namespace) -> str:
+    """Writes ``args.doc`` from the ``--report`` files: the study's, then the section of the
+    ``--plan rounding`` files among them (before the notes' closing part)."""
+    import quality_report
+    import rounding_report
+
+    rounding = [p for p in args.report if rounding_report.is_rounding_results(p)]
+    studies = [p for p in args.report if p not in rounding]
+    if not studies:
+        raise SystemExit("--report: no results of --plan study among " + " ".join(args.report))
+    notes = open(args.notes).read() if args.notes else ""
+    head, _, tail = notes.partition(NOTES_MARK)
+    if rounding:
+        tail = rounding_report.section(rounding) + "\n\n" + tail.lstrip()
+    return quality_report.write_report(studies, args.doc, args.plots, args.command,
+                                       preamble=head, conclusions=tail, notes_path=args.notes)
+
+
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     if args.report:
-        import quality_report
-
-        notes = open(args.notes).read() if args.notes else ""
-        head, _, tail = notes.partition(NOTES_MARK)
-        return quality_report.write_report(args.report, args.doc, args.plots, args.command,
-                                           preamble=head, conclusions=tail,
-                                           notes_path=args.notes)
+        return report(args)
     if importlib.util.find_spec("dion3_jax") is None:  # a checkout without `pip install -e .`
         sys.path.insert(0, os.path.dirname(_HERE))
     return study(args)

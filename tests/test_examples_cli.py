@@ -105,6 +105,10 @@ def test_other_examples_reject_bad_values(capsys):
         (quality_study.parse_args, ["--heads", "3"], "--d-model must be"),
         (quality_study.parse_args, ["--report", "no/such.jsonl"], "no such file"),
         (quality_study.parse_args, ["--compute-dtype", "float16"], "invalid choice"),
+        (quality_study.parse_args, ["--param-dtype", "float16"], "invalid choice"),
+        (quality_study.parse_args, ["--rounding", "twice"], "needs --param-dtype bfloat16"),
+        (quality_study.parse_args, ["--plan", "rounding", "--param-dtype", "bfloat16"],
+         "pass neither"),
     ]
     for parse, argv, message in cases:
         assert message in _parse_error(parse, argv, capsys), argv

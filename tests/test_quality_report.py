@@ -11,6 +11,7 @@ pytest.importorskip("matplotlib")
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RESULTS = "docs/quality/h200_results.jsonl"
+ROUNDING = "docs/quality/h200_rounding.jsonl"  # --plan rounding: its own section
 NOTES = "docs/quality/notes.md"
 #: The command docs/QUALITY.md quotes (the GPU run's, with the library copy on PYTHONPATH).
 COMMAND = ("PYTHONPATH=runs/quality_lib python3 examples/quality_study.py "
@@ -31,12 +32,12 @@ def test_committed_report_is_regenerated_from_the_committed_results(study, tmp_p
     quality_study, _ = study
     monkeypatch.chdir(ROOT)
     doc = tmp_path / "QUALITY.md"
-    quality_study.main(["--report", RESULTS, "--notes", NOTES, "--doc", str(doc),
+    quality_study.main(["--report", RESULTS, ROUNDING, "--notes", NOTES, "--doc", str(doc),
                         "--plots", str(tmp_path), "--command", COMMAND])
     with open("docs/QUALITY.md") as f:
         assert doc.read_text() == f.read(), (
             "docs/QUALITY.md is stale: regenerate it with quality_study.py --report "
-            f"{RESULTS} --notes {NOTES} --command '{COMMAND}'")
+            f"{RESULTS} {ROUNDING} --notes {NOTES} --command '{COMMAND}'")
     assert {p.name for p in tmp_path.glob("*.png")} >= {"curves.png", "lr.png", "heatmap.png"}
 
 
