@@ -78,8 +78,10 @@ def _restart(q: jax.Array, x: jax.Array, backend: str) -> tuple[jax.Array, jax.A
 
 
 class _StepCoefficients(NamedTuple):
-    """One Newton-Schulz step's ``(a, b, c)`` as run-time operands: ``abc`` ``(3,)`` in the
-    products' accumulation dtype (the scales of :func:`pallas_kernels.sym_matmul`), ``diag``
+    """One Newton-Schulz step's ``(a, b, c)`` as run-time operands: ``abc``, ``(a, b, c, 1)`` in
+    the products' accumulation dtype (the scales of :func:`pallas_kernels.sym_matmul`; every
+    scale of a step comes from it, so that its products, called with operands of one kind, share
+    one traced kernel), ``diag``
     ``a`` in the compute dtype (what :func:`_add_to_diagonal` adds, rounded once from the
     Python float, as a literal would be)."""
 
@@ -88,11 +90,12 @@ class _StepCoefficients(NamedTuple):
 
 
 def _operands(coeffs: Coefficients, dtype) -> list[_StepCoefficients]:
-    """Every step's coefficients as arrays: the rows of one ``(steps, 3)`` array (NumPy: no
+    """Every step's coefficients as arrays: the rows of one ``(steps, 4)`` array (NumPy: no
     device work while tracing), passed to the step bodies as operands, so that steps of one
     structure share one traced and lowered body whatever their coefficients."""
     table = np.asarray(coeffs, np.float64)
-    abc = table.astype(jnp.promote_types(dtype, jnp.float32))
+    abc = np.pad(table, ((0, 0), (0, 1)), constant_values=1.0).astype(
+        jnp.promote_types(dtype, jnp.float32))
     diag = table[:, 0].astype(jnp.dtype(dtype))
     return [_StepCoefficients(abc[i], diag[i]) for i in range(len(coeffs))]
 
@@ -126,11 +129,11 @@ def _gram_first(r: jax.Array, k: _StepCoefficients, backend: str, update: bool
                 ) -> tuple[jax.Array, jax.Array]:
     """The first Gram Newton-Schulz step after a (re)start: ``Z = b·R + c·R²``, ``Q = Z + a·I``;
     with ``update``, also ``R ← Z (R Z + a·R) + a·(R Z + a·R)`` (``R``'s next value)."""
-    a, b, c = k.abc[0], k.abc[1], k.abc[2]
+    a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
     z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
     if update:
-        rz = pallas_kernels.sym_matmul(r, z, r, alpha=1.0, beta=a, implementation=backend)
-        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=1.0, beta=a, implementation=backend)
+        rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
+        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
         # Z's last readers come first, so Q = Z + a·I can update Z in place.
         z, r = jax.lax.optimization_barrier((z, r))
     return r, _add_to_diagonal(z, k.diag)
@@ -141,12 +144,12 @@ def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: str, u
                ) -> tuple[jax.Array, jax.Array]:
     """A later Gram Newton-Schulz step: ``Z = b·R + c·R²``, ``Q ← Q Z + a·Q``; with
     ``update``, also ``R``'s next value (as in :func:`_gram_first`)."""
-    a, b, c = k.abc[0], k.abc[1], k.abc[2]
+    a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
     z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
-    q = pallas_kernels.sym_matmul(q, z, q, alpha=1.0, beta=a, implementation=backend)
+    q = pallas_kernels.sym_matmul(q, z, q, alpha=one, beta=a, implementation=backend)
     if update:
-        rz = pallas_kernels.sym_matmul(r, z, r, alpha=1.0, beta=a, implementation=backend)
-        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=1.0, beta=a, implementation=backend)
+        rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
+        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
     return r, q
 
 

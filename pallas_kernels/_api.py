@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import _dispatch
 from pallas_kernels._common import KERNEL_DTYPES
@@ -121,6 +122,15 @@ def syrk(x: jax.Array, *, transpose: bool = False, out_dtype=None,
     return syrk_reference(x, transpose=transpose, out_dtype=out_dtype)
 
 
+def _scale_operand(value):
+    """A scale as the kernels' jitted wrappers take it: a float32 scalar that is not weakly
+    typed, whether it came as a Python float or an array, so calls with either kind trace (and
+    lower) one kernel, not one per kind."""
+    if isinstance(value, (int, float)):
+        return np.float32(value)
+    return jnp.asarray(value, jnp.float32)
+
+
 def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha=1.0,
                beta=0.0, out_dtype=None, implementation: Implementation = "auto",
                interpret: bool = False) -> jax.Array:
@@ -158,6 +168,8 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha=
         raise ValueError(f"c must be (..., n, n) with n={a.shape[-2]}, got {c.shape=}")
     impl = _resolve(implementation, dtypes=(a.dtype, b.dtype), size=_work(a.shape),
                     interpret=interpret)
+    if impl != "xla":  # One operand type for Python floats and arrays: one traced kernel.
+        alpha, beta = _scale_operand(alpha), _scale_operand(beta)
     if impl == "mosaic":
         from pallas_kernels._mosaic import sym_matmul_mosaic
 
