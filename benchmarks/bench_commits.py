@@ -109,21 +109,22 @@ def working_tree_version() -> str:
 
 
 def stepper(dion3, fraction: float, params, grads, options=None, tx=None):
-    """Compiles one version's step (XLA compiler ``options``) and returns ``(run, compile
-    seconds)``; ``tx`` replaces the version's transformation (the AdamW row).
+    """Compiles one version's step (XLA compiler ``options``) and returns ``(run, cold
+    start)`` (``bench_step.ColdStart``: the seconds of trace, lowering and compile); ``tx``
+    replaces the version's transformation (the AdamW row).
 
     ``run()`` applies one step to this version's own copy of the parameters and its state (both
     donated and carried from call to call) and returns them.
     """
     if tx is None:
         tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
-    step, compile_s = bench_step.compile_step(tx, params, grads, options=options)
+    step, cold = bench_step.compile_step(tx, params, grads, options=options)
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def run():
         carry[:] = step(carry[0], carry[1], grads)
         return carry
-    return run, compile_s
+    return run, cold
 
 
 def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
@@ -132,8 +133,9 @@ def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
     (``adamw``: AdamW's step function, timed in the same rounds)."""
     runs = {} if adamw is None else {"adamw": adamw}
     for name, dion3 in versions.items():
-        runs[name], compile_s = stepper(dion3, fraction, params, grads, options)
-        print(f"  f={fraction:g} {name}: compiled in {compile_s:.1f} s", flush=True)
+        runs[name], cold = stepper(dion3, fraction, params, grads, options)
+        print(f"  f={fraction:g} {name}: cold start {cold.total:.1f} s (trace {cold.trace:.1f}, "
+              f"lower {cold.lower:.1f}, compile {cold.compile:.1f})", flush=True)
     ms = median_ms_interleaved(runs, reps=reps)
     print(f"  f={fraction:g}: old {ms['old']:.2f} ms, new {ms['new']:.2f} ms", flush=True)
     return {"fraction": fraction, "old_ms": ms["old"], "new_ms": ms["new"],

@@ -29,7 +29,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,20 +39,13 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from bench_step import jitted_step, model_shapes
+from bench_step import compile_step, model_shapes
 
 
 def compile_seconds(tx: optax.GradientTransformation, params) -> tuple[float, float, float]:
-    """Seconds to trace, lower and compile ``jit(update + apply_updates)`` on abstract leaves."""
-    state = jax.eval_shape(tx.init, params)
-    t0 = time.perf_counter()
-    traced = jitted_step(tx).trace(params, state, params)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    lowered.compile()
-    t3 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2
+    """Seconds to trace, lower and compile ``jit(update + apply_updates)`` on abstract leaves
+    (``bench_step.compile_step``: the state's shapes from ``jax.eval_shape``)."""
+    return tuple(compile_step(tx, params, params)[1])
 
 
 def main(argv=None) -> None:

@@ -12,12 +12,16 @@ ms": the summed duration of the GPU ops of one step (``_trace.device_ms``, a tra
 synchronised steps), and "host ms", the synchronised median minus it: the host's share of a
 synchronised step (argument handling, the launch of the step's kernels and CUDA graphs before
 the first op runs, the synchronisation).
-Every row also gives the variant's compile time: tracing, lowering and compiling the step, in
-seconds (with ``--compile-workers`` the variants compile concurrently, so each one's time
-includes waiting for the CPU); its memory on the first device: the optimizer state's shards
-("state MiB") and the temporary buffers of the compiled step beyond its arguments and outputs
-("temp MiB", from XLA's memory analysis); and its collectives: counts per kind, MiB sent per
-device and those MiB per element type ("by dtype": the wire format).
+Every row also gives the variant's cold start: the seconds of ``jax.jit(step).trace`` (Python),
+``.lower`` (StableHLO, including the Pallas kernels' lowering) and ``.compile`` (XLA, with the
+kernels' own compilation), and their total (with ``--compile-workers`` the variants compile
+concurrently, so each one's time includes waiting for the CPU); its memory on the first device:
+the optimizer state's shards ("state MiB"), the temporary buffers of the compiled step beyond its
+arguments and outputs ("temp MiB", from XLA's memory analysis) and the device's peak bytes in use
+after the variant's runs ("peak MiB", ``device.memory_stats()["peak_bytes_in_use"]``, blank where
+the device reports none; jax cannot reset it, so it is the process's running maximum and a row
+shows its own peak only where it exceeds every earlier row's); and its collectives: counts per
+kind, MiB sent per device and those MiB per element type ("by dtype": the wire format).
 
 Variants: optax.adamw, optax.contrib.muon, and Dion3 (NorMuon flavour) at f ∈ {1, 1/2, 1/4, 1/8}
 × {standard, Gram} Newton-Schulz × every matmul backend available on the device. For Dion3 the
@@ -64,6 +68,7 @@ import signal
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +178,15 @@ def collective_bytes_by_dtype(hlo: str) -> dict[str, int]:
     return out
 
 
+def peak_mib(device=None) -> float | None:
+    """The device's peak bytes in use so far, in MiB (``memory_stats()["peak_bytes_in_use"]``),
+    or None where the device reports no memory statistics (the CPU)."""
+    device = jax.devices()[0] if device is None else device
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**20
+
+
 def memory_mib(step, state) -> tuple[float, float | None]:
     """``(state, temp)`` in MiB on the first device: the optimizer state's shards there, and the
     temporary buffers XLA allocates for the compiled ``step`` beyond its arguments and outputs
@@ -232,8 +246,21 @@ def jitted_step(tx):
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+class ColdStart(NamedTuple):
+    """Seconds of the three stages of a step's cold start: ``jax.jit(...).trace`` (Python),
+    ``.lower`` (StableHLO) and ``.compile`` (XLA)."""
+
+    trace: float
+    lower: float
+    compile: float
+
+    @property
+    def total(self) -> float:
+        return self.trace + self.lower + self.compile
+
+
 def compile_step(tx, params, grads, mesh=None, state=None, options=None):
-    """``jit(update + apply_updates)`` (params and state donated), lowered and compiled.
+    """``jit(update + apply_updates)`` (params and state donated), traced, lowered and compiled.
 
     ``state`` defaults to the abstract shapes of ``tx.init(params)`` (``jax.eval_shape``: no
     device memory), which is enough on one device; pass the real state under a mesh so that its
@@ -241,18 +268,20 @@ def compile_step(tx, params, grads, mesh=None, state=None, options=None):
     alone (``Lowered.compile(compiler_options=...)``). Safe to call from several threads at once.
 
     Returns:
-      ``(compiled, seconds)``: the executable and the wall time of tracing, lowering and
-      compiling it.
+      ``(compiled, ColdStart)``: the executable and the wall time of each stage.
     """
-    t0 = time.perf_counter()
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx:
         if state is None:
             state = jax.eval_shape(tx.init, params)
-
-        compiled = jitted_step(tx).lower(params, state, grads).compile(
-            compiler_options=options or None)
-    return compiled, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        traced = jitted_step(tx).trace(params, state, grads)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=options or None)
+        t3 = time.perf_counter()
+    return compiled, ColdStart(t1 - t0, t2 - t1, t3 - t2)
 
 
 def _abstract_state(tx, params, mesh=None):
@@ -276,17 +305,18 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
       params, grads: parameter and gradient trees (placed as the step should see them).
       reps: timed runs.
       mesh: the mesh the step runs under, if any.
-      compiled: :func:`compile_step`'s ``(executable, seconds)`` (or a future of it); compiled
+      compiled: :func:`compile_step`'s ``(executable, ColdStart)`` (or a future of it); compiled
         here if None.
       show_collectives: print the compiled step's first collective instructions.
       options: XLA compiler options (:func:`compile_step`), when compiled here.
 
     Returns:
-      ``(median ms, queued ms, compile seconds, stats)``: the median of ``reps`` synchronised
-      steps, the mean of ``reps`` steps dispatched back to back, and ``stats``: collective
-      counts and bytes per kind (:func:`collective_stats`), collective bytes per dtype, the
-      optimizer state's and the step's temporary memory on the first device
-      (:func:`memory_mib`), and the device time of one step (``device_ms``, None off GPU).
+      ``(median ms, queued ms, ColdStart, stats)``: the median of ``reps`` synchronised
+      steps, the mean of ``reps`` steps dispatched back to back, the cold start's stages, and
+      ``stats``: collective counts and bytes per kind (:func:`collective_stats`), collective
+      bytes per dtype, the optimizer state's and the step's temporary memory on the first
+      device (:func:`memory_mib`), the device time of one step (``device_ms``, None off GPU)
+      and the device's peak memory after the runs (``peak_mib``, :func:`peak_mib`).
     """
     ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
     with ctx:
@@ -294,7 +324,7 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
         params = jax.tree.map(jnp.copy, params)
         if compiled is None:
             compiled = compile_step(tx, params, grads, mesh, state, options)
-        step, compile_s = compiled.result() if hasattr(compiled, "result") else compiled
+        step, cold = compiled.result() if hasattr(compiled, "result") else compiled
         hlo = step.as_text()
         state_mib, temp_mib = memory_mib(step, state)
         stats = {"collectives": collective_stats(hlo), "by_dtype": collective_bytes_by_dtype(hlo),
@@ -321,8 +351,9 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
             return carried
 
         stats["device_ms"] = device_ms(advance, reps=3)
+        stats["peak_mib"] = peak_mib()
         del params, state, carried
-    return statistics.median(times) * 1e3, queued * 1e3, compile_s, stats
+    return statistics.median(times) * 1e3, queued * 1e3, cold, stats
 
 
 def time_polar(shapes, fraction: float, ortho, reps: int) -> float:
@@ -453,27 +484,28 @@ def compile_all(plan, workers: int, params, grads, mesh) -> dict:
     return compiled
 
 
-def row(name, ms, queued_ms, compile_s, stats, polar_ms=None) -> dict:
+def row(name, ms, queued_ms, cold: ColdStart, stats, polar_ms=None) -> dict:
     """One table row, also printed as a progress line."""
     extra = "" if polar_ms is None else f"  (polar {polar_ms:.2f} ms)"
     coll = ", ".join(f"{op} {c}×/{b / 2**20:.2f} MiB"
                      for op, (c, b) in stats["collectives"].items() if c)
     dev = stats.get("device_ms")
     on_gpu = "" if dev is None else f", {dev:.2f} on the device"
-    print(f"  {name}: {ms:.2f} ms ({queued_ms:.2f} queued{on_gpu}), compiled in "
-          f"{compile_s:.1f} s{extra}  [{coll or 'no collectives'}]", flush=True)
-    return {"variant": name, "ms": ms, "queued_ms": queued_ms, "compile_s": compile_s,
-            "polar_ms": polar_ms, "stats": stats}
+    print(f"  {name}: {ms:.2f} ms ({queued_ms:.2f} queued{on_gpu}), cold start "
+          f"{cold.total:.1f} s (trace {cold.trace:.1f}, lower {cold.lower:.1f}, compile "
+          f"{cold.compile:.1f}){extra}  [{coll or 'no collectives'}]", flush=True)
+    return {"variant": name, "ms": ms, "queued_ms": queued_ms, "compile_s": cold.total,
+            "cold": cold, "polar_ms": polar_ms, "stats": stats}
 
 
 def print_table(rows) -> None:
     adamw = next((r for r in rows if r["variant"] == "optax.adamw"), None)
     print()
     print("| step | ms (median) | × AdamW | queued ms | × AdamW queued | device ms | "
-          "× AdamW device | host ms | compile s | polar ms | rest ms | state MiB | temp MiB | "
+          "× AdamW device | host ms | trace s | lower s | compile s | cold start s | "
+          "× AdamW cold start | polar ms | rest ms | state MiB | temp MiB | peak MiB | "
           "all-to-all | all-gather | all-reduce | other coll. | MiB moved / device | by dtype |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-          "---:|---|")
+    print("|---|" + "---:|" * 22 + "---|")
     for r in rows:
         rel = f"{r['ms'] / adamw['ms']:.2f}" if adamw else "–"
         rel_q = f"{r['queued_ms'] / adamw['queued_ms']:.2f}" if adamw else "–"
@@ -486,12 +518,16 @@ def print_table(rows) -> None:
         st = r["stats"]["collectives"]
         other = sum(st[op][0] for op in COLLECTIVES[3:])
         moved = sum(b for _, b in st.values()) / 2**20
-        temp = r["stats"]["temp_mib"]
+        temp, peak = r["stats"]["temp_mib"], r["stats"].get("peak_mib")
+        cold = r["cold"]
+        rel_c = f"{cold.total / adamw['cold'].total:.2f}" if adamw else "–"
         dtypes = ", ".join(f"{dt} {b / 2**20:.2f}"
                            for dt, b in sorted(r["stats"]["by_dtype"].items())) or "–"
         print(f"| {r['variant']} | {r['ms']:.2f} | {rel} | {r['queued_ms']:.2f} | {rel_q} | "
-              f"{device} | {rel_d} | {host} | {r['compile_s']:.1f} | {pol} | {rest} | "
+              f"{device} | {rel_d} | {host} | {cold.trace:.2f} | {cold.lower:.2f} | "
+              f"{cold.compile:.2f} | {cold.total:.2f} | {rel_c} | {pol} | {rest} | "
               f"{r['stats']['state_mib']:.1f} | {'–' if temp is None else f'{temp:.1f}'} | "
+              f"{'' if peak is None else f'{peak:.1f}'} | "
               f"{st['all-to-all'][0]} | "
               f"{st['all-gather'][0]} | {st['all-reduce'][0]} | {other} | {moved:.2f} | "
               f"{dtypes} |")
@@ -526,7 +562,7 @@ def main(argv=None) -> list[dict]:
     def variants():
         for name, tx, dion, options in plan:
             try:
-                ms, queued_ms, compile_s, stats = time_step(
+                ms, queued_ms, cold, stats = time_step(
                     tx, params, grads, reps, mesh, compiled=compiled.get(name),
                     show_collectives=a.show_collectives, options=options)
             except Exception as e:  # noqa: BLE001 - optax muon, sharded under an Explicit mesh
@@ -542,7 +578,7 @@ def main(argv=None) -> list[dict]:
             if dion is not None and not (a.no_polar or a.fsdp or not dion[3] or options):
                 method, backend, f, _ = dion
                 polar_ms = time_polar(shapes, f, orthogonalizer(method, backend), reps)
-            rows.append(row(name, ms, queued_ms, compile_s, stats, polar_ms))
+            rows.append(row(name, ms, queued_ms, cold, stats, polar_ms))
 
     # A SIGTERM (e.g. from `timeout`) stops the measurements; the table of the rows done so far
     # is still printed.

@@ -14,10 +14,12 @@ References:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+import functools
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from dion3_jax import _norms, _numbers
@@ -44,9 +46,10 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc).astype(a.dtype)
 
 
-def _add_to_diagonal(z: jax.Array, a: float) -> jax.Array:
+def _add_to_diagonal(z: jax.Array, a) -> jax.Array:
     """``z + a·I`` written into the diagonal only: in place when ``z`` has no other reader
-    (an update of ``n`` elements per matrix, not a pass over all ``n²``)."""
+    (an update of ``n`` elements per matrix, not a pass over all ``n²``). ``a``: a float or a
+    scalar array in ``z``'s dtype."""
     i = jnp.arange(z.shape[-1])
     return z.at[..., i, i].add(jnp.asarray(a, z.dtype))
 
@@ -61,9 +64,49 @@ def _gram(x: jax.Array, backend: str) -> jax.Array:
     return pallas_kernels.syrk(x, transpose=_tall(x), implementation=backend)
 
 
+@jax.jit
 def _apply(q: jax.Array, x: jax.Array) -> jax.Array:
     """``Q X`` for a wide ``x``, ``X Q`` for a tall one (``Q``: a polynomial in :func:`_gram`)."""
     return _matmul(x, q) if _tall(x) else _matmul(q, x)
+
+
+@functools.partial(jax.jit, static_argnames="backend")
+def _restart(q: jax.Array, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array]:
+    """A restart: ``X ← Q X`` and its new Gram matrix."""
+    x = _apply(q, x)
+    return x, _gram(x, backend)
+
+
+class _StepCoefficients(NamedTuple):
+    """One Newton-Schulz step's ``(a, b, c)`` as run-time operands: ``abc``, ``(a, b, c, 1)`` in
+    the products' accumulation dtype (the scales of :func:`pallas_kernels.sym_matmul`; every
+    scale of a step comes from it, so that its products, called with operands of one kind, share
+    one traced kernel), ``diag``
+    ``a`` in the compute dtype (what :func:`_add_to_diagonal` adds, rounded once from the
+    Python float, as a literal would be)."""
+
+    abc: jax.Array | np.ndarray
+    diag: jax.Array | np.ndarray
+
+
+def _operands(coeffs: Coefficients, dtype) -> list[_StepCoefficients]:
+    """Every step's coefficients as arrays: the rows of one ``(steps, 4)`` array (NumPy: no
+    device work while tracing), passed to the step bodies as operands, so that steps of one
+    structure share one traced and lowered body whatever their coefficients."""
+    table = np.asarray(coeffs, np.float64)
+    abc = np.pad(table, ((0, 0), (0, 1)), constant_values=1.0).astype(
+        jnp.promote_types(dtype, jnp.float32))
+    diag = table[:, 0].astype(jnp.dtype(dtype))
+    return [_StepCoefficients(abc[i], diag[i]) for i in range(len(coeffs))]
+
+
+@functools.partial(jax.jit, static_argnames="backend")
+def _standard_step(x: jax.Array, k: _StepCoefficients, backend: str) -> jax.Array:
+    """One standard Newton-Schulz step: ``A = X Xᵀ; X ← (a·I + b·A + c·A²) X``."""
+    gram = _gram(x, backend)
+    poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=k.abc[2], beta=k.abc[1],
+                                     implementation=backend)
+    return _apply(_add_to_diagonal(poly, k.diag), x)
 
 
 def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str = "auto"
@@ -73,14 +116,41 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str =
     Per step ``(a, b, c)``, for a wide ``X``: ``A = X Xᵀ; Z = a·I + b·A + c·A²; X ← Z X`` (a tall
     one: ``A = Xᵀ X; X ← X Z``). ``Z`` is one symmetric product with ``a`` added to its diagonal,
     so the step's large product writes ``X`` in its own dtype directly (no float32 result and no
-    separate ``+ a·X`` pass).
+    separate ``+ a·X`` pass). Every step runs one traced body, its coefficients passed as array
+    operands (the products' kernels read their scales at run time).
     """
-    for a, b, c in coeffs:
-        gram = _gram(x, backend)
-        poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=c, beta=b,
-                                         implementation=backend)
-        x = _apply(_add_to_diagonal(poly, a), x)
+    for k in _operands(coeffs, x.dtype):
+        x = _standard_step(x, k, backend)
     return x
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "update"))
+def _gram_first(r: jax.Array, k: _StepCoefficients, backend: str, update: bool
+                ) -> tuple[jax.Array, jax.Array]:
+    """The first Gram Newton-Schulz step after a (re)start: ``Z = b·R + c·R²``, ``Q = Z + a·I``;
+    with ``update``, also ``R ← Z (R Z + a·R) + a·(R Z + a·R)`` (``R``'s next value)."""
+    a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
+    z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
+    if update:
+        rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
+        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
+        # Z's last readers come first, so Q = Z + a·I can update Z in place.
+        z, r = jax.lax.optimization_barrier((z, r))
+    return r, _add_to_diagonal(z, k.diag)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "update"))
+def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: str, update: bool
+               ) -> tuple[jax.Array, jax.Array]:
+    """A later Gram Newton-Schulz step: ``Z = b·R + c·R²``, ``Q ← Q Z + a·Q``; with
+    ``update``, also ``R``'s next value (as in :func:`_gram_first`)."""
+    a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
+    z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
+    q = pallas_kernels.sym_matmul(q, z, q, alpha=one, beta=a, implementation=backend)
+    if update:
+        rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
+        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
+    return r, q
 
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
@@ -93,27 +163,24 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
     ``R``. A tall ``X`` runs the same iteration on ``R = Xᵀ X`` with ``X Q`` (``polar(Xᵀ) =
     polar(X)ᵀ``), so no orientation needs a transposed copy. In exact arithmetic the result
     equals :func:`standard_newton_schulz`.
+
+    Steps of one structure (the first after a (re)start or a later one; followed by another
+    step of the same (re)start or not) run one traced body, their coefficients passed as array
+    operands, so a 5-step iteration traces and lowers three step bodies, not five.
     """
     restart_set = set(restarts)
     last = len(coeffs) - 1
     r = _gram(x, backend)
     q = None
-    for i, (a, b, c) in enumerate(coeffs):
+    for i, k in enumerate(_operands(coeffs, x.dtype)):
         if i in restart_set and i != 0:
-            x = _apply(q, x)
-            r = _gram(x, backend)
+            x, r = _restart(q, x, backend)
             q = None
-        z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
-        fresh = q is None
-        if not fresh:
-            q = pallas_kernels.sym_matmul(q, z, q, alpha=1.0, beta=a, implementation=backend)
-        if i != last and (i + 1) not in restart_set:
-            rz = pallas_kernels.sym_matmul(r, z, r, alpha=1.0, beta=a, implementation=backend)
-            r = pallas_kernels.sym_matmul(z, rz, rz, alpha=1.0, beta=a, implementation=backend)
-            if fresh:  # Z's last readers come first, so Q = Z + a·I can update Z in place.
-                z, r = jax.lax.optimization_barrier((z, r))
-        if fresh:
-            q = _add_to_diagonal(z, a)
+        update = i != last and (i + 1) not in restart_set
+        if q is None:
+            r, q = _gram_first(r, k, backend, update)
+        else:
+            r, q = _gram_next(r, q, k, backend, update)
     return _apply(q, x)
 
 

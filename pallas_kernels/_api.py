@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import _dispatch
 from pallas_kernels._common import KERNEL_DTYPES
@@ -121,8 +122,17 @@ def syrk(x: jax.Array, *, transpose: bool = False, out_dtype=None,
     return syrk_reference(x, transpose=transpose, out_dtype=out_dtype)
 
 
-def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha: float = 1.0,
-               beta: float = 0.0, out_dtype=None, implementation: Implementation = "auto",
+def _scale_operand(value):
+    """A scale as the kernels' jitted wrappers take it: a float32 scalar that is not weakly
+    typed, whether it came as a Python float or an array, so calls with either kind trace (and
+    lower) one kernel, not one per kind."""
+    if isinstance(value, (int, float)):
+        return np.float32(value)
+    return jnp.asarray(value, jnp.float32)
+
+
+def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha=1.0,
+               beta=0.0, out_dtype=None, implementation: Implementation = "auto",
                interpret: bool = False) -> jax.Array:
     """Returns ``alpha · a · b + beta · c`` where the result is known to be symmetric.
 
@@ -136,10 +146,11 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
       a: ``(..., n, k)``.
       b: ``(..., k, n)``.
       c: optional symmetric ``(..., n, n)`` addend.
-      alpha: scale of the product (a Python float). The Mosaic and Triton kernels read
+      alpha: scale of the product: a float or a scalar array (may be traced; in the
+        accumulation dtype, float32 for 16-bit operands). The Mosaic and Triton kernels read
         ``alpha`` and ``beta`` at run time, so all products of one shape share one compiled
         kernel.
-      beta: scale of ``c`` (a Python float).
+      beta: scale of ``c`` (likewise).
       out_dtype: output dtype (default ``a.dtype``); accumulation is float32.
       implementation: ``"auto"``, ``"xla"``, ``"mosaic"`` or ``"jax_triton"`` (module docstring).
       interpret: run the Mosaic kernel through GPU interpret mode (CPU tests).
@@ -157,7 +168,8 @@ def sym_matmul(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha:
         raise ValueError(f"c must be (..., n, n) with n={a.shape[-2]}, got {c.shape=}")
     impl = _resolve(implementation, dtypes=(a.dtype, b.dtype), size=_work(a.shape),
                     interpret=interpret)
-    alpha, beta = float(alpha), float(beta)
+    if impl != "xla":  # One operand type for Python floats and arrays: one traced kernel.
+        alpha, beta = _scale_operand(alpha), _scale_operand(beta)
     if impl == "mosaic":
         from pallas_kernels._mosaic import sym_matmul_mosaic
 

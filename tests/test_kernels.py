@@ -488,3 +488,27 @@ class TestMosaicInterpret(KernelSuite):
         jax.jit(lambda a, b, c: sym_matmul_mosaic(a, b, c, alpha=1.0, beta=0.5, out_dtype=out,
                                                   config=config)).trace(
             f16(4096, 4096), f16(4096, 4096), f16(4096, 4096)).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.slow  # ~3 s: two Mosaic GPU kernels lowered
+def test_the_steps_polar_lowers_one_kernel_per_product_kind(monkeypatch):
+    """Inside the whole step (a shard_map), the Gram polar's 14 products of one shape lower one
+    ``sym_matmul`` kernel and its Gram matrices one ``syrk`` kernel, with the steps' coefficients
+    passed as operands (scales of mixed kinds, Python floats beside traced arrays, once traced
+    two kernels per shape). Lowered for an abstract H200 on the CPU; ptxas is not run."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    import dion3_jax
+    from pallas_kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "is_hopper", lambda device: device.platform == "gpu")
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,),
+                        abstract_device=AbstractDevice("NVIDIA H200", 132, "gpu"))
+    params = {"up": jax.ShapeDtypeStruct((128, 320), jnp.float32)}
+    with use_abstract_mesh(mesh):
+        tx = dion3_jax.dion3(0.01, 1.0, orthogonalizer=dion3_jax.make_orthogonalizer(
+            backend="mosaic"), pass_implementation="xla")
+        state = jax.eval_shape(tx.init, params)
+        text = jax.jit(tx.update).trace(params, state, params).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 2, text.count("custom_call @mosaic_gpu")

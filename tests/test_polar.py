@@ -334,3 +334,54 @@ def test_gram_ns_adds_the_identity_in_place(restarts):
     assert hlo.count(" scatter(") == len(restarts) + 1, hlo
     assert not re.search(r"f32\[2,48,48\]\{[0-9,]*\} copy\(", hlo), hlo
     assert not re.search(r"\[(2,)?48,48\]\{[0-9,]*\} iota\(", hlo), hlo  # no identity is built
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_steps_with_coefficient_operands_equal_the_unrolled_literals(method, dtype):
+    """The iterations pass each step's coefficients as array operands (steps of one structure
+    share one traced body); on the CPU they give the bits of the same steps written out with
+    the coefficients as literals (``unrolled_newton_schulz``), for presets and user
+    coefficients, wide and tall batches, several restart sets."""
+    import unrolled_newton_schulz as unrolled
+
+    from dion3_jax._coefficients import get_coefficients
+
+    cases = [("polar_express", (2,)), ("you", (1, 3)), ("jordan", ()),
+             ([(3.1, -4.2, 1.7), (2.9, -2.1, 0.61), (2.2, -1.6, 0.43)], (1,))]
+    for j, (preset, restarts) in enumerate(cases):
+        coeffs = get_coefficients(preset)
+        for shape in ((2, 24, 72), (3, 72, 24)):
+            x = jnp.asarray(_rand(shape, 20 + j) / np.sqrt(shape[1] * shape[2]), dtype)
+            if method == "gram":
+                got = jax.jit(lambda x: newton_schulz.gram_newton_schulz(
+                    x, coeffs, restarts, backend="xla"))(x)
+                want = jax.jit(lambda x: unrolled.gram(x, coeffs, restarts))(x)
+            else:
+                got = jax.jit(lambda x: newton_schulz.standard_newton_schulz(
+                    x, coeffs, backend="xla"))(x)
+                want = jax.jit(lambda x: unrolled.standard(x, coeffs))(x)
+            assert got.dtype == want.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                          np.asarray(want, np.float32), err_msg=str(preset))
+
+
+def test_steps_of_one_structure_share_one_lowered_body():
+    """The 5-step Gram iteration with one restart lowers three step bodies (first after a
+    (re)start and later steps, each followed by another step or not), each once, called five
+    times in all; standard Newton-Schulz lowers one step body called once per step."""
+    import re
+
+    from dion3_jax._coefficients import get_coefficients
+
+    coeffs = get_coefficients("polar_express")
+    x = jax.ShapeDtypeStruct((2, 24, 72), jnp.float16)
+    text = jax.jit(lambda x: newton_schulz.gram_newton_schulz(x, coeffs, (2,), backend="xla")
+                   ).lower(x).as_text()
+    bodies = re.findall(r"func\.func private @(_gram_\w+)\(", text)
+    calls = re.findall(r"call @(_gram_\w+)\(", text)
+    assert len(bodies) == 3 and len(calls) == 5, (bodies, calls)
+    text = jax.jit(lambda x: newton_schulz.standard_newton_schulz(x, coeffs, backend="xla")
+                   ).lower(x).as_text()
+    assert len(re.findall(r"func\.func private @_standard_step\w*\(", text)) == 1
+    assert len(re.findall(r"call @_standard_step\w*\(", text)) == 5

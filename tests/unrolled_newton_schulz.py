@@ -1,0 +1,69 @@
+"""The Newton-Schulz iterations written out step by step with the coefficients as Python
+floats (literals in the traced program): the formulation the library had before its steps took
+their coefficients as array operands. ``tests/test_polar.py`` checks that the library's
+iterations give these bits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+
+
+def _matmul(a, b):
+    if jnp.dtype(a.dtype).itemsize == 2:
+        return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=a.dtype)
+    acc = jnp.promote_types(a.dtype, jnp.float32)
+    return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=acc).astype(a.dtype)
+
+
+def _plus_diagonal(z, a: float):
+    i = jnp.arange(z.shape[-1])
+    return z.at[..., i, i].add(jnp.asarray(a, z.dtype))
+
+
+def _tall(x) -> bool:
+    return x.shape[-2] > x.shape[-1]
+
+
+def _gram(x):
+    return pallas_kernels.syrk(x, transpose=_tall(x), implementation="xla")
+
+
+def _apply(q, x):
+    return _matmul(x, q) if _tall(x) else _matmul(q, x)
+
+
+def _sym(a, b, c, alpha: float, beta: float):
+    return pallas_kernels.sym_matmul_reference(a, b, c, alpha=alpha, beta=beta)
+
+
+def standard(x, coeffs):
+    """Standard Newton-Schulz, one Python-unrolled step per ``(a, b, c)``."""
+    for a, b, c in coeffs:
+        gram = _gram(x)
+        x = _apply(_plus_diagonal(_sym(gram, gram, gram, c, b), a), x)
+    return x
+
+
+def gram(x, coeffs, restarts):
+    """Gram Newton-Schulz with restarts, one Python-unrolled step per ``(a, b, c)``."""
+    restart_set, last = set(restarts), len(coeffs) - 1
+    r, q = _gram(x), None
+    for i, (a, b, c) in enumerate(coeffs):
+        if i in restart_set and i != 0:
+            x = _apply(q, x)
+            r, q = _gram(x), None
+        z = _sym(r, r, r, c, b)
+        fresh = q is None
+        if not fresh:
+            q = _sym(q, z, q, 1.0, a)
+        if i != last and (i + 1) not in restart_set:
+            rz = _sym(r, z, r, 1.0, a)
+            r = _sym(z, rz, rz, 1.0, a)
+            if fresh:
+                z, r = jax.lax.optimization_barrier((z, r))
+        if fresh:
+            q = _plus_diagonal(z, a)
+    return _apply(q, x)
