@@ -741,7 +741,10 @@ def report(args: argparse.Namespace) -> str:
     studies = [p for p in args.report if p not in rounding]
     if not studies:
         raise SystemExit("--report: no results of --plan study among " + " ".join(args.report))
-    notes = open(args.notes).read() if args.notes else ""
+    notes = ""
+    if args.notes:
+        with open(args.notes) as f:
+            notes = f.read()
     head, _, tail = notes.partition(NOTES_MARK)
     if rounding:
         tail = rounding_report.section(rounding) + "\n\n" + tail.lstrip()

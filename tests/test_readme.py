@@ -101,3 +101,11 @@ def test_restarts_command_prints_what_the_readme_says():
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == expected
+
+
+def test_warnings_fail_the_tests_but_jax_s_pallas_triton_notice():
+    """pytest turns every warning into an error; the one exception is jax's notice that its
+    Pallas Triton backend is deprecated, which it gives on every GPU lowering of a pallas_call."""
+    filters = PYPROJECT["tool"]["pytest"]["ini_options"]["filterwarnings"]
+    assert filters == ["error",
+                       "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"]
