@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.tooling
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = sorted((ROOT / "dion3_jax").glob("*.py"))
 KERNELS = sorted((ROOT / "pallas_kernels").glob("*.py"))

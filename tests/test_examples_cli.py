@@ -19,6 +19,8 @@ sys.path.insert(0, EXAMPLES)
 
 import _common  # noqa: E402
 
+pytestmark = pytest.mark.tooling
+
 
 def _run(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 120):
     full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))

@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.tooling
+
 pytest.importorskip("matplotlib")
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")

@@ -11,7 +11,10 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.tooling
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -109,3 +112,25 @@ def test_warnings_fail_the_tests_but_jax_s_pallas_triton_notice():
     filters = PYPROJECT["tool"]["pytest"]["ini_options"]["filterwarnings"]
     assert filters == ["error",
                        "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"]
+
+
+def _tests_section() -> str:
+    return re.search(r"^## Tests\n(.*?)(?=^## )", README, flags=re.M | re.S).group(1)
+
+
+def test_readme_lists_every_registered_marker():
+    registered = {m.split(":")[0].strip()
+                  for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+    listed = set(re.findall(r"^- `(\w+)`:", _tests_section(), flags=re.M))
+    assert registered == listed, f"pyproject registers {sorted(registered)}, README lists " \
+                                 f"{sorted(listed)}"
+
+
+def test_test_files_of_examples_and_benchmarks_are_tooling():
+    """A test file that imports from examples/ or benchmarks/ (or runs their scripts) carries
+    the ``tooling`` marker."""
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if re.search(r"\"(?:examples|benchmarks)[\"/]", text):
+            assert re.search(r"^pytestmark = \[?pytest\.mark\.tooling\b", text, flags=re.M), \
+                path.name

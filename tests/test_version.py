@@ -12,6 +12,8 @@ import pytest
 
 import dion3_jax
 
+pytestmark = pytest.mark.tooling
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
