@@ -207,3 +207,21 @@ def test_write_outputs_without_matplotlib(tmp_path, monkeypatch):
     assert written["plot"] is None
     assert "20%" in written["table"]  # (10 - 8) / 10 of the step is the optimizer
     assert (tmp_path / "table.txt").exists() and (tmp_path / "results.json").exists()
+
+
+def test_train_lm_table_prints_the_optimizer_time_as_measured():
+    """``step − fwd+bwd`` as measured (a negative one marked, not clamped to 0%), and the share
+    of the step only when the difference is positive."""
+    import train_lm
+
+    base = dict(hyperparameters=dict(lr=1e-3, b1=0.9), train_loss=4.1, heldout_loss=4.5,
+                seconds=1.0)
+    rows = [dict(base, optimizer="dion3", step_ms=10.0, grad_ms=8.0),
+            dict(base, optimizer="adamw", step_ms=7.5, grad_ms=8.0),
+            dict(base, optimizer="normuon", step_ms=9.0, grad_ms=float("nan"))]
+    lines = train_lm.format_table(rows).splitlines()
+    assert "optimizer ms" in lines[0] and "optimizer %" in lines[0]
+    cells = {line.split()[0]: line.split()[7:9] for line in lines[2:5]}
+    assert cells == {"dion3": ["+2.0", "20%"], "adamw": ["-0.5*", "-"],
+                     "normuon": ["-", "-"]}, cells
+    assert "negative" in train_lm.format_table(rows)
