@@ -92,6 +92,12 @@ def test_other_examples_reject_bad_values(capsys):
     cases = [
         (train_multipod.parse_args, ["--mesh", "2by4"], "must look like 2x4"),
         (train_multipod.parse_args, ["--mesh", "3x3"], "divisible by the 9 devices"),
+        (train_multipod.parse_args, ["--mesh", "1x3", "--batch", "72"],
+         "--mesh 1x3: one pod with FSDP"),
+        (train_multipod.parse_args, ["--mesh", "2x3", "--batch", "72"],
+         "--d-in 32 must be divisible by the fsdp size 3 of --mesh 2x3"),
+        (train_multipod.parse_args, ["--mesh", "3x3", "--batch", "72", "--d-in", "33"],
+         "--hidden 64 must be divisible by the fsdp size 3 of --mesh 3x3"),
         (train_multipod.parse_args, ["--replica-selection", "x"], "invalid choice: 'x'"),
         (train_multipod.parse_args, ["--frac", "0.5"], "unrecognized arguments"),
         (train_multipod.parse_args, ["--process-id", "1"], "--process-id only with --distributed"),
@@ -225,3 +231,31 @@ def test_train_lm_table_prints_the_optimizer_time_as_measured():
     assert cells == {"dion3": ["+2.0", "20%"], "adamw": ["-0.5*", "-"],
                      "normuon": ["-", "-"]}, cells
     assert "negative" in train_lm.format_table(rows)
+
+
+def test_train_multipod_refuses_a_mesh_larger_than_the_devices(capsys):
+    """One line naming the mesh and the devices found, before any model is built."""
+    import train_multipod
+
+    with pytest.raises(SystemExit) as e:
+        train_multipod.main(["--mesh", "4x4", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train_multipod.py: error: --mesh 4x4 needs 16 "
+                                               "devices, found "), err
+
+
+def test_train_multipod_progress_names_the_step_of_the_loss():
+    """Between logged steps the counter moves on and the loss shown says which step it is from."""
+    import train_multipod
+
+    stream, losses = io.StringIO(), []
+    bar = _common.Progress(8, "train", enabled=True, lines=4, stream=stream)
+    for step in range(8):
+        if step % 5 == 0 or step == 7:
+            train_multipod.log_loss(bar, losses, step, 1.0 / (step + 1))
+        bar.update(1)
+    assert losses == [(0, 1.0), (5, 1 / 6), (7, 1 / 8)]
+    assert stream.getvalue().splitlines() == [
+        "train: step 2/8 (0 s) loss=1.0000 (step 0)", "train: step 4/8 (0 s) loss=1.0000 (step 0)",
+        "train: step 6/8 (0 s) loss=0.1667 (step 5)", "train: step 8/8 (0 s) loss=0.1250 (step 7)"]
