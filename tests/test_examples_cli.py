@@ -38,6 +38,7 @@ BAD_ARGS = [
     ("train_multipod.py", ["--fraction", "0"], "argument --fraction: 0 is outside (0, 1]"),
     ("polar_standalone.py", ["--coefficients", "foo"], "argument --coefficients: invalid choice"),
     ("quality_study.py", ["--steps", "0"], "argument --steps: 0 is outside [1, inf)"),
+    ("quality_report.py", ["no/such.jsonl"], "JSONL: no such file 'no/such.jsonl'"),
 ]
 
 
@@ -131,10 +132,12 @@ def test_polar_standalone_presets_match_the_library():
 
 def test_help_shows_defaults_on_every_flag():
     import polar_standalone
+    import quality_report
     import quality_study
     import train_lm
 
-    for parser in (train_lm.build_parser(), quality_study.build_parser()):
+    for parser in (train_lm.build_parser(), quality_study.build_parser(),
+                   quality_report.build_parser()):
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, action.dest
