@@ -245,25 +245,48 @@ def bench_polar(args, log):
     polar_breakdown(args, log, x, polar)
 
 
+def _jaxprs(jaxpr):
+    """``jaxpr`` and every jaxpr nested in its equations (jit, custom derivatives, branches)."""
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr holds its jaxpr
+                if hasattr(sub, "eqns"):
+                    yield from _jaxprs(sub)
+
+
+def _product_kind(eqn) -> str:
+    """``"syrk"``, ``"sym_matmul"`` or ``"matmul"`` for one ``dot_general`` of the ``"xla"``
+    products: ``syrk`` contracts an operand with itself along the same axis (``x·xᵀ``, ``xᵀ·x``),
+    ``sym_matmul`` multiplies two square matrices, anything else is a plain matmul."""
+    a, b = eqn.invars
+    (contract_a, contract_b), _ = eqn.params["dimension_numbers"]
+    if a is b and tuple(contract_a) == tuple(contract_b):
+        return "syrk"
+    square = lambda v: v.aval.shape[-1] == v.aval.shape[-2]  # noqa: E731
+    return "sym_matmul" if square(a) and square(b) else "matmul"
+
+
+def count_products(fn, *args) -> dict[str, int]:
+    """How many ``syrk``, ``sym_matmul`` and plain matmuls ``fn(*args)`` traces to, read off its
+    jaxpr (``fn`` must take the ``"xla"`` products, which trace to one ``dot_general`` each)."""
+    counts = {"syrk": 0, "sym_matmul": 0, "matmul": 0}
+    for jaxpr in _jaxprs(jax.make_jaxpr(fn)(*args).jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                counts[_product_kind(eqn)] += 1
+    return counts
+
+
+def _apply(q, x):
+    """``Q·X`` as Gram Newton-Schulz applies it: a 16-bit result asked of the GEMM directly."""
+    return jnp.einsum("...ik,...kj->...ij", q, x, preferred_element_type=q.dtype)
+
+
 def polar_breakdown(args, log, x, polar):
     """Where Gram NS spends its time: each product of ``polar(x)`` counted and timed on its own."""
-    import dion3_jax._polar as polar_mod
-
-    counts = {"syrk": 0, "sym_matmul": 0, "matmul": 0}
-    originals = (pallas_kernels.syrk, pallas_kernels.sym_matmul, polar_mod._matmul)
-
-    def counting(name, fn):
-        def wrapped(*a, **k):
-            counts[name] += 1
-            return fn(*a, **k)
-        return wrapped
-
-    pallas_kernels.syrk, pallas_kernels.sym_matmul, polar_mod._matmul = (
-        counting(n, f) for n, f in zip(counts, originals))
-    try:
-        jax.make_jaxpr(lambda v: polar(v, method="gram", backend="xla"))(x)
-    finally:
-        pallas_kernels.syrk, pallas_kernels.sym_matmul, polar_mod._matmul = originals
+    counts = count_products(lambda v: polar(v, method="gram", backend="xla"), x)
     n = x.shape[0]
     g = jax.random.normal(jax.random.key(1), (n, n), jnp.float32) / n
     r = (g + g.T).astype(x.dtype)
@@ -274,7 +297,7 @@ def polar_breakdown(args, log, x, polar):
         t_syrk = rot(lambda v, b=backend: pallas_kernels.syrk(v, implementation=b), x)
         t_sym = rot(lambda u, b=backend: pallas_kernels.sym_matmul(
             u, u, u, alpha=1.5, beta=-0.5, implementation=b), r)
-        t_mm = rot(originals[2], r, x)
+        t_mm = rot(_apply, r, x)
         total = (counts["syrk"] * t_syrk + counts["sym_matmul"] * t_sym
                  + counts["matmul"] * t_mm)
         log(f"{backend:<8} {t_syrk:8.3f} {t_sym:8.3f} {t_mm:9.3f} {total:8.3f}")

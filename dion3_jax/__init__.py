@@ -30,6 +30,7 @@ from dion3_jax._transform import ScaleByDion3State, fold_momentum_scale, scale_b
 if _typing.TYPE_CHECKING:
     from dion3_jax import newton_schulz, routing
 
+# The one place the version is written: pyproject.toml reads it (a literal, read without importing).
 __version__ = "0.1.0"
 
 __all__ = (

@@ -1,11 +1,16 @@
 """``docs/QUALITY.md`` and its plots from the JSON lines of ``examples/quality_study.py``.
 
-Run through ``python examples/quality_study.py --report RESULTS.jsonl [MORE.jsonl ...]``; needs
-numpy and matplotlib, no accelerator. Every number in the document comes from the results files.
+Needs numpy and matplotlib, no accelerator; every number in the document comes from the results
+files. Results of ``--plan rounding`` among them become the section "bf16 parameters: rounding"
+(``examples/rounding_report.py``). ``quality_study.py --report`` runs the same report::
+
+    python examples/quality_report.py RESULTS.jsonl [MORE.jsonl ...] [--notes NOTES.md]
+        [--doc docs/QUALITY.md] [--plots docs/quality] [--command "..."]
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import math
 import os
@@ -13,6 +18,11 @@ import shlex
 import statistics
 
 import numpy as np
+
+DEFAULT_DOC = "docs/QUALITY.md"
+DEFAULT_PLOTS = "docs/quality"
+#: A line of the notes file that splits it: the part before goes first, the rest last.
+NOTES_MARK = "<!-- end of summary -->"
 
 HEADLINE_NOTE = (
     "Held-out loss is the mean next-byte cross-entropy (nats/byte) on 16 × 32 fixed windows "
@@ -465,3 +475,76 @@ def write_report(paths: list[str] | str, doc: str, plots: str, command: str | No
     with open(doc, "w") as f:
         f.write("\n\n".join(p.strip() for p in parts if p.strip()) + "\n")
     return doc
+
+
+def report(paths: list[str], doc: str = DEFAULT_DOC, plots: str = DEFAULT_PLOTS,
+           command: str | None = None, notes: str | None = None) -> str:
+    """Writes ``doc`` from results files: the study's, then the section of the ``--plan
+    rounding`` files among them (before the notes' closing part); returns ``doc``.
+
+    Raises:
+      SystemExit: when no file holds results of ``--plan study``.
+    """
+    import rounding_report
+
+    rounding = [p for p in paths if rounding_report.is_rounding_results(p)]
+    studies = [p for p in paths if p not in rounding]
+    if not studies:
+        raise SystemExit("no results of --plan study among " + " ".join(paths))
+    text = ""
+    if notes:
+        with open(notes) as f:
+            text = f.read()
+    head, _, tail = text.partition(NOTES_MARK)
+    if rounding:
+        tail = rounding_report.section(rounding) + "\n\n" + tail.lstrip()
+    return write_report(studies, doc, plots, command, preamble=head, conclusions=tail,
+                        notes_path=notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def add_report_flags(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--notes``, ``--doc``, ``--plots`` and ``--command`` (help text led by ``prefix``)."""
+    p.add_argument("--notes", default=None,
+                   help=f"{prefix}Markdown in words to include; the part before a line "
+                        f"{NOTES_MARK!r} goes first, the rest last")
+    p.add_argument("--doc", default=DEFAULT_DOC, help=f"{prefix}the Markdown file to write")
+    p.add_argument("--plots", default=DEFAULT_PLOTS, help=f"{prefix}the folder of the PNGs")
+    p.add_argument("--command", default=None,
+                   help=f"{prefix}the training command to quote, rebuilt from the results "
+                        "when not given")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The report's flags: the results files, then where the notes, document and plots are."""
+    import _common
+
+    p = _common.make_parser(__doc__)
+    p.add_argument("results", metavar="JSONL", nargs="+",
+                   help="results files of quality_study.py (--plan study, and --plan rounding)")
+    add_report_flags(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parses the flags; a missing file exits through argparse before anything is read."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    for flag, paths in (("JSONL", args.results), ("--notes", [args.notes] if args.notes else [])):
+        for path in paths:
+            if not os.path.isfile(path):
+                p.error(f"{flag}: no such file {path!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    return report(args.results, args.doc, args.plots, args.command, args.notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -61,7 +61,6 @@ import param_rounding  # noqa: E402
 MU_RULES = ("const", "pow")  # μ = 0.95, or μ = 0.95^(1/f)
 WD_RULES = ("const", "sqrt_f")  # wd, or wd·√f
 FRACTIONS = (0.5, 0.25, 0.125)
-NOTES_MARK = "<!-- end of summary -->"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,19 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The study's flags (every one validated before any data is read)."""
     import _common
     import param_rounding
+    import quality_report
 
     p = _common.make_parser(__doc__)
     p.add_argument("--out", default="runs/quality/results.jsonl",
                    help="JSON-lines file the runs are appended to (a new file each time)")
     p.add_argument("--report", metavar="JSONL", nargs="+", default=None,
-                   help="write the doc and plots from these results files instead of training")
-    p.add_argument("--notes", default=None,
-                   help="--report: Markdown in words to include; the part before a line "
-                        f"{NOTES_MARK!r} goes first, the rest last")
-    p.add_argument("--doc", default="docs/QUALITY.md", help="--report: the Markdown file")
-    p.add_argument("--plots", default="docs/quality", help="--report: the PNG folder")
-    p.add_argument("--command", default=None,
-                   help="--report: the training command to quote (default: from the results)")
+                   help="write the doc and plots from these results files instead of training "
+                        "(examples/quality_report.py)")
+    quality_report.add_report_flags(p, prefix="--report: ")
     p.add_argument("--resume", metavar="JSONL", nargs="+", default=None,
                    help="results of earlier calls: their finished runs are not run again (the "
                         "plan continues from them); new runs go to --out")
@@ -732,21 +727,10 @@ def _run_phases(args, trainer, planner, emit, start) -> None:
 
 
 def report(args: argparse.Namespace) -> str:
-    """Writes ``args.doc`` from the ``--report`` files: the study's, then the section of the
-    ``--plan rounding`` files among them (before the notes' closing part)."""
+    """Writes ``args.doc`` from the ``--report`` files (``examples/quality_report.py``)."""
     import quality_report
-    import rounding_report
 
-    rounding = [p for p in args.report if rounding_report.is_rounding_results(p)]
-    studies = [p for p in args.report if p not in rounding]
-    if not studies:
-        raise SystemExit("--report: no results of --plan study among " + " ".join(args.report))
-    notes = open(args.notes).read() if args.notes else ""
-    head, _, tail = notes.partition(NOTES_MARK)
-    if rounding:
-        tail = rounding_report.section(rounding) + "\n\n" + tail.lstrip()
-    return quality_report.write_report(studies, args.doc, args.plots, args.command,
-                                       preamble=head, conclusions=tail, notes_path=args.notes)
+    return quality_report.report(args.report, args.doc, args.plots, args.command, args.notes)
 
 
 def main(argv: list[str] | None = None) -> str:

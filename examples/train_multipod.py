@@ -108,10 +108,11 @@ def parse_args(argv=None) -> Config:
     c = Config()
     p = _common.make_parser(__doc__)
     p.add_argument("--mesh", type=_mesh, default="x".join(map(str, c.mesh)),
-                   help="mesh shape DCNxFSDP (pods x devices per pod)")
+                   help="mesh shape DCNxFSDP (pods x devices per pod; 2 or more pods, or 1x1)")
     p.add_argument("--cpu-devices", type=_common.positive_int, default=c.cpu_devices,
                    help="simulated CPU devices when running on CPU")
-    sizes = {"d_in": "input width of the teacher-student task", "hidden": "hidden width",
+    sizes = {"d_in": "input width of the teacher-student task (divisible by the fsdp size)",
+             "hidden": "hidden width (divisible by the fsdp size)",
              "layers": "hidden layers", "d_out": "output width",
              "batch": "global batch (divisible by the number of devices)",
              "steps": "training steps", "log_every": "steps between logged losses"}
@@ -135,10 +136,7 @@ def parse_args(argv=None) -> Config:
                    help="progress bar on a terminal, plain lines otherwise")
     _add_run_flags(p, c)
     a = p.parse_args(argv)
-    if a.batch % (a.mesh[0] * a.mesh[1]):
-        p.error(f"--batch {a.batch} must be divisible by the {a.mesh[0] * a.mesh[1]} devices "
-                f"of --mesh {a.mesh[0]}x{a.mesh[1]}")
-    problem = _check_distributed(a)
+    problem = _check_sizes(a) or _check_distributed(a)
     if problem:
         p.error(problem)
     if a.restore and not os.path.isdir(a.restore):
@@ -168,6 +166,37 @@ def _add_run_flags(p: argparse.ArgumentParser, c: Config) -> None:
     p.add_argument("--restore", default=c.restore,
                    help="orbax checkpoint (from --save) to continue from, on this run's mesh; "
                         "--steps more steps follow; default: start from scratch")
+
+
+def _check_sizes(a) -> str | None:
+    """What is wrong with the batch and widths for the mesh (a sentence), or ``None``: the batch
+    is split over every device, the weights' first or second axis over "fsdp"."""
+    dcn, fsdp = a.mesh
+    if dcn == 1 and fsdp > 1:
+        return (f"--mesh 1x{fsdp}: one pod with FSDP does not compile (XLA refuses the "
+                f"all-reduces over a \"dcn\" axis of size 1); use 2 or more pods, or 1x1")
+    if a.batch % (dcn * fsdp):
+        return (f"--batch {a.batch} must be divisible by the {dcn * fsdp} devices of "
+                f"--mesh {dcn}x{fsdp}")
+    for flag, value in (("--d-in", a.d_in), ("--hidden", a.hidden)):
+        if value % fsdp:
+            return (f"{flag} {value} must be divisible by the fsdp size {fsdp} of --mesh "
+                    f"{dcn}x{fsdp} (the weights are sharded over it)")
+    return None
+
+
+def device_problem(cfg: Config) -> str | None:
+    """What keeps the mesh off this run's devices (a sentence), or ``None``; call it once the
+    backend has started (:func:`start_backend`)."""
+    dcn, fsdp = cfg.mesh
+    n, found = dcn * fsdp, jax.device_count()
+    if jax.process_count() > 1 and n != found:
+        return (f"--mesh {dcn}x{fsdp} must use all {found} devices of the "
+                f"{jax.process_count()} processes")
+    if n > found:
+        hint = f"; on CPU, pass --cpu-devices {n}" if jax.default_backend() == "cpu" else ""
+        return f"--mesh {dcn}x{fsdp} needs {n} devices, found {found}{hint}"
+    return None
 
 
 def _check_distributed(a) -> str | None:
@@ -331,8 +360,7 @@ def train(cfg: Config) -> dict:
             x, y = (global_array(a, s["data_sharding"]) for a in s["batch"](step))
             params, opt_state, loss = train_step(params, opt_state, x, y)
             if (step - first) % cfg.log_every == 0 or step == first + cfg.steps - 1:
-                losses.append((step, float(loss)))
-                bar.set_postfix(loss=f"{float(loss):.4f}")
+                log_loss(bar, losses, step, float(loss))
             bar.update(1)
         bar.close()
         seconds = time.perf_counter() - t0
@@ -343,6 +371,13 @@ def train(cfg: Config) -> dict:
     table = format_table(losses, cfg, seconds)
     return {"losses": losses, "table": table, "seconds": seconds, "params": params,
             "opt_state": opt_state}
+
+
+def log_loss(bar: _common.Progress, losses: list, step: int, loss: float) -> None:
+    """Records the loss of ``step`` and shows it, with its step, beside the progress counter:
+    between logged steps the counter moves on while the loss shown stays the older step's."""
+    losses.append((step, loss))
+    bar.set_postfix(loss=f"{loss:.4f} (step {step})")
 
 
 def save(path: str, params, opt_state, step: int) -> None:
@@ -418,6 +453,10 @@ def start_backend(cfg: Config) -> None:
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     start_backend(cfg)
+    problem = device_problem(cfg)
+    if problem:  # one line, as argparse reports a bad value
+        print(f"{os.path.basename(__file__)}: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     out = train(cfg)
     if cfg.out:
         write_results(cfg.out, cfg, out)

@@ -23,13 +23,6 @@ from typing import Any
 import numpy as np
 
 
-def num_tiles(size: int, tile: int) -> int:
-    """Number of tiles of side ``tile`` along an axis of length ``size`` (ceiling division)."""
-    if size < 0 or tile <= 0:
-        raise ValueError(f"need size >= 0 and tile > 0, got {size=} {tile=}")
-    return -(-size // tile)
-
-
 def num_lower_tiles(tiles_per_side: int) -> int:
     """Number of tiles on or below the diagonal of a ``T × T`` tile grid: ``T(T+1)/2``."""
     if tiles_per_side < 0:
@@ -76,29 +69,6 @@ def lower_tile_coords(t: Any, tiles_per_side: int) -> tuple[Any, Any]:
     i = _select(in_long_row, tiles_per_side - 1 - q, q)
     j = _select(in_long_row, s, s - long_len)
     return i, j
-
-
-def batched_lower_tile_coords(t: Any, tiles_per_side: int) -> tuple[Any, Any, Any]:
-    """Like :func:`lower_tile_coords` for a batch walked one matrix after another.
-
-    Args:
-      t: linear index over ``batch · T(T+1)/2`` tiles.
-      tiles_per_side: ``T`` (static).
-
-    Returns:
-      ``(b, i, j)``: batch index and tile indices.
-    """
-    per_matrix = num_lower_tiles(tiles_per_side)
-    b, t = _divmod(t, per_matrix)
-    i, j = lower_tile_coords(t, tiles_per_side)
-    return b, i, j
-
-
-def lower_tile_table(tiles_per_side: int) -> np.ndarray:
-    """All lower tiles in walk order: an int32 array of shape ``(T(T+1)/2, 2)`` (for tests)."""
-    t = np.arange(num_lower_tiles(tiles_per_side), dtype=np.int64)
-    i, j = lower_tile_coords(t, tiles_per_side)
-    return np.stack([i, j], axis=-1).astype(np.int32)
 
 
 # --- Paired walk: two tiles per work item that share their column panel --------------------------
@@ -212,11 +182,3 @@ def batched_pair_tile_coords(m: Any, tiles_per_side: int) -> tuple[Any, Any, Any
     per_matrix = num_pair_items(tiles_per_side)
     b, m = _divmod(m, per_matrix)
     return (b, *pair_tile_coords(m, tiles_per_side))
-
-
-def pair_tile_table(tiles_per_side: int) -> np.ndarray:
-    """All paired items in walk order: int32 ``(num_pair_items(T), 3)`` of ``(c, r1, r2)``."""
-    m = np.arange(num_pair_items(tiles_per_side), dtype=np.int64)
-    if m.size == 0:
-        return np.zeros((0, 3), np.int32)
-    return np.stack(pair_tile_coords(m, tiles_per_side), axis=-1).astype(np.int32)

@@ -19,6 +19,8 @@ import bench_step  # noqa: E402
 from dion3_jax import newton_schulz  # noqa: E402
 from dion3_jax._coefficients import get_coefficients  # noqa: E402
 
+pytestmark = pytest.mark.tooling
+
 COLUMNS = ["step", "GB moved", "polar TFLOP", "memory ms", "compute ms", "floor ms",
            "× AdamW floor"]
 

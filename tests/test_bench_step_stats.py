@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_step  # noqa: E402
+
+pytestmark = pytest.mark.tooling
 
 
 def test_collective_bytes_by_dtype_and_counts():

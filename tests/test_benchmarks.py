@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.tooling
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -131,6 +133,37 @@ def test_bench_kernels_runs_only_the_shapes_asked_for(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.startswith(("syrk ", "sym_matmul "))]
     assert rows and {(r[0], r[1]) for r in rows} == {("sym_matmul", "2x128x128")}, rows
+
+
+def test_bench_kernels_counts_the_products_of_gram_newton_schulz():
+    """The breakdown's counts, read off the jaxpr: one of each kind, then the default polar (five
+    steps, a restart at step 2: two Gram matrices, two applications of Q, 5 + 3 + 6 products of
+    symmetric matrices)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import dion3_jax
+    import pallas_kernels
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_kernels
+    finally:
+        sys.path.pop(0)
+
+    def one_of_each(x, g):
+        gram = pallas_kernels.syrk(x, implementation="xla")
+        sym = pallas_kernels.sym_matmul(gram, g, gram, alpha=2.0, beta=1.0, implementation="xla")
+        return jnp.matmul(sym, x)
+
+    x = np.ones((16, 48), np.float16)
+    g = np.eye(16, dtype=np.float16)
+    counts = bench_kernels.count_products(one_of_each, x, g)
+    assert counts == {"syrk": 1, "sym_matmul": 1, "matmul": 1}, counts
+    for shape in ((16, 48), (48, 16)):
+        counts = bench_kernels.count_products(
+            lambda v: dion3_jax.polar(v, method="gram", backend="xla"), np.ones(shape, np.float16))
+        assert counts == {"syrk": 2, "sym_matmul": 14, "matmul": 2}, (shape, counts)
 
 
 def test_polar_dtype_orders_the_dtypes_by_their_rounding():

@@ -11,6 +11,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.tooling
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = sorted((ROOT / "dion3_jax").glob("*.py"))
 KERNELS = sorted((ROOT / "pallas_kernels").glob("*.py"))
@@ -83,6 +85,60 @@ def test_library_modules_import_each_other_without_cycles():
 @pytest.mark.parametrize("path", LIBRARY + KERNELS, ids=lambda p: p.name)
 def test_no_trace_time_switches_in_the_library(path):
     assert "contextvars" not in path.read_text(), path
+
+
+#: The scripts around the library: they use it through its public calls and arguments.
+SCRIPTS = sorted(p for d in ("benchmarks", "examples", "scripts") for p in (ROOT / d).glob("*.py"))
+_PACKAGES = ("dion3_jax", "pallas_kernels")
+
+
+def _library_names(tree: ast.Module) -> set[str]:
+    """The names a script binds to the library's modules and objects by importing them."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names
+                      if a.name.split(".")[0] in _PACKAGES}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _PACKAGES:
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _patches(tree: ast.Module, names: set[str]) -> list[str]:
+    """``lib.x = ...`` (also in tuples, augmented or annotated) and ``setattr(lib, ...)``."""
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr"
+              and node.args and isinstance(node.args[0], ast.Name)):
+            targets = [ast.Attribute(value=node.args[0], attr="<setattr>")]
+        for target in targets:
+            for t in ast.walk(target):
+                base = t
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if t is not base and isinstance(base, ast.Name) and base.id in names:
+                    found.append(f"line {node.lineno}: {ast.unparse(t)}")
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_script_patches_the_library(path):
+    """Benchmarks and examples never assign to an attribute of a library module or object."""
+    tree = ast.parse(path.read_text())
+    assert not _patches(tree, _library_names(tree)), _patches(tree, _library_names(tree))
+
+
+def test_the_patch_check_sees_patches():
+    tree = ast.parse("import dion3_jax._polar as p\nfrom pallas_kernels import _api\n"
+                     "import numpy as np\np._matmul = 1\na, _api.syrk = 1, 2\n"
+                     "setattr(p, 'x', 0)\nnp.x = 1\n")
+    found = _patches(tree, _library_names(tree))
+    assert found == ["line 4: p._matmul", "line 5: _api.syrk", "line 6: p.<setattr>"], found
 
 
 #: Provenance that belongs in git history, not in a tracked text, and pointers outside the

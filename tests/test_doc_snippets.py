@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import pytest
 
+pytestmark = pytest.mark.tooling
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC_GLOBS = ("README.md", "docs/*.md", "examples/README.md")
 FENCE = re.compile(r"^```(\S*)[ \t]*$")

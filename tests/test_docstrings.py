@@ -9,6 +9,8 @@ import pytest
 import dion3_jax
 import pallas_kernels
 
+pytestmark = pytest.mark.tooling
+
 _MODULES = sorted({f"{pkg.__name__}.{m.name}" for pkg in (dion3_jax, pallas_kernels)
                    for m in pkgutil.iter_modules(pkg.__path__)})
 

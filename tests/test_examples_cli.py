@@ -19,6 +19,8 @@ sys.path.insert(0, EXAMPLES)
 
 import _common  # noqa: E402
 
+pytestmark = pytest.mark.tooling
+
 
 def _run(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 120):
     full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **(env or {}))
@@ -36,6 +38,7 @@ BAD_ARGS = [
     ("train_multipod.py", ["--fraction", "0"], "argument --fraction: 0 is outside (0, 1]"),
     ("polar_standalone.py", ["--coefficients", "foo"], "argument --coefficients: invalid choice"),
     ("quality_study.py", ["--steps", "0"], "argument --steps: 0 is outside [1, inf)"),
+    ("quality_report.py", ["no/such.jsonl"], "JSONL: no such file 'no/such.jsonl'"),
 ]
 
 
@@ -90,6 +93,12 @@ def test_other_examples_reject_bad_values(capsys):
     cases = [
         (train_multipod.parse_args, ["--mesh", "2by4"], "must look like 2x4"),
         (train_multipod.parse_args, ["--mesh", "3x3"], "divisible by the 9 devices"),
+        (train_multipod.parse_args, ["--mesh", "1x3", "--batch", "72"],
+         "--mesh 1x3: one pod with FSDP"),
+        (train_multipod.parse_args, ["--mesh", "2x3", "--batch", "72"],
+         "--d-in 32 must be divisible by the fsdp size 3 of --mesh 2x3"),
+        (train_multipod.parse_args, ["--mesh", "3x3", "--batch", "72", "--d-in", "33"],
+         "--hidden 64 must be divisible by the fsdp size 3 of --mesh 3x3"),
         (train_multipod.parse_args, ["--replica-selection", "x"], "invalid choice: 'x'"),
         (train_multipod.parse_args, ["--frac", "0.5"], "unrecognized arguments"),
         (train_multipod.parse_args, ["--process-id", "1"], "--process-id only with --distributed"),
@@ -123,10 +132,12 @@ def test_polar_standalone_presets_match_the_library():
 
 def test_help_shows_defaults_on_every_flag():
     import polar_standalone
+    import quality_report
     import quality_study
     import train_lm
 
-    for parser in (train_lm.build_parser(), quality_study.build_parser()):
+    for parser in (train_lm.build_parser(), quality_study.build_parser(),
+                   quality_report.build_parser()):
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
                 assert action.help, action.dest
@@ -205,3 +216,49 @@ def test_write_outputs_without_matplotlib(tmp_path, monkeypatch):
     assert written["plot"] is None
     assert "20%" in written["table"]  # (10 - 8) / 10 of the step is the optimizer
     assert (tmp_path / "table.txt").exists() and (tmp_path / "results.json").exists()
+
+
+def test_train_lm_table_prints_the_optimizer_time_as_measured():
+    """``step − fwd+bwd`` as measured (a negative one marked, not clamped to 0%), and the share
+    of the step only when the difference is positive."""
+    import train_lm
+
+    base = dict(hyperparameters=dict(lr=1e-3, b1=0.9), train_loss=4.1, heldout_loss=4.5,
+                seconds=1.0)
+    rows = [dict(base, optimizer="dion3", step_ms=10.0, grad_ms=8.0),
+            dict(base, optimizer="adamw", step_ms=7.5, grad_ms=8.0),
+            dict(base, optimizer="normuon", step_ms=9.0, grad_ms=float("nan"))]
+    lines = train_lm.format_table(rows).splitlines()
+    assert "optimizer ms" in lines[0] and "optimizer %" in lines[0]
+    cells = {line.split()[0]: line.split()[7:9] for line in lines[2:5]}
+    assert cells == {"dion3": ["+2.0", "20%"], "adamw": ["-0.5*", "-"],
+                     "normuon": ["-", "-"]}, cells
+    assert "negative" in train_lm.format_table(rows)
+
+
+def test_train_multipod_refuses_a_mesh_larger_than_the_devices(capsys):
+    """One line naming the mesh and the devices found, before any model is built."""
+    import train_multipod
+
+    with pytest.raises(SystemExit) as e:
+        train_multipod.main(["--mesh", "4x4", "--no-progress"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train_multipod.py: error: --mesh 4x4 needs 16 "
+                                               "devices, found "), err
+
+
+def test_train_multipod_progress_names_the_step_of_the_loss():
+    """Between logged steps the counter moves on and the loss shown says which step it is from."""
+    import train_multipod
+
+    stream, losses = io.StringIO(), []
+    bar = _common.Progress(8, "train", enabled=True, lines=4, stream=stream)
+    for step in range(8):
+        if step % 5 == 0 or step == 7:
+            train_multipod.log_loss(bar, losses, step, 1.0 / (step + 1))
+        bar.update(1)
+    assert losses == [(0, 1.0), (5, 1 / 6), (7, 1 / 8)]
+    assert stream.getvalue().splitlines() == [
+        "train: step 2/8 (0 s) loss=1.0000 (step 0)", "train: step 4/8 (0 s) loss=1.0000 (step 0)",
+        "train: step 6/8 (0 s) loss=0.1667 (step 5)", "train: step 8/8 (0 s) loss=0.1250 (step 7)"]

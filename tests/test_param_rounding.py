@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import param_rounding  # noqa: E402
 
+pytestmark = pytest.mark.tooling
+
 #: Every run draws fresh inputs (printed with each test by ``conftest.print_module_seed``).
 SEED = int(np.random.default_rng().integers(1 << 30))
 BF16 = ml_dtypes.bfloat16

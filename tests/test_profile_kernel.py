@@ -7,9 +7,12 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_kernel  # noqa: E402
+
+pytestmark = pytest.mark.tooling
 
 
 def _trace(rng, ctas: int):

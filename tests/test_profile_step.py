@@ -8,9 +8,12 @@ import sys
 from types import SimpleNamespace as NS
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_step  # noqa: E402
+
+pytestmark = pytest.mark.tooling
 
 
 def _event(name, start, duration):

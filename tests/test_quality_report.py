@@ -2,10 +2,13 @@
 results, and the report's tables are computed from the runs (not typed in)."""
 
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+pytestmark = pytest.mark.tooling
 
 pytest.importorskip("matplotlib")
 
@@ -56,3 +59,27 @@ def test_grid_cells_are_the_seed_0_runs(study, tmp_path):
                r["seed"] == 0 and r["phase"] != "time" and r["wd"] == 0.01}
     best = min(normuon, key=normuon.get)
     assert cells[(1.0, 1.0)] == normuon[best]
+
+
+def test_quality_report_has_a_command_line_of_its_own():
+    script = os.path.join(ROOT, "examples", "quality_report.py")
+    run = lambda *a: subprocess.run([sys.executable, script, *a], capture_output=True,  # noqa
+                                    text=True, timeout=60)
+    help_ = run("--help")
+    assert help_.returncode == 0 and help_.stdout.startswith("usage: quality_report.py"), help_
+    for flag in ("JSONL", "--notes", "--doc", "--plots", "--command", "docs/QUALITY.md"):
+        assert flag in help_.stdout, flag
+    bare = run()
+    assert bare.returncode == 2 and "the following arguments are required: JSONL" in bare.stderr
+
+
+def test_both_command_lines_make_the_same_report(study, monkeypatch):
+    """``quality_report.py FILES ...`` and ``quality_study.py --report FILES ...`` make one call."""
+    quality_study, quality_report = study
+    calls = []
+    monkeypatch.setattr(quality_report, "report", lambda *a: calls.append(a) or a[1])
+    monkeypatch.chdir(ROOT)
+    flags = ["--notes", NOTES, "--doc", "d.md", "--plots", "p", "--command", "c"]
+    quality_report.main([RESULTS, ROUNDING, *flags])
+    quality_study.main(["--report", RESULTS, ROUNDING, *flags])
+    assert calls == [([RESULTS, ROUNDING], "d.md", "p", "c", NOTES)] * 2, calls

@@ -11,7 +11,10 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.tooling
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -101,3 +104,33 @@ def test_restarts_command_prints_what_the_readme_says():
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                          check=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == expected
+
+
+def test_warnings_fail_the_tests_but_jax_s_pallas_triton_notice():
+    """pytest turns every warning into an error; the one exception is jax's notice that its
+    Pallas Triton backend is deprecated, which it gives on every GPU lowering of a pallas_call."""
+    filters = PYPROJECT["tool"]["pytest"]["ini_options"]["filterwarnings"]
+    assert filters == ["error",
+                       "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"]
+
+
+def _tests_section() -> str:
+    return re.search(r"^## Tests\n(.*?)(?=^## )", README, flags=re.M | re.S).group(1)
+
+
+def test_readme_lists_every_registered_marker():
+    registered = {m.split(":")[0].strip()
+                  for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+    listed = set(re.findall(r"^- `(\w+)`:", _tests_section(), flags=re.M))
+    assert registered == listed, f"pyproject registers {sorted(registered)}, README lists " \
+                                 f"{sorted(listed)}"
+
+
+def test_test_files_of_examples_and_benchmarks_are_tooling():
+    """A test file that imports from examples/ or benchmarks/ (or runs their scripts) carries
+    the ``tooling`` marker."""
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        text = path.read_text()
+        if re.search(r"\"(?:examples|benchmarks)[\"/]", text):
+            assert re.search(r"^pytestmark = \[?pytest\.mark\.tooling\b", text, flags=re.M), \
+                path.name

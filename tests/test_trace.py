@@ -14,6 +14,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import _trace  # noqa: E402
 
+pytestmark = pytest.mark.tooling
+
 
 def _line(name, durations):
     return NS(name=name, events=[NS(name=f"op{i}", duration_ns=d, start_ns=1000 * i)

@@ -8,6 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.tooling
+
 _PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "train_lm.py")
 
 

@@ -14,7 +14,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_multipod  # noqa: E402
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+pytestmark = [pytest.mark.tooling,
+              pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")]
 
 
 @pytest.mark.slow
