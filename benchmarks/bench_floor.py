@@ -34,6 +34,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import time
 import os
 import sys
 from typing import NamedTuple
