@@ -4,6 +4,14 @@ import sys
 # Make tests/ helpers (dion3_reference) importable and keep the repo root first on the path.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# XLA compiles with most of its optimizations off (`jax_disable_most_optimizations`): the
+# suite's time is mostly XLA:CPU compiling small optimizer steps, which this cuts by about a
+# third, and every numerical test compares against a float64 reference or another compiled
+# step, not against one compiler's bits. tests/test_golden_step.py, whose data holds the bits
+# of default compiles, turns them back on. Set in the environment, so the scripts that tests
+# start as subprocesses inherit it; JAX_DISABLE_MOST_OPTIMIZATIONS=0 keeps them on.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 # The distributed tests need several devices; 8 simulated CPU devices are harmless for the
 # single-device tests (they use device 0). Must run before any backend use.
 import jax  # noqa: E402
@@ -13,6 +21,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 from platform_setup import on_platform  # noqa: E402
+
+
+@pytest.fixture
+def default_xla_optimizations():
+    """XLA's default optimizations for one test (the suite turns most of them off, above)."""
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture

@@ -45,6 +45,8 @@ import dion3_jax  # noqa: E402
 from dion3_jax import _rules  # noqa: E402
 
 DATA = pathlib.Path(__file__).parent / "data" / "golden_step.npz"
+# The data holds the bits of XLA's default compiles (conftest turns most optimizations off).
+pytestmark = pytest.mark.usefixtures("default_xla_optimizations")
 STEPS = 3
 FRACTIONS = {"f1": 1.0, "f025": 0.25}
 #: Off the recording machine: the largest allowed ``|got − recorded| / max |recorded|`` per array.

@@ -336,8 +336,15 @@ def test_gram_ns_adds_the_identity_in_place(restarts):
     assert not re.search(r"\[(2,)?48,48\]\{[0-9,]*\} iota\(", hlo), hlo  # no identity is built
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("method", ["gram", "standard"])
+# The fast loop: the default (Gram, float16) and standard float32; the rest with the slow tests.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("method,dtype", [
+    ("gram", jnp.float16), ("standard", jnp.float32),
+    pytest.param("gram", jnp.bfloat16, marks=_SLOW), pytest.param("gram", jnp.float32, marks=_SLOW),
+    pytest.param("standard", jnp.float16, marks=_SLOW),
+    pytest.param("standard", jnp.bfloat16, marks=_SLOW)])
 def test_steps_with_coefficient_operands_equal_the_unrolled_literals(method, dtype):
     """The iterations pass each step's coefficients as array operands (steps of one structure
     share one traced body); on the CPU they give the bits of the same steps written out with

@@ -63,9 +63,13 @@ def _inputs(dtype, seed):
     return params, grads
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("fraction", [1.0, 0.25])
-@pytest.mark.parametrize("wd,schedule", [(0.0, False), (0.1, True)])
+# The fast loop: each dtype, fraction and learning rate once; the other four with the slow tests.
+@pytest.mark.parametrize("dtype,fraction,wd,schedule", [
+    (jnp.bfloat16, 0.25, 0.1, True), (jnp.bfloat16, 1.0, 0.0, False),
+    (jnp.float16, 0.25, 0.0, False), (jnp.float16, 1.0, 0.1, True),
+    *(pytest.param(*c, marks=pytest.mark.slow) for c in [
+        (jnp.bfloat16, 0.25, 0.0, False), (jnp.bfloat16, 1.0, 0.1, True),
+        (jnp.float16, 0.25, 0.1, True), (jnp.float16, 1.0, 0.0, False)])])
 def test_16bit_params_are_rounded_once(dtype, fraction, wd, schedule):
     """``optax.chain(clip_by_global_norm, dion3)`` on 16-bit params, constant or scheduled
     learning rate: each step's new matrix is one rounding of the float32 update of the float32
