@@ -3,6 +3,8 @@
 The step has many small per-matrix reductions (row norms summed over column shards, NorMuon's
 Frobenius terms summed over row shards). Each call here flattens every array that reduces over
 the same axes into one buffer, so the number of collectives does not grow with the model's depth.
+Mesh axes of size 1 are left out of every collective: there is nothing to reduce over them, and
+XLA refuses an all-reduce over a manual axis of size 1 (e.g. one pod's ``"dcn"``).
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ import jax
 import jax.numpy as jnp
 
 
+def nontrivial(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` without those of size 1 (a collective over them changes nothing)."""
+    return tuple(a for a in axes if jax.lax.axis_size(a) > 1)
+
+
 def _by_axes(items) -> dict[tuple, list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, (_, axes) in enumerate(items):
-        groups.setdefault(axes, []).append(i)
+        groups.setdefault(nontrivial(axes), []).append(i)
     return groups
 
 
 def batched_psum(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
     """``psum`` of each array over its axes (``()``: unchanged), one collective per axes tuple."""
-    out: list[jax.Array | None] = [x if not axes else None for x, axes in items]
+    out: list[jax.Array | None] = [x for x, _ in items]
     for axes, idx in _by_axes(items).items():
         if not axes:
             continue
@@ -38,6 +45,10 @@ def batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[j
     per axes tuple."""
     out: list[jax.Array | None] = [None] * len(items)
     for axes, idx in _by_axes(items).items():
+        if not axes:
+            for i in idx:
+                out[i] = items[i][0][None]
+            continue
         flat = jnp.concatenate([items[i][0].reshape(-1) for i in idx])
         g = jax.lax.all_gather(flat, axes, axis=0)            # (W, total)
         off = 0
@@ -57,6 +68,8 @@ def replica_mean(x: jax.Array, axis: str, wire_dtype) -> jax.Array:
     than 65504 replicas cannot overflow float16; the scale is multiplied back afterwards in
     ``x``'s dtype. A NaN or inf entry makes its matrix NaN (never a silent zero).
     """
+    if not nontrivial((axis,)):
+        return x
     if wire_dtype is None or jnp.dtype(wire_dtype) == x.dtype:
         return jax.lax.pmean(x, axis)
     amax = jax.lax.pmax(jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True), axis)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 
+from dion3_jax._collectives import nontrivial
 from dion3_jax._transform import ScaleByDion3State
 from dion3_jax._types import AnyMesh, OptState
 
@@ -31,6 +32,8 @@ def _pmean_momentum(opt_state: OptState, replica_axis: str) -> OptState:
     def fix(node):
         if isinstance(node, ScaleByDion3State):
             node = node.folded()
+            if not nontrivial((replica_axis,)):    # one replica: already its own mean
+                return node
             return node._replace(momentum=jax.tree.map(
                 lambda m: jax.lax.pmean(m, replica_axis), node.momentum))
         return node

@@ -108,7 +108,7 @@ def parse_args(argv=None) -> Config:
     c = Config()
     p = _common.make_parser(__doc__)
     p.add_argument("--mesh", type=_mesh, default="x".join(map(str, c.mesh)),
-                   help="mesh shape DCNxFSDP (pods x devices per pod; 2 or more pods, or 1x1)")
+                   help="mesh shape DCNxFSDP (pods x devices per pod)")
     p.add_argument("--cpu-devices", type=_common.positive_int, default=c.cpu_devices,
                    help="simulated CPU devices when running on CPU")
     sizes = {"d_in": "input width of the teacher-student task (divisible by the fsdp size)",
@@ -172,9 +172,6 @@ def _check_sizes(a) -> str | None:
     """What is wrong with the batch and widths for the mesh (a sentence), or ``None``: the batch
     is split over every device, the weights' first or second axis over "fsdp"."""
     dcn, fsdp = a.mesh
-    if dcn == 1 and fsdp > 1:
-        return (f"--mesh 1x{fsdp}: one pod with FSDP does not compile (XLA refuses the "
-                f"all-reduces over a \"dcn\" axis of size 1); use 2 or more pods, or 1x1")
     if a.batch % (dcn * fsdp):
         return (f"--batch {a.batch} must be divisible by the {dcn * fsdp} devices of "
                 f"--mesh {dcn}x{fsdp}")
@@ -278,15 +275,18 @@ def make_train_step(graphdef, tx, labels, mesh):
         model = nnx.merge(graphdef, params)
         return jnp.mean(jnp.square(model(x) - y))
 
+    def pods_mean(x):   # one pod: nothing to average (and XLA refuses a size-1 all-reduce)
+        return x if jax.lax.axis_size("dcn") == 1 else jax.lax.pmean(x, "dcn")
+
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)   # this pod's gradient
         # Non-matrix leaves (AdamW) are averaged over the pods as usual; the Dion3 matrices are
         # not: Dion3 averages only their selected momentum rows (compressed sync).
         grads = jax.tree.map(lambda g, l: g if l == "dion3"
-                             else jax.lax.pmean(g, "dcn"), grads, labels)
+                             else pods_mean(g), grads, labels)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, jax.lax.pmean(loss, "dcn")
+        return params, opt_state, pods_mean(loss)
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("dcn"), P("dcn")),
                                  out_specs=(P(), P(), P()), axis_names={"dcn"},

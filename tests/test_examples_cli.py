@@ -94,7 +94,7 @@ def test_other_examples_reject_bad_values(capsys):
         (train_multipod.parse_args, ["--mesh", "2by4"], "must look like 2x4"),
         (train_multipod.parse_args, ["--mesh", "3x3"], "divisible by the 9 devices"),
         (train_multipod.parse_args, ["--mesh", "1x3", "--batch", "72"],
-         "--mesh 1x3: one pod with FSDP"),
+         "--d-in 32 must be divisible by the fsdp size 3 of --mesh 1x3"),
         (train_multipod.parse_args, ["--mesh", "2x3", "--batch", "72"],
          "--d-in 32 must be divisible by the fsdp size 3 of --mesh 2x3"),
         (train_multipod.parse_args, ["--mesh", "3x3", "--batch", "72", "--d-in", "33"],

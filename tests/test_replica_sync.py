@@ -189,6 +189,30 @@ def test_float16_replica_wire_sends_16_bits_and_stays_within_its_rounding():
     assert sizes["16"].get("f32", 0) <= len(SPECS)  # one scale per matrix
 
 
+@pytest.mark.skipif(PLATFORM is not None, reason="a 1 × 8 mesh of the simulated CPU devices")
+@pytest.mark.parametrize("selection,wire", [("random", None), ("norms", "float16")])
+def test_one_pod_compiles_and_equals_the_plain_step(selection, wire):
+    """A (1, 8) ("dcn", "fsdp") mesh: compressed sync over a replica axis of size 1 (one pod)
+    compiles (XLA refuses an all-reduce over a manual axis of size 1, so the library leaves
+    such axes out of its collectives) and gives the plain step's update; synchronize_momentum
+    leaves the one replica's momentum as it is."""
+    m = jax.make_mesh((1, 8), ("dcn", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
+    kw = dict(mesh_options=MO(replica_axis="dcn", replica_selection=selection, seed=3,
+                              replica_wire_dtype=wire), **POLAR)
+    params, g = trees(0), trees(1, replicas=1)
+    with jax.set_mesh(m):
+        tx = dion3_jax.scale_by_dion3(0.25, **kw)
+        state = tx.init(put(params, m))
+        u_plain, s_plain = jax.jit(tx.update)(put(jax.tree.map(lambda x: x[0], g), m), state)
+        u, s = compressed_update(tx, m)(put(g, m, stacked=True), state)
+        synced = dion3_jax.synchronize_momentum(s, "dcn")
+    for k in SPECS:
+        np.testing.assert_allclose(np.asarray(u[k])[0], np.asarray(u_plain[k]), atol=1e-5,
+                                   err_msg=k)
+        np.testing.assert_array_equal(np.asarray(synced.full_momentum()[k]),
+                                      np.asarray(s.full_momentum()[k]), err_msg=k)
+
+
 def test_synchronize_momentum_validation():
     with pytest.raises(ValueError, match="replica_axis"):
         dion3_jax.synchronize_momentum({}, "dcn")
