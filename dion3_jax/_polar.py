@@ -118,6 +118,21 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str =
     so the step's large product writes ``X`` in its own dtype directly (no float32 result and no
     separate ``+ a·X`` pass). Every step runs one traced body, its coefficients passed as array
     operands (the products' kernels read their scales at run time).
+
+    Args:
+      x: the batch, already divided by its norm (singular values at most 1), in the compute
+        dtype the products run in.
+      coeffs: the steps' ``(a, b, c)`` coefficients, e.g. from
+        :func:`dion3_jax.newton_schulz.get_coefficients`.
+      backend: the products' implementation (``"auto"``, ``"xla"``, ``"mosaic"``,
+        ``"jax_triton"``; see ``pallas_kernels``).
+
+    Returns:
+      The approximate polar factor of each matrix, shaped and typed like ``x``.
+
+    References:
+      Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
+      Application to the Muon Algorithm", arXiv:2505.16932 (2025).
     """
     for k in _operands(coeffs, x.dtype):
         x = _standard_step(x, k, backend)
@@ -167,6 +182,22 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
     Steps of one structure (the first after a (re)start or a later one; followed by another
     step of the same (re)start or not) run one traced body, their coefficients passed as array
     operands, so a 5-step iteration traces and lowers three step bodies, not five.
+
+    Args:
+      x: the batch, already divided by its norm (singular values at most 1), in the compute
+        dtype the products run in; not square.
+      coeffs: the steps' ``(a, b, c)`` coefficients, e.g. from
+        :func:`dion3_jax.newton_schulz.get_coefficients`.
+      restarts: the steps (indices into ``coeffs``) before which ``X`` is formed and ``R``
+        recomputed; ``()`` never restarts.
+      backend: the products' implementation (``"auto"``, ``"xla"``, ``"mosaic"``,
+        ``"jax_triton"``; see ``pallas_kernels``).
+
+    Returns:
+      The approximate polar factor of each matrix, shaped and typed like ``x``.
+
+    References:
+      Amsel et al., "Dion3: Full-Stack Orthogonal Updates", arXiv:2608.11612 (2026).
     """
     restart_set = set(restarts)
     last = len(coeffs) - 1
