@@ -1,7 +1,21 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Shared timing helpers of the benchmark scripts.
 
-- :func:`median_ms`: one call per synchronisation (for calls of many milliseconds).
-- :func:`median_ms_rotated`: several calls on different input sets per synchronisation (for
+- :func:`median_ms`: one call per synchronization (for calls of many milliseconds).
+- :func:`median_ms_rotated`: several calls on different input sets per synchronization (for
   sub-millisecond kernels: spreads dispatch and host sync, keeps inputs out of L2).
 - :func:`median_ms_interleaved`: several variants timed in turn, one call each per round (for
   A/B comparisons: slow drifts of clocks or temperature reach every variant alike).
@@ -16,7 +30,7 @@ import jax
 
 
 def median_ms(fn, *args, reps: int) -> float:
-    """Median wall time in ms of ``fn(*args)``, synchronised with ``jax.block_until_ready``,
+    """Median wall time in ms of ``fn(*args)``, synchronized with ``jax.block_until_ready``,
     after two warm-up calls (the first one compiles)."""
     jax.block_until_ready(fn(*args))
     jax.block_until_ready(fn(*args))
@@ -39,7 +53,7 @@ def median_ms_rotated(fn, arg_sets, *, reps: int) -> float:
     """Median device-bound time in ms of one ``fn(*args)``: every rep runs ``fn`` once on each of
     the ``len(arg_sets)`` input sets inside one jitted call and divides by their number.
 
-    One dispatch and one synchronisation per rep are spread over several calls (a lone call of a
+    One dispatch and one synchronization per rep are spread over several calls (a lone call of a
     0.2 ms kernel also measures ~0.05–0.1 ms of dispatch and host sync), and each call reads
     other buffers than the one before it, so no call finds its inputs in L2.
     """
@@ -50,7 +64,7 @@ def median_ms_rotated(fn, arg_sets, *, reps: int) -> float:
 def median_ms_interleaved(calls: dict, *, reps: int, warmup: int = 2) -> dict:
     """Median wall time in ms of each of several calls, timed in interleaved rounds.
 
-    Every round times each call once, synchronised with ``jax.block_until_ready``; the order of
+    Every round times each call once, synchronized with ``jax.block_until_ready``; the order of
     the calls rotates from round to round, so no variant always runs first or right after the
     same other one.
 

@@ -1,7 +1,21 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Device time from a ``jax.profiler`` trace, shared by the benchmark scripts.
 
 Wall-clock timing of a sub-millisecond kernel also measures the host: the dispatch of the jitted
-call and the synchronisation. Spreading them over several calls (``_timing.median_ms_rotated``)
+call and the synchronization. Spreading them over several calls (``_timing.median_ms_rotated``)
 shrinks that share but does not remove it, and it weighs more on a short kernel than on a long
 one. A trace gives what the GPU itself spent: :func:`device_ms` sums the durations of the device
 ops that one call ran.
@@ -21,7 +35,7 @@ import tempfile
 import jax
 from jax.profiler import ProfileData
 
-#: Lines of a GPU plane that summarise rather than hold device ops.
+#: Lines of a GPU plane that summarize rather than hold device ops.
 SUMMARY_LINES = ("XLA Modules", "Steps")
 
 
@@ -52,7 +66,7 @@ def busy_ns(plane) -> float:
 
 def device_ms(fn, *args, reps: int) -> float | None:
     """Milliseconds of device ops per ``fn(*args)`` call on the first GPU, from a trace of
-    ``reps`` synchronised calls (after two untraced warm-up calls); None without a GPU.
+    ``reps`` synchronized calls (after two untraced warm-up calls); None without a GPU.
 
     The time of the ops, not of the gaps between them: a call of one kernel measures that
     kernel; a call of many on one stream, their sum (the gaps between back-to-back kernels are

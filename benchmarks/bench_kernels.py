@@ -1,8 +1,22 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Benchmark of the symmetric-product kernels (pallas_kernels) against XLA.
 
 Prints one table: case, shape, dtype, implementation (and config), ms, speed-up over XLA, the
 same two by device time (``dev ms``, ``dev xXLA``: the kernels' own time in a profiler trace,
-without the host's dispatch and synchronisation), TFLOP/s
+without the host's dispatch and synchronization), TFLOP/s
 counting only the useful half of the work (the ``n(n+1)/2`` distinct entries: ``n(n+1)·m`` FLOPs
 for ``syrk`` of ``(n, m)``, ``n(n+1)·k`` for ``sym_matmul`` of ``(n, k)·(k, n)``), the relative
 error against a float64 product, XLA's own error, and whether the output is exactly symmetric.
@@ -10,7 +24,7 @@ error against a float64 product, XLA's own error, and whether the output is exac
 Times: ``jax.block_until_ready`` around each call, warm-up first, the median of ``--reps`` calls;
 all variants in one run. Every table also gives each call's device time (``_trace.device_ms``:
 the kernels' own time in a profiler trace of single calls), which leaves out the host's dispatch
-and synchronisation that a wall-clock time of a short call includes.
+and synchronization that a wall-clock time of a short call includes.
 
 Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py                # default shapes, every available backend
@@ -94,7 +108,7 @@ def make_inputs(op, batch, n, m, dtype, key):
             x = jax.random.normal(key, (*batch, n, m), jnp.float32).astype(dtype)
             x64 = x.astype(jnp.float64)
             return (x,), {}, mm(x64, jnp.swapaxes(x64, -1, -2))
-        # Gram-NS-like operands: R normalised Gram, Z = b·R + c·R² (commuting, symmetric).
+        # Gram-NS-like operands: R normalized Gram, Z = b·R + c·R² (commuting, symmetric).
         y = jax.random.normal(key, (*batch, n, 2 * n), jnp.float32)
         r = jnp.einsum("...ik,...jk->...ij", y, y) / (2.0 * n)
         r = (r / jnp.linalg.norm(r, axis=(-2, -1), keepdims=True)).astype(dtype)

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The statistics and payload passes alone (``pallas_kernels.accumulate_rows``,
 ``pallas_kernels.stack_payloads``) on the shape groups of the 7B-shapes step, with the payload
 kernel's default launch parameters and with variants of them.
@@ -6,7 +20,7 @@ Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected 
 axis as the step selects them at ``--fractions``) and per variant (a
 ``pallas_kernels._payload.PayloadConfig``: the tile and the warps per tile), the table gives the
 block shape, the device time of one group's payload pass (``_trace.device_ms``: the summed GPU
-op time of a traced call), the wall time (median of ``--reps`` synchronised calls), the
+op time of a traced call), the wall time (median of ``--reps`` synchronized calls), the
 bandwidth by device time, and whether the variant's payload stack is bitwise the default's. The
 payload pass reads ``S`` and writes the float16 payloads. Three more rows per group:
 
@@ -147,7 +161,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--small", action="store_true", help="tiny groups, interpreted (CPU smoke)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--reps", type=int, default=None, help="synchronised calls (default 10)")
+    p.add_argument("--reps", type=int, default=None, help="synchronized calls (default 10)")
     a = p.parse_args(argv)
     groups, reps = (SMALL, a.reps or 2) if a.small else (FULL, a.reps or 10)
     names = ["default"] + [v for v in a.variants if v != "default"]

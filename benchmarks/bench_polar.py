@@ -1,6 +1,20 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Polar-operator timings: XLA standard NS, XLA Gram NS (and kernel backends), optax's NS.
 
-Prints a table: shape, method, backend, compute dtype, ms (median wall time of synchronised
+Prints a table: shape, method, backend, compute dtype, ms (median wall time of synchronized
 calls), device ms (the GPU ops' own time in a profiler trace: ``_trace.device_ms``; "-" on a CPU),
 TFLOP/s (of the wall time; useful FLOPs of standard NS with symmetric products counted once, so
 methods compare on one scale), relative error against a float32 standard-NS run with the same

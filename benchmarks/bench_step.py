@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Optimizer-step timings on the "7B-shapes" model, one device or FSDP.
 
 The model: 8 layers of Llama-7B matrices in Flax (in, out) layout, float32: per layer four
@@ -5,13 +19,13 @@ The model: 8 layers of Llama-7B matrices in Flax (in, out) layout, float32: per 
 parameters. Each variant is ``jit(update + apply_updates)`` with donated buffers, timed with
 ``jax.block_until_ready`` after a warm-up; medians of ``--reps`` runs, all variants in one run.
 Each row also gives the "queued" time: ``--reps`` steps dispatched back to back, as a training
-loop runs them, and one synchronisation at the end, divided by ``--reps``. The host's dispatch
+loop runs them, and one synchronization at the end, divided by ``--reps``. The host's dispatch
 of a step then overlaps the device's run of the one before, so the queued time leaves out the
-device's idle time between synchronised steps. On a GPU each row also gives the step's "device
+device's idle time between synchronized steps. On a GPU each row also gives the step's "device
 ms": the summed duration of the GPU ops of one step (``_trace.device_ms``, a trace of 3
-synchronised steps), and "host ms", the synchronised median minus it: the host's share of a
-synchronised step (argument handling, the launch of the step's kernels and CUDA graphs before
-the first op runs, the synchronisation).
+synchronized steps), and "host ms", the synchronized median minus it: the host's share of a
+synchronized step (argument handling, the launch of the step's kernels and CUDA graphs before
+the first op runs, the synchronization).
 Every row also gives the variant's cold start: the seconds of ``jax.jit(step).trace`` (Python),
 ``.lower`` (StableHLO, including the Pallas kernels' lowering) and ``.compile`` (XLA, with the
 kernels' own compilation), and their total (with ``--compile-workers`` the variants compile
@@ -23,7 +37,7 @@ the device reports none; jax cannot reset it, so it is the process's running max
 shows its own peak only where it exceeds every earlier row's); and its collectives: counts per
 kind, MiB sent per device and those MiB per element type ("by dtype": the wire format).
 
-Variants: optax.adamw, optax.contrib.muon, and Dion3 (NorMuon flavour) at f ∈ {1, 1/2, 1/4, 1/8}
+Variants: optax.adamw, optax.contrib.muon, and Dion3 (NorMuon flavor) at f ∈ {1, 1/2, 1/4, 1/8}
 × {standard, Gram} Newton-Schulz × every matmul backend available on the device. For Dion3 the
 table also gives the time of the batched polar calls alone (same shape groups and selected sizes
 as the step) and the rest of the step (selection, gathers, scatters, NorMuon, elementwise).
@@ -32,7 +46,7 @@ as the step) and the rest of the step (selection, gathers, scatters, NorMuon, el
 a 1-D Explicit mesh of all ``jax.devices()``; params, grads and state stay sharded, and Dion3 runs
 its megabatched step (one all-to-all each way per shape group). ``optax.contrib.muon`` does not
 run on matrices sharded under an Explicit mesh; it is then retried under an Auto mesh with the
-same shardings (labelled "auto mesh"; XLA inserts whatever gathers it needs). ``--no-megabatch``
+same shardings (labeled "auto mesh"; XLA inserts whatever gathers it needs). ``--no-megabatch``
 adds, per Dion3 variant, the same optimizer without megabatching: ``optax.partition`` gives every
 parameter its own label and its own Dion3, so each parameter is a shape group of one (one
 all-to-all each way per parameter; the same update). Polar-only timings are single-device and are
@@ -311,7 +325,7 @@ def time_step(tx, params, grads, reps: int, mesh=None, compiled=None,
       options: XLA compiler options (:func:`compile_step`), when compiled here.
 
     Returns:
-      ``(median ms, queued ms, ColdStart, stats)``: the median of ``reps`` synchronised
+      ``(median ms, queued ms, ColdStart, stats)``: the median of ``reps`` synchronized
       steps, the mean of ``reps`` steps dispatched back to back, the cold start's stages, and
       ``stats``: collective counts and bytes per kind (:func:`collective_stats`), collective
       bytes per dtype, the optimizer state's and the step's temporary memory on the first

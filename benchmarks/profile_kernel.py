@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Inside one Mosaic GPU kernel call: how long each warpgroup spends in the contraction's main
 loop and in the epilogue of each work item, from Mosaic GPU's in-kernel profiler.
 
@@ -5,7 +19,7 @@ loop and in the epilogue of each work item, from Mosaic GPU's in-kernel profiler
 ("mainloop": the pipelined ``wgmma`` steps; "epilogue": ``+ β·c``, rounding, the stores and
 their mirrors). This script compiles the kernel with the profiler on (it wraps
 ``plgpu.CompilerParams`` while the kernel is traced: ``profile_space``, ``profile_dir``), runs
-it once after warm-up calls of the same kernel without the profiler, and summarises the trace
+it once after warm-up calls of the same kernel without the profiler, and summarizes the trace
 that Mosaic writes (one begin/end pair per scope, per warpgroup, per CTA). The profiler's buffer takes shared memory, so the kernel runs with ``--stages``
 pipeline stages (default 3; the 16-bit default is 4, which leaves no room for the buffer).
 

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Where the time of one optimizer step goes: a ``jax.profiler`` trace of the 7B-shapes step
 (``bench_step.py``'s model), summed per device op and per op kind, printed as tables.
 
@@ -10,15 +24,15 @@ collective op on the first device, when it ran and how much of it overlapped com
 streams of that device: the evidence of whether the shape groups' all-to-alls hide behind other
 groups' polar work.
 
-With ``--queued`` the traced steps are dispatched back to back and synchronised once, as a
+With ``--queued`` the traced steps are dispatched back to back and synchronized once, as a
 training loop runs them: the idle time between ops is then where the host fell behind the GPU
-(by default every step is synchronised, so the idle time before each step's first op is the
+(by default every step is synchronized, so the idle time before each step's first op is the
 host's dispatch).
 
 With ``--host`` the trace is taken without the Python tracer, and the script also lists what the
 host did while the GPU sat idle before each traced step's first op (the events of the host
 planes that overlap those gaps, summed per name; nested events each count their own time): the
-host's share of a synchronised step. ``--optimizer adamw`` profiles ``optax.adamw``'s step on the
+host's share of a synchronized step. ``--optimizer adamw`` profiles ``optax.adamw``'s step on the
 same model, the baseline the targets are stated against.
 
 Usage::
@@ -96,7 +110,7 @@ def device_gaps(data: ProfileData) -> list[tuple[float, str, str]]:
 
 def idle_windows(data: ProfileData, min_ns: float = 2e5) -> list[tuple[int, int]]:
     """``(start, end)`` of the first GPU's idle stretches of at least ``min_ns``: in a trace of
-    synchronised steps, the host's time before each step's first op."""
+    synchronized steps, the host's time before each step's first op."""
     return [(start, end) for start, end, *_ in _idle(data) if end - start >= min_ns]
 
 
@@ -228,7 +242,7 @@ def main(argv=None):
                    help="trace without the Python tracer and list the host's events while the "
                         "GPU is idle before each step")
     p.add_argument("--queued", action="store_true",
-                   help="trace the steps dispatched back to back, synchronised once (as a "
+                   help="trace the steps dispatched back to back, synchronized once (as a "
                         "training loop runs them): the GPU's idle time between ops is then the "
                         "time the host did not keep ahead of it")
     p.add_argument("--fraction", type=float, default=0.25)

@@ -1,7 +1,21 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """dion3_jax: the Dion3 optimizer for JAX and optax.
 
 Dion3 orthogonalizes only the ``k = ceil(f·n)`` rows of the momentum with the largest ℓ1 norm,
-decays only those rows (error feedback), normalises them NorMuon-style and computes the polar
+decays only those rows (error feedback), normalizes them NorMuon-style and computes the polar
 factor with Gram Newton-Schulz.
 
 The package's names are the optimizer and what configures it. Two public submodules, loaded on

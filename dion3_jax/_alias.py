@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Ready-to-use optimizers: ``dion3``, ``muon``, ``normuon`` (matrices) + AdamW/Lion (the rest).
 
 Only hidden-layer matrices are orthogonalized. Biases, norms and other non-matrix leaves — and the
@@ -19,7 +33,7 @@ from typing import Literal
 import jax
 import optax
 
-from dion3_jax._config import AdjustLR, Flavour, PassImplementation, check_range
+from dion3_jax._config import AdjustLR, Flavor, PassImplementation, check_range
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer
@@ -61,7 +75,7 @@ def _build(
     weight_decay: optax.ScalarOrSchedule,
     weight_decay_mask: Mask | None,
     *,
-    flavour: Flavour = "normuon",
+    flavor: Flavor = "normuon",
     adjust_lr: AdjustLR = "spectral_norm",
     dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
     num_heads: PerLeaf[int | None] | None = None,
@@ -83,7 +97,7 @@ def _build(
     _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
                       adam_eps, adam_weight_decay, scalar_optimizer)
     matrix_tx = optax.chain(
-        scale_by_dion3(fraction, mu, beta2, flavour=flavour, adjust_lr=adjust_lr,
+        scale_by_dion3(fraction, mu, beta2, flavor=flavor, adjust_lr=adjust_lr,
                        dimension_numbers=dimension_numbers, num_heads=num_heads,
                        split_sizes=split_sizes, mu_dtype=mu_dtype,
                        orthogonalizer=orthogonalizer, mesh_options=mesh_options,
@@ -177,7 +191,7 @@ def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
         a ``ValueError`` at construction (as it does for ``adam_b1``, ``adam_b2``, ``adam_eps``).
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
-      flavour, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
+      flavor, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
         mesh_options, pass_implementation: the matrix transform's options, see
         :func:`scale_by_dion3` (``mu_dtype`` defaults to float32 for 16-bit parameters).
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
@@ -210,7 +224,7 @@ def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
     """
 
 
-@_optimizer(fraction=1.0, beta2=0.95, flavour="muon")
+@_optimizer(fraction=1.0, beta2=0.95, flavor="muon")
 def muon(learning_rate, mu=0.95, weight_decay=0.01, weight_decay_mask=None):
     """Muon (momentum ``U = μU + G``, no Nesterov) through the Dion3 code path at ``f = 1``.
 
@@ -232,9 +246,9 @@ def muon(learning_rate, mu=0.95, weight_decay=0.01, weight_decay_mask=None):
     """
 
 
-@_optimizer(fraction=1.0, flavour="normuon")
+@_optimizer(fraction=1.0, flavor="normuon")
 def normuon(learning_rate, mu=0.95, beta2=0.95, weight_decay=0.01, weight_decay_mask=None):
-    """NorMuon (row-normalised Muon) through the Dion3 code path at ``f = 1``.
+    """NorMuon (row-normalized Muon) through the Dion3 code path at ``f = 1``.
 
     Args:
       learning_rate: base learning rate or schedule.

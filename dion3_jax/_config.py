@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The validated, static configuration of :func:`dion3_jax.scale_by_dion3`.
 
 Every argument is checked once, at construction, so that a bad value raises a ``ValueError`` (or
@@ -18,11 +32,11 @@ from dion3_jax import _layout, _numbers
 from dion3_jax._distributed import MeshOptions, check_mesh_options
 from dion3_jax._polar_operator import PolarOperator, as_polar_operator
 
-Flavour = Literal["normuon", "muon"]
+Flavor = Literal["normuon", "muon"]
 PassImplementation = Literal["auto", "xla", "pallas_triton"]
 PASS_IMPLEMENTATIONS = ("auto", "xla", "pallas_triton")
 AdjustLR = Literal["spectral_norm", "rms_norm"] | None
-FLAVOURS = ("normuon", "muon")
+FLAVORS = ("normuon", "muon")
 ADJUST_LR = ("spectral_norm", "rms_norm", None)
 
 
@@ -32,7 +46,7 @@ class Dion3Config(NamedTuple):
     fraction: float
     mu: Any
     beta2: Any
-    flavour: str
+    flavor: str
     adjust_lr: Any
     dimension_numbers: Any
     num_heads: Any
@@ -140,7 +154,7 @@ def momentum_for_fraction(fraction: float, mu_full: float = 0.95) -> float:
     return float(mu_full) ** (1.0 / f)
 
 
-def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
+def make_config(fraction, mu, beta2, flavor, adjust_lr, dimension_numbers, num_heads,
                 split_sizes, mu_dtype, orthogonalizer, mesh_options,
                 pass_implementation="auto") -> Dion3Config:
     """Validates the arguments of :func:`scale_by_dion3` and returns its static config."""
@@ -149,8 +163,8 @@ def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_
         mu = momentum_for_fraction(fraction)
     check_range("mu", mu, 0.0, 1.0)
     check_range("beta2", beta2, 0.0, 1.0, hi_open=True)
-    if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}, got {flavour=!r}")
+    if flavor not in FLAVORS:
+        raise ValueError(f"flavor must be one of {FLAVORS}, got {flavor=!r}")
     if adjust_lr not in ADJUST_LR:
         raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr=!r}")
     _check_layout_options(dimension_numbers, num_heads, split_sizes)
@@ -159,6 +173,6 @@ def make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_
                          f"{pass_implementation=!r}")
     mesh_options = MeshOptions() if mesh_options is None else mesh_options
     check_mesh_options(mesh_options)
-    return Dion3Config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
+    return Dion3Config(fraction, mu, beta2, flavor, adjust_lr, dimension_numbers, num_heads,
                        split_sizes, _check_mu_dtype(mu_dtype), as_polar_operator(orthogonalizer),
                        mesh_options, pass_implementation)

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Mesh context and per-leaf sharding plans for the distributed Dion3 step.
 
 Everything here is static (computed at trace time from shapes, the mesh and the leaves'
@@ -70,7 +84,7 @@ class MeshOptions(NamedTuple):
         ``ceil(f·ceil(n/W))`` rows; only those travel) or ``"global"`` (exact top-k of the whole
         matrix; the result does not depend on the mesh). Elsewhere both are exact.
       replica_selection: with ``replica_axis``: ``"random"`` (row set from a PRNG key shared by
-        the replicas; the update equals the fully synchronised one exactly) or ``"norms"``
+        the replicas; the update equals the fully synchronized one exactly) or ``"norms"``
         (top-k of the row ℓ1 norms summed over replicas; only the norms are all-reduced).
       seed: int seed of the ``"random"`` replica selection.
       param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable), needed
@@ -78,7 +92,7 @@ class MeshOptions(NamedTuple):
         its first divisible axis. Under Explicit axes the shardings are read from the leaves.
       replica_wire_dtype: under compressed sync, the dtype the selected rows' average crosses
         ``replica_axis`` in: None (the default: the momentum's dtype, float32 unless
-        ``mu_dtype`` says otherwise; "random" selection then equals the fully synchronised
+        ``mu_dtype`` says otherwise; "random" selection then equals the fully synchronized
         update to rounding) or float16 (half of float32's bytes; each matrix is scaled by the
         replicas' largest entry first; the update's error stays at the float16 polar's own and
         the momentum moves by about 5e-4 relative, measured by

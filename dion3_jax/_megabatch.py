@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Megabatching: one batched orthogonalizer call (and one all-to-all each way) per shape group.
 
 The static plan groups the selected submatrices ("payloads") of all leaves by (shape, dtype,
@@ -179,7 +193,7 @@ def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
     program compiled once rather than one program per offset; each piece is a fused dynamic
     slice, as cheap as a static one.
 
-    With ``computed_once``, ``x`` goes behind the barrier too: XLA materialises it instead of
+    With ``computed_once``, ``x`` goes behind the barrier too: XLA materializes it instead of
     fusing the work that makes it into every piece's consumer (for small per-matrix arrays,
     whose work is then compiled and run once per stack; or for an ``x`` that is a kernel's
     output anyway). Each piece is then sliced from its own output of the barrier (the same

@@ -1,7 +1,21 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Overflow-safe Euclidean norms at the cost of one multiply per entry.
 
 Squaring a float32 above about 1.8e19 overflows, so a plain ``√(Σ x²)`` of a large but finite
-gradient is ``inf`` and the normalised polar input ``X / ‖X‖`` becomes exactly zero: a silently
+gradient is ``inf`` and the normalized polar input ``X / ‖X‖`` becomes exactly zero: a silently
 zero update. Here the squares are taken of ``x · 2⁻³²`` and the root is scaled back by ``2³²``.
 A power of two changes no rounding, so the norm is bitwise the plain one unless some entry is
 below ``2⁻³¹`` (≈ 4.7e-10) in magnitude; such entries are then dropped from the sum, which only

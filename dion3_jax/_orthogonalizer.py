@@ -1,8 +1,22 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """How a user configures the optimizer's polar operator: an :class:`Orthogonalizer` record.
 
 :func:`make_orthogonalizer` returns one; it is passed as ``orthogonalizer=`` to
 :func:`dion3_jax.scale_by_dion3` and the aliases. The record holds :func:`dion3_jax.polar`'s
-keyword options and nothing else; how the step calls it (stacked parts, payloads normalised by
+keyword options and nothing else; how the step calls it (stacked parts, payloads normalized by
 the caller, padded shapes) is the private protocol of ``_polar_operator``.
 """
 
@@ -82,7 +96,7 @@ def make_orthogonalizer(**polar_kwargs) -> Orthogonalizer:
 
     This is how the polar operator of :func:`dion3_jax.scale_by_dion3` and :func:`dion3_jax.dion3`
     is configured (their ``orthogonalizer=`` argument). With the built-in operator the step
-    normalises each part of a shape group before stacking it (the group's batch is then written
+    normalizes each part of a shape group before stacking it (the group's batch is then written
     once, in the compute dtype) and can take the norms from its row statistics.
 
     Args:

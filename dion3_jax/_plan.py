@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The static plan of a Dion3 step: units, their matrix views, shape groups and k.
 
 Everything here is plain Python data computed from the tree structure, the shapes and dtypes, the
@@ -87,9 +101,9 @@ class Plan(NamedTuple):
       groups: shape groups, in first-seen order: ``(key, uids)``.
       random_selection: rows chosen from shared random scores (compressed "random" sync).
       norms_over_replicas: row scores are summed over the replica axis ("norms" sync).
-      stack_on_device: on-device groups are normalised per matrix before stacking (no replica
+      stack_on_device: on-device groups are normalized per matrix before stacking (no replica
         averaging in between).
-      send_normalized: all-to-all payloads travel normalised, in the orthogonalizer's input
+      send_normalized: all-to-all payloads travel normalized, in the orthogonalizer's input
         dtype (the built-in orthogonalizer, no replica averaging in between); their norms are
         all-reduced first, a float per matrix.
       row_norm_uids: units whose polar norm comes from row statistics taken beside the scores.

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The polar operator: standard and Gram Newton-Schulz on batches of matrices.
 
 ``polar(X) = U Vᵀ`` for ``X = U Σ Vᵀ``, approximated by a few steps of an odd polynomial
@@ -111,7 +125,7 @@ def _standard_step(x: jax.Array, k: _StepCoefficients, backend: str) -> jax.Arra
 
 def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str = "auto"
                            ) -> jax.Array:
-    """Standard Newton-Schulz on a normalised batch ``x`` of shape ``(B, n, m)``, wide or tall.
+    """Standard Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, wide or tall.
 
     Per step ``(a, b, c)``, for a wide ``X``: ``A = X Xᵀ; Z = a·I + b·A + c·A²; X ← Z X`` (a tall
     one: ``A = Xᵀ X; X ← X Z``). ``Z`` is one symmetric product with ``a`` added to its diagonal,
@@ -170,7 +184,7 @@ def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: str, u
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
                        backend: str = "auto") -> jax.Array:
-    """Gram Newton-Schulz on a normalised batch ``x`` of shape ``(B, n, m)``, n ≠ m.
+    """Gram Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, n ≠ m.
 
     For a wide ``X`` it iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram
     matrix) so that the result is ``Q X``; at each step in ``restarts`` it sets ``X ← Q X`` and
@@ -247,7 +261,7 @@ def iteration_shape(shape: tuple[int, int, int], dtype, backend: str) -> tuple[i
 
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
              backend: str, multiples: tuple[int, int] | None) -> jax.Array:
-    """Newton-Schulz on the normalised batch ``y`` of shape ``(B, n, m)``, wide or tall.
+    """Newton-Schulz on the normalized batch ``y`` of shape ``(B, n, m)``, wide or tall.
 
     With ``multiples`` (the kernels' tile multiples, :func:`_multiples`), ``y`` is zero-padded
     once to them and the result sliced back, so that no product pads its operands or slices its
@@ -293,7 +307,7 @@ def polar(x: jax.Array, *, method: Method = "gram",
           eps: float = 1e-7, out_dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
     r"""Approximates the polar factor ``U Vᵀ`` of each matrix in a batch.
 
-    The input is normalised in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``
+    The input is normalized in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``
     and iterated with the odd polynomials given by ``coefficients``, on the Gram matrix of its
     short side (``X Xᵀ`` of a wide matrix, ``Xᵀ X`` of a tall one; a tall input is never
     transposed). Gram Newton-Schulz is used for non-square matrices; square matrices fall back to
@@ -344,7 +358,7 @@ def resolved_compute_dtype(method: str, compute_dtype=None):
 
 
 def _normalized(x: jax.Array, eps: float, compute_dtype, norm=None) -> jax.Array:
-    """``(B, n, m)`` → ``X / (‖X‖_F + eps)`` per matrix, normalised in float32 (at least), cast to
+    """``(B, n, m)`` → ``X / (‖X‖_F + eps)`` per matrix, normalized in float32 (at least), cast to
     ``compute_dtype``. ``norm``: ``‖X‖_F`` per matrix, ``(B,)``, when the caller has it already
     (else computed from ``x``, overflow-safe)."""
     y = x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -372,7 +386,7 @@ def _polar_normalized(y: jax.Array, *, method, coefficients, restarts, steps, co
 def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
                  compute_dtype, backend, eps, out_dtype=None, norms=None) -> jax.Array:
     """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are
-    a batch), with each part normalised and cast on its own before the concatenation: the batch
+    a batch), with each part normalized and cast on its own before the concatenation: the batch
     is assembled once, in the compute dtype (half the bytes of a float32 stack for float16).
     ``norms``: None, or per part None or the Frobenius norm of each of its matrices
     (shape: the part's batch shape)."""

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The one way the step meets its polar operator: the :class:`PolarOperator` protocol.
 
 :func:`as_polar_operator` turns what the user passed as ``orthogonalizer=`` into it: ``None``
@@ -7,10 +21,10 @@ factors`` into a :class:`CallablePolar`. So the step has a single code path:
 
 * ``op(x)``: the polar factors of a batch;
 * ``op.stacked(parts, norms)``: the polar factors of ``concatenate(parts)``. The built-in
-  operator normalises each part before the concatenation (the batch is then written once, in
+  operator normalizes each part before the concatenation (the batch is then written once, in
   the compute dtype) and can take each matrix's Frobenius norm from the caller
   (``takes_norms``); a wrapped callable concatenates and calls;
-* ``op.of_normalized(x)``: the iteration alone, on a batch the caller normalised and cast to
+* ``op.of_normalized(x)``: the iteration alone, on a batch the caller normalized and cast to
   ``op.input_dtype`` (only used where ``takes_norms``);
 * ``op.padded_shape(shape)``: the ``(rows, cols)`` the iteration runs on.
 """
@@ -33,11 +47,11 @@ class PolarOperator(Protocol):
 
     Attributes:
       takes_norms: ``stacked`` and ``of_normalized`` use norms the caller gives (so the step
-        may compute them cheaply and send normalised payloads).
+        may compute them cheaply and send normalized payloads).
       any_orientation: takes tall matrices as they are (the step then sends each payload in
         its leaf's own orientation and writes no transpose); else only wide ones.
       eps: added to the Frobenius norm before dividing (where ``takes_norms``).
-      input_dtype: the dtype a payload normalised by the caller is sent in (where
+      input_dtype: the dtype a payload normalized by the caller is sent in (where
         ``takes_norms``).
     """
 
@@ -82,7 +96,7 @@ class BuiltinPolar:
     def stacked(self, parts: Sequence[jax.Array],
                 norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
         """``self(jnp.concatenate(parts))`` for ``(b_i, rows, cols)`` parts of one shape and dtype,
-        with each part normalised and cast to the compute dtype before the concatenation (so
+        with each part normalized and cast to the compute dtype before the concatenation (so
         the batch is written once, in that dtype; the per-matrix norms are the same).
 
         Args:
@@ -100,7 +114,7 @@ class BuiltinPolar:
                             norms=None if norms is None else list(norms))
 
     def of_normalized(self, x: jax.Array) -> jax.Array:
-        """The polar factors of a ``(batch, rows, cols)`` batch the caller has already normalised
+        """The polar factors of a ``(batch, rows, cols)`` batch the caller has already normalized
         (``X / (‖X‖_F + eps)``) and cast to :attr:`input_dtype`: the iteration alone."""
         return _polar_normalized(x, **self._kwargs)
 
@@ -120,7 +134,7 @@ class CallablePolar:
 
     takes_norms = False
     any_orientation = False  # The callable gets wide matrices (rows ≤ cols).
-    eps = None               # The callable normalises its input itself.
+    eps = None               # The callable normalizes its input itself.
     input_dtype = None
 
     def __init__(self, fn: Callable[[jax.Array], jax.Array]):
@@ -131,7 +145,7 @@ class CallablePolar:
 
     def stacked(self, parts: Sequence[jax.Array],
                 norms: Sequence[jax.Array | None] | None = None) -> jax.Array:
-        del norms  # the callable normalises its input itself
+        del norms  # the callable normalizes its input itself
         return self.fn(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0))
 
     def of_normalized(self, x: jax.Array) -> jax.Array:

@@ -1,4 +1,18 @@
-"""Compressed data-parallel sync across replicas (e.g. pods over the data-centre network, "dcn").
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Compressed data-parallel sync across replicas (e.g. pods over the data-center network, "dcn").
 
 With ``replica_axis`` given and ``update`` called inside a ``jax.shard_map`` that makes that axis
 manual, every replica passes its own, un-averaged gradient. Each replica keeps its own momentum
@@ -6,7 +20,7 @@ manual, every replica passes its own, un-averaged gradient. Each replica keeps i
 
 ``"random"``
   ``I`` = top-k of uniform scores drawn from a key shared by all replicas (derived from ``seed``,
-  the step count and the matrix), so the update equals the fully synchronised one exactly
+  the step count and the matrix), so the update equals the fully synchronized one exactly
   (``mean_r M_r[I] = (mean_r M_r)[I]``).
 ``"norms"``
   only the ``n`` row ℓ1 norms of each matrix are summed over the replicas (``Σ_r ‖M_r[i]‖₁``, an
@@ -14,7 +28,7 @@ manual, every replica passes its own, un-averaged gradient. Each replica keeps i
 
 Then only ``M_r[I, :]`` (``k × C`` instead of ``n × C``: a ``1/f`` saving) is averaged over the
 replica axis, orthogonalized, and written back decayed: ``M_r[I] ← μ · mean_r M_r[I]``. The mean of
-the replicas' momenta therefore follows the synchronised recursion exactly; the unselected rows
+the replicas' momenta therefore follows the synchronized recursion exactly; the unselected rows
 drift apart until they are selected. :func:`synchronize_momentum` averages them (call it before
 saving a checkpoint).
 """
@@ -47,7 +61,7 @@ def synchronize_momentum(opt_state: OptState, replica_axis: str = "dcn", *,
     After compressed sync (``replica_axis`` set and ``update`` called inside a shard_map over it)
     the replicas' momenta differ in their unselected rows; the arrays are still declared
     replicated over the replica axis, so a checkpoint would save one replica's copy. This makes
-    every replica hold ``mean_r M_r`` (the momentum of the fully synchronised run under
+    every replica hold ``mean_r M_r`` (the momentum of the fully synchronized run under
     ``replica_selection="random"``); weights and second moments are identical already.
 
     Args:
@@ -58,7 +72,7 @@ def synchronize_momentum(opt_state: OptState, replica_axis: str = "dcn", *,
         is already manual (called inside a shard_map over it).
 
     Returns:
-      The state with synchronised momenta (same shardings).
+      The state with synchronized momenta (same shardings).
 
     Examples:
       >>> # state = synchronize_momentum(state, "dcn")   # then save the checkpoint

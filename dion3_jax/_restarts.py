@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Restart autotune for Gram Newton-Schulz.
 
 Gram Newton-Schulz never forms the iterate ``X``: it accumulates ``Q`` (a polynomial of the Gram
@@ -7,7 +21,7 @@ matrix ``R = X Xᵀ``) and applies it once, as ``Q X``. Per step ``(a, b, c)`` a
     h = a + b·λ + c·λ²      q ← q·h      λ ← λ·h²
 
 where ``q`` is the matching eigenvalue of ``Q``. In exact arithmetic ``λ ≥ 0``; in float16 the
-computed ``R`` carries spurious eigenvalues down to about ``-4e-4`` (relative to a normalised
+computed ``R`` carries spurious eigenvalues down to about ``-4e-4`` (relative to a normalized
 input). For ``λ < 0`` and ``b < 0`` the factor ``h`` exceeds ``a``, ``|λ|`` grows with ``h²`` at
 every step, and ``q`` blows up along directions that hold only rounding noise. A *restart* at
 step ``i`` (``i ≠ 0``) applies the accumulated ``Q`` (``X ← Q X``), recomputes ``R ← X Xᵀ`` and
@@ -126,7 +140,7 @@ def simulate_gram_eigenvalues(
     """Runs the scalar Gram Newton-Schulz recursion, one eigen-direction per singular value.
 
     Every matrix in Gram Newton-Schulz is a polynomial of the same Gram matrix, so the iteration
-    decouples along its eigenvectors. For a singular value ``σ`` of the normalised input the
+    decouples along its eigenvectors. For a singular value ``σ`` of the normalized input the
     Gram eigenvalue starts at ``λ = σ² + p`` (``p = spurious_eigenvalue``); step ``(a, b, c)``
     computes ``h = a + b·λ + c·λ²``, ``q ← q·h``, ``λ ← λ·h²``. A restart at step ``i`` first sets
     ``σ ← q·σ`` (``X ← Q X``), ``λ ← σ² + p`` (a fresh, freshly perturbed Gram matrix) and
@@ -139,7 +153,7 @@ def simulate_gram_eigenvalues(
       steps: optional number of steps; presets are truncated or padded with their last triple.
       spurious_eigenvalue: the shift ``p <= 0`` applied to every Gram eigenvalue; ``0`` gives the
         exact-arithmetic iteration.
-      singular_values: 1-D array of singular values ``σ >= 0`` of the normalised input; default
+      singular_values: 1-D array of singular values ``σ >= 0`` of the normalized input; default
         ``numpy.logspace(0, -10, 10000)``.
 
     Returns:

@@ -1,9 +1,23 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The traced Dion3 step: a pipeline of named phases over the static plan.
 
 Per device (inside the transform's ``shard_map``, or directly on one device)::
 
     accumulate_and_score → select → gather_and_send → megabatched_polar
-        → row_sources → error_feedback → normalise → scatter_and_apply
+        → row_sources → error_feedback → normalize → scatter_and_apply
 
 The momentum travels as ``(M, d)``: the momentum is ``d ⊙ M`` with ``d`` one factor per row, so
 that a step can defer its selected rows' decay to the next one's ``S = d ⊙ M + G``
@@ -113,7 +127,7 @@ def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
 
 
 def _payload_decays(plan: Plan, u: Unit) -> bool:
-    """Whether ``u`` is a full unit whose payload the step normalises itself (the built-in
+    """Whether ``u`` is a full unit whose payload the step normalizes itself (the built-in
     orthogonalizer, no replica averaging): then its payload ``S/‖S‖`` comes from one read of
     ``S`` after the norm, and its decay is left to the next step (see :func:`_accumulate`)."""
     return u.full and plan.send_normalized and u.group.route in ("on_device", "all_to_all")
@@ -211,7 +225,7 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scale
     selection scores."""
     momentum, full_sq, (l1, row_sq), one_pass = _accumulate(cfg, plan, grads, moms, scales)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
-                if cfg.flavour == "normuon" else None)
+                if cfg.flavor == "normuon" else None)
     raw = {} if plan.random_selection else _l1_scores(plan, l1)
     scores, positions = [], []
     for u in plan.units:
@@ -431,7 +445,7 @@ def _pad_to(orth, u: Unit, total: int, shape: tuple[int, int]) -> int | None:
 
 def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, key, uids, norms: dict,
                        rows: dict) -> jax.Array:
-    """A group of one-pass units: its stacked normalised payloads, from one read of the units'
+    """A group of one-pass units: its stacked normalized payloads, from one read of the units'
     ``S`` (:func:`pallas_kernels.stack_payloads`, with the units' selected rows ``rows`` unless
     they are full). An on-device group's stack is padded as the iteration pads it
     (:func:`_pad_to`; :func:`megabatched_polar` drops the padding from the factors)."""
@@ -457,10 +471,10 @@ def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
 
 def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple[Pick, ...],
                     rows, sq_sums) -> list[GroupBatch]:
-    """Groups the payloads by shape. Groups of one-pass units get their normalised,
+    """Groups the payloads by shape. Groups of one-pass units get their normalized,
     cast payloads stacked from one read of their ``S`` (``rows``: per batch, the selected
-    rows). Other on-device groups stay a list of parts (normalised per part by the
-    orthogonalizer). All-to-all groups are normalised by their whole matrices' norms and cast
+    rows). Other on-device groups stay a list of parts (normalized per part by the
+    orthogonalizer). All-to-all groups are normalized by their whole matrices' norms and cast
     to the orthogonalizer's input dtype before they are stacked for the collective
     (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then averaged
     over the replicas first) the raw payloads are stacked."""
@@ -524,7 +538,7 @@ def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
         if b.stacked is None:
             o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
             selected = b.parts
-        elif b.normalized:          # normalised and cast already: the iteration only
+        elif b.normalized:          # normalized and cast already: the iteration only
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes),
                                                orth.of_normalized, b.counts)
             selected = b.parts or [None] * len(b.uids)
@@ -659,14 +673,14 @@ def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> dict[int, jax.Arra
     return out
 
 
-def normalise(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, factors,
+def normalize(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, factors,
               batch_src) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
     returns the float32 directions and the new second-moment blocks. The factors' row sums run
     once per batch (``factors``: :class:`BatchFactors`), the directions per unit (each leaf's
     kernel reads its factors directly); the elementwise statistics, the variance gather and its
     write-back once per batch (``batch_src``: :func:`row_sources`)."""
-    if cfg.flavour != "normuon":
+    if cfg.flavor != "normuon":
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
     row_sq = _row_sq(plan, factors)
@@ -720,6 +734,6 @@ def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scales, count):
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
     momentum, new_scales = error_feedback(cfg, plan, acc, polars, row_src, batch_src)
-    dirs, variance = normalise(cfg, plan, acc, rows, polars, factors, batch_src)
+    dirs, variance = normalize(cfg, plan, acc, rows, polars, factors, batch_src)
     return (scatter_and_apply(cfg, plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
             _leaves(plan, variance, vars_), _leaves(plan, new_scales, scales))

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """``scale_by_dion3``: the optax shell (state, init, update) around the Dion3 step.
 
 Per matrix (canonical block, rows = outputs), per step, with gradient G, momentum M and per-row
@@ -34,7 +48,7 @@ import jax.numpy as jnp
 import optax
 
 from dion3_jax import _distributed, _plan, _step
-from dion3_jax._config import AdjustLR, Dion3Config, Flavour, PassImplementation, make_config
+from dion3_jax._config import AdjustLR, Dion3Config, Flavor, PassImplementation, make_config
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer
@@ -55,7 +69,7 @@ class ScaleByDion3State(NamedTuple):
       momentum: shaped like the params; dtype ``mu_dtype`` (default: float32 for 16-bit
         parameters, else the parameter's).
       variance: the NorMuon per-row second moments, float32, each param's shape with its
-        reduction axes of size 1; None for ``flavour="muon"``.
+        reduction axes of size 1; None for ``flavor="muon"``.
       momentum_scale: the momentum's per-row factors (1 or ``μ``), float32, shaped like the
         second moments.
     """
@@ -178,7 +192,7 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     _check_floating(params, "parameters")
     ctx, plans = _plan.leaf_plans(cfg, params)
     leaves, treedef = jax.tree.flatten(params)
-    normuon = cfg.flavour == "normuon"
+    normuon = cfg.flavor == "normuon"
     commit = any_committed(params)
     mom, var, scale = [], [], []
     for p, pl in zip(leaves, plans):
@@ -215,7 +229,7 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
     treedef = jax.tree.structure(updates)
     grads = treedef.flatten_up_to(updates)
     moms = treedef.flatten_up_to(state.momentum)
-    normuon = cfg.flavour == "normuon"
+    normuon = cfg.flavor == "normuon"
     vars_in = treedef.flatten_up_to(state.variance) if normuon else []
     scales = treedef.flatten_up_to(state.momentum_scale)
     key = _plan_key(updates, moms)
@@ -247,7 +261,7 @@ def scale_by_dion3(
     mu: jax.typing.ArrayLike | None = None,
     beta2: jax.typing.ArrayLike = 0.95,
     *,
-    flavour: Flavour = "normuon",
+    flavor: Flavor = "normuon",
     adjust_lr: AdjustLR = "spectral_norm",
     dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
     num_heads: PerLeaf[int | None] | None = None,
@@ -276,7 +290,7 @@ def scale_by_dion3(
         ``beta2`` are numbers (Python or NumPy scalars); ``mu`` and ``beta2`` may also be arrays
         (``optax.inject_hyperparams``). Schedules are not supported for ``mu`` and ``beta2``: a
         callable raises a ``ValueError`` at construction.
-      flavour: ``"normuon"`` (row-normalised, the Dion3 default) or ``"muon"`` (plain polar).
+      flavor: ``"normuon"`` (row-normalized, the Dion3 default) or ``"muon"`` (plain polar).
       adjust_lr: per-matrix shape factor: ``"spectral_norm"`` (√(fan_out/fan_in)),
         ``"rms_norm"`` (0.2·√max(fan_out, fan_in), AdamW-compatible learning rates) or ``None``.
         Computed from the full matrix (per head with ``num_heads``, per block with
@@ -323,7 +337,7 @@ def scale_by_dion3(
       Amsel et al., `Dion3: Full-Stack Orthogonal Updates <https://arxiv.org/abs/2608.11612>`_,
       2026.
     """
-    cfg = make_config(fraction, mu, beta2, flavour, adjust_lr, dimension_numbers, num_heads,
+    cfg = make_config(fraction, mu, beta2, flavor, adjust_lr, dimension_numbers, num_heads,
                       split_sizes, mu_dtype, orthogonalizer, mesh_options, pass_implementation)
     plans: dict = {}
 

@@ -1,6 +1,20 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The Newton-Schulz toolkit behind :func:`dion3_jax.polar`.
 
-* :func:`gram_newton_schulz` and :func:`standard_newton_schulz`: the iterations on a normalised
+* :func:`gram_newton_schulz` and :func:`standard_newton_schulz`: the iterations on a normalized
   ``(batch, rows, cols)`` batch, for a resolved coefficient list;
 * :data:`COEFFICIENT_PRESETS` and :func:`get_coefficients`: the ``(a, b, c)`` triples per step
   (presets ``"polar_express"``, ``"you"``, ``"jordan"``, or a user's sequence);

@@ -1,9 +1,23 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """How the quality study stores 16-bit parameters and adds the optimizer's update to them.
 
 The library keeps a 16-bit matrix's update in float32 and lets ``optax.apply_updates`` round
 the sum once (README, "Low-precision parameters"). The study compares that with the older
-behaviour, an update rounded to the parameter's dtype before the sum (two roundings), and with
-float32 master weights. The older behaviour exists here only, as a study variant: the library
+behavior, an update rounded to the parameter's dtype before the sum (two roundings), and with
+float32 master weights. The older behavior exists here only, as a study variant: the library
 has no switch for it.
 
 Variants (``--param-dtype``, ``--rounding``):
@@ -54,7 +68,7 @@ def cast_params(params, param_dtype: str):
 def float32_view(tx):
     """``tx`` run on float32 copies of the gradients and the parameters.
 
-    Its state is initialised from float32 parameters, so its moments are float32 and so are the
+    Its state is initialized from float32 parameters, so its moments are float32 and so are the
     updates it returns; a no-op for float32 parameters.
     """
     import jax

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """``docs/QUALITY.md`` and its plots from the JSON lines of ``examples/quality_study.py``.
 
 Needs numpy and matplotlib, no accelerator; every number in the document comes from the results
@@ -27,7 +41,7 @@ NOTES_MARK = "<!-- end of summary -->"
 HEADLINE_NOTE = (
     "Held-out loss is the mean next-byte cross-entropy (nats/byte) on 16 × 32 fixed windows "
     "of 513 bytes spread over the held-out files, after the last step; ± is the standard "
-    "deviation over seeds (the seed sets the initialisation and the batch order).")
+    "deviation over seeds (the seed sets the initialization and the batch order).")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +370,7 @@ def section_time(data: dict, groups: dict, names: list[str]) -> str:
         f"among the headline configurations), read off each run's curve by linear interpolation "
         f"between evaluations every 50 steps (a run that ended sooner counts with its final "
         f"loss). Each run keeps its own {data['meta'][0]['steps']}-step schedule, so a slower "
-        f"run is read before its learning rate has decayed: this favours the faster optimizer.",
+        f"run is read before its learning rate has decayed: this favors the faster optimizer.",
         "",
         _table(["configuration", f"held-out at {t_eq:.1f} s", "runs"], eq_rows),
     ]

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Quality study: does Dion3 train as well as NorMuon and AdamW? One command, one GPU.
 
 Trains the main job's model family (``examples/train_lm.py``: a byte-level Flax NNX transformer on
@@ -452,7 +466,7 @@ class Trainer:
 
     def params(self, seed: int, param_dtype: str = "float32"):
         """The model's initial parameters for ``seed``, stored in ``param_dtype`` (a 16-bit
-        model starts from the rounding of the float32 initialisation)."""
+        model starts from the rounding of the float32 initialization)."""
         from flax import nnx
 
         import train_lm

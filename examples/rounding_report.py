@@ -1,9 +1,23 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The section "bf16 parameters: rounding" of ``docs/QUALITY.md`` from ``--plan rounding`` results.
 
 ``python examples/quality_study.py --report STUDY.jsonl ROUNDING.jsonl`` puts it after the
 study's own sections: mean ± standard deviation of the final held-out loss over seeds for every
 (optimizer, variant), and the per-seed differences between variants (the seed fixes the
-initialisation and the batch order, so the variants of one seed differ only in how the
+initialization and the batch order, so the variants of one seed differ only in how the
 parameters are stored).
 """
 
@@ -114,11 +128,11 @@ def section(paths: list[str]) -> str:
         f"{meta['steps']}-step schedule as above ({mdl['compute_dtype']} activations), with the "
         "parameters stored three ways (`examples/param_rounding.py`): float32 master weights; "
         "bfloat16 parameters to which `optax.apply_updates` adds the float32 update and rounds "
-        "once (the library's behaviour); bfloat16 parameters to which the update is added after "
+        "once (the library's behavior); bfloat16 parameters to which the update is added after "
         "being rounded to bfloat16 itself (two roundings, as with an optimizer that returns its "
         "update in the parameter's dtype; the library did that before it kept 16-bit updates "
         "in float32, and rounded the direction and the decay term on the way too). A bfloat16 model starts from the rounding of the float32 "
-        "initialisation of the same seed. In both bfloat16 variants every optimizer runs on "
+        "initialization of the same seed. In both bfloat16 variants every optimizer runs on "
         "float32 copies of the gradients and parameters, so its state and update are float32 "
         "and only the rounding of the update differs. Held-out nats/byte after the last step, "
         "mean ± standard deviation over seeds; a difference column is the mean ± standard "

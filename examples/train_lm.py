@@ -1,8 +1,22 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Train a byte-level transformer LM on the Python standard library: Dion3, NorMuon and AdamW.
 
 The main job of ``dion3_jax``: a small decoder-only transformer (Flax NNX) learns to predict the
 next byte of real text that ships with every machine, the ``.py`` sources of the Python standard
-library. Each optimizer in turn gets the same model (same initialisation), the same batches in the
+library. Each optimizer in turn gets the same model (same initialization), the same batches in the
 same order and the same step budget; the script prints a table of train and held-out loss
 (nats/byte), the time of one optimizer step and the share of it spent in the optimizer update
 (a full jitted step against a jitted forward + backward alone), and saves the loss curves as a PNG.
@@ -162,7 +176,7 @@ _FLAGS = {
     "steps": (_common.positive_int, "optimizer steps per run (the same for every optimizer)"),
     "warmup": (_common.nonnegative_int, "linear warm-up steps before the cosine decay to 0"),
     "optimizers": (_common.names(OPTIMIZERS), f"comma-separated, from {', '.join(OPTIMIZERS)}"),
-    "seed": (_common.nonnegative_int, "seed of the initialisation and of the batch order"),
+    "seed": (_common.nonnegative_int, "seed of the initialization and of the batch order"),
     "adamw_lr": (_common.positive_float, "AdamW peak learning rate"),
     "adamw_b1": (_common.decay, "AdamW beta1 (also the AdamW branch of Dion3 / NorMuon / Muon)"),
     "adamw_b2": (_common.decay, "AdamW beta2 (also the AdamW branch of Dion3 / NorMuon / Muon)"),
@@ -653,7 +667,7 @@ def run_one(name: str, cfg: Config, data: dict, run_dir: str | None = None):
     before ``--steps``. With ``--checkpoint-every`` or ``--stop-after`` checkpoints are saved
     under ``run_dir``; with ``--resume`` training continues from the latest one there.
     """
-    model = ByteLM(cfg, nnx.Rngs(cfg.seed))  # the same initialisation for every optimizer
+    model = ByteLM(cfg, nnx.Rngs(cfg.seed))  # the same initialization for every optimizer
     tx, hp = make_optimizer(name, cfg)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     saving = cfg.checkpoint_every > 0 or cfg.stop_after is not None

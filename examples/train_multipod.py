@@ -1,7 +1,21 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Train a Flax NNX model with Dion3 on a ("dcn", "fsdp") mesh: FSDP inside a pod, compressed
 data-parallel sync across pods.
 
-The mesh has a slow axis ``dcn`` (pods, linked by the data-centre network) and a fast axis
+The mesh has a slow axis ``dcn`` (pods, linked by the data-center network) and a fast axis
 ``fsdp`` (devices of one pod). Parameters are sharded over ``fsdp`` and replicated over ``dcn``;
 the batch is split over both. The training step runs inside ``jax.shard_map(...,
 axis_names={"dcn"})``, so each pod computes the gradient of its own half of the batch and the
@@ -9,7 +23,7 @@ gradients of the Dion3 matrices are NOT all-reduced over ``dcn``: Dion3
 (``mesh_options=dion3_jax.MeshOptions(shard_axis="fsdp", replica_axis="dcn")``)
 averages only the selected rows ``M[I, :]`` of the momentum across pods, a ``1/f`` saving of DCN
 bytes. The row set ``I`` is drawn from a key shared by the pods (``replica_selection="random"``), so
-the update equals the fully synchronised one; ``"norms"`` all-reduces the row norms instead. The
+the update equals the fully synchronized one; ``"norms"`` all-reduces the row norms instead. The
 few non-matrix leaves (biases, the head: AdamW) are averaged over ``dcn`` as usual. Before a
 checkpoint, :func:`dion3_jax.synchronize_momentum` makes the pods' momenta equal.
 
@@ -162,7 +176,7 @@ def _add_run_flags(p: argparse.ArgumentParser, c: Config) -> None:
                    help="folder for results.json and params.npz (process 0 writes); default: none")
     p.add_argument("--save", default=c.save,
                    help="folder for an orbax checkpoint of the params and optimizer state after "
-                        "the last step (momentum synchronised first); default: none")
+                        "the last step (momentum synchronized first); default: none")
     p.add_argument("--restore", default=c.restore,
                    help="orbax checkpoint (from --save) to continue from, on this run's mesh; "
                         "--steps more steps follow; default: start from scratch")
@@ -346,7 +360,7 @@ def setup(cfg: Config) -> dict:
 def train(cfg: Config) -> dict:
     """Trains and returns ``{"losses": [(step, loss)], "table": str, "seconds": float, ...}``.
 
-    ``params`` and ``opt_state`` are the final global arrays (momentum synchronised over "dcn").
+    ``params`` and ``opt_state`` are the final global arrays (momentum synchronized over "dcn").
     """
     s = setup(cfg)
     params, opt_state, train_step = s["params"], s["opt_state"], s["train_step"]

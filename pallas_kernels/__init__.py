@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Kernels of Dion3's step: symmetric matrix products for Gram Newton-Schulz, and the payload pass.
 
 ``syrk(x) = x xᵀ`` and ``sym_matmul(a, b, c) = α·a·b + β·c`` for products known to be symmetric.
@@ -5,7 +19,7 @@
 Mosaic GPU, Hopper), ``"jax_triton"`` (jax-triton) or ``"auto"``.
 
 ``accumulate_rows`` writes the summed momentum ``S = d ⊙ M + G`` with each row's ℓ1 norm and sum of
-squares (the statistics pass); ``stack_payloads`` writes the selected rows of ``S``, normalised,
+squares (the statistics pass); ``stack_payloads`` writes the selected rows of ``S``, normalized,
 into one stack (the payload pass). Both are Pallas kernels on NVIDIA GPUs, or XLA.
 """
 

@@ -1,4 +1,18 @@
-"""The payload pass: the selected rows of the summed momenta, normalised, in float16, stacked.
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The payload pass: the selected rows of the summed momenta, normalized, in float16, stacked.
 
 Once the rows ``I`` are selected and the payload's norm is known, the step needs the polar
 operator's input ``S[I] / (‖S[I]‖_F + ε)`` in the compute dtype, stacked with the other matrices of
@@ -117,7 +131,7 @@ def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
 
 def _select_reference(sums, denoms, rows, row_axis, out_dtype):
     """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the clamp of the
-    indices, the padding mask, normalisation and cast once on the stack."""
+    indices, the padding mask, normalization and cast once on the stack."""
     n, r = sums[0].shape[row_axis], jnp.concatenate(rows)
     clamped = _split(jnp.minimum(r, n - 1), [x.shape[0] for x in rows])
     stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, idx in zip(sums, clamped)])
@@ -232,7 +246,7 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
                    padded: bool = True, pad_to: int | None = None,
                    implementation: PayloadImplementation = "auto", interpret: bool = False
                    ) -> jax.Array:
-    """Normalised payloads of selected rows, stacked.
+    """Normalized payloads of selected rows, stacked.
 
     Returns the concatenation along axis 0 of the payloads ``P_i / denoms_i`` (per matrix, in
     float32, cast to ``out_dtype``). Without ``rows`` every row is selected and ``P_i = S_i``;

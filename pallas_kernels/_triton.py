@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Symmetric matrix products in Triton language, called through jax-triton.
 
 The portable GPU path (any recent NVIDIA GPU Triton supports). One program per lower-triangular
@@ -124,7 +138,7 @@ def _kernel():
         # The tile is stored once (on a diagonal tile: its lower triangle, diagonal included), then
         # the mirror is read back from global memory through transposed pointers and stored at
         # ``out[j, i]`` (on a diagonal tile: the strict upper triangle). Storing ``tl.trans(out)``
-        # directly is not exact: Triton may rematerialise the epilogue's arithmetic in the
+        # directly is not exact: Triton may rematerialize the epilogue's arithmetic in the
         # transposed layout with different FMA contraction, and on an H200 that broke symmetry
         # for ``sym_matmul``. The read-back copies bits, so every element is written exactly once
         # and the mirror equals the tile bit for bit.

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """A float64 NumPy rendering of the Dion3 update rule, written independently of the package.
 
 Loops over matrices, explicit row indices, no shared helpers: the tests compare the package's
@@ -16,7 +30,7 @@ and weight decay ``wd`` (the numbers match the comments in :func:`dion3_matrix_s
 6. Orthogonalize: ``O = polar(S)``, five Newton-Schulz steps on ``S / (‖S‖_F + 1e-7)`` with
    the Polar Express coefficients under the 1.05 safety factor (``a/1.05, b/1.05³, c/1.05⁵``;
    :func:`ns_polar`).
-7. NorMuon (``flavour="normuon"``): ``ν_i = mean_j O_ij²``, ``v[I] ← beta2·v[I] + (1 − beta2)·ν``,
+7. NorMuon (``flavor="normuon"``): ``ν_i = mean_j O_ij²``, ``v[I] ← beta2·v[I] + (1 − beta2)·ν``,
    ``D = O / (√v[I] + 1e-8)`` rescaled so that ``‖D‖_F = ‖O‖_F``. Muon: ``D = O``.
 8. Shape factor from the whole matrix: ``η = lr·√(n/C)`` (``"spectral_norm"``),
    ``lr·0.2·√max(n, C)`` (``"rms_norm"``) or ``lr`` (``None``).
@@ -67,7 +81,7 @@ def lr_factor(adjust, fan_out, fan_in):
     return 1.0
 
 
-def dion3_matrix_step(W, G, M, v, *, lr, f, mu, beta2, wd, flavour, adjust, polar=ns_polar):
+def dion3_matrix_step(W, G, M, v, *, lr, f, mu, beta2, wd, flavor, adjust, polar=ns_polar):
     """One step on one (n × C) matrix. Returns new (W, M, v). v has shape (n,)."""
     W, G, M, v = (np.array(a, np.float64) for a in (W, G, M, v))
     n, C = M.shape
@@ -78,7 +92,7 @@ def dion3_matrix_step(W, G, M, v, *, lr, f, mu, beta2, wd, flavour, adjust, pola
     S = M[I, :].copy()                                # 4
     M[I, :] = mu * S                                  # 5
     O = polar(S)                                      # 6
-    if flavour == "normuon":                          # 7
+    if flavor == "normuon":                          # 7
         nO = np.linalg.norm(O)
         nu = (O**2).mean(axis=1)
         v[I] = beta2 * v[I] + (1 - beta2) * nu

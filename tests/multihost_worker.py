@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """One process of the multi-host test (tests/test_multihost.py launches it; not a test itself).
 
 ``--num-processes 2 --process-id i --port P``: ``jax.distributed.initialize`` on localhost with
@@ -15,9 +29,9 @@ head and bias; batches from numpy seeds):
   matrices sharded over "fsdp", replicated over "dcn"; ``MeshOptions(replica_axis="dcn",
   replica_selection="random")`` and the step inside ``jax.shard_map`` over "dcn": each pod
   computes the gradient of its own half of the batch (process r builds only pod r's rows).
-  After step CKPT_STEP ``synchronize_momentum`` then save. Alongside, the fully synchronised
+  After step CKPT_STEP ``synchronize_momentum`` then save. Alongside, the fully synchronized
   run (plain jit over the whole batch: the mean gradient), and each process's local copy of the
-  momentum before the final synchronisation.
+  momentum before the final synchronization.
 
 ``--phase train`` runs the scenarios from step 0 and saves the checkpoints; ``--phase resume``
 (fresh processes) restores them onto targets built from ``tx.init`` and runs the remaining steps.
@@ -204,7 +218,7 @@ def main(argv=None):
         ckpt.close()
 
     def restore(name, params, opt_state):
-        """Restores onto the shardings of freshly initialised params and state."""
+        """Restores onto the shardings of freshly initialized params and state."""
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                               {"params": params, "opt": opt_state})
         ckpt = ocp.StandardCheckpointer()
@@ -242,7 +256,7 @@ def main(argv=None):
             if args.phase == "resume":
                 params, opt_state = restore("compressed", params, opt_state)
             else:
-                sync = plain_step(tx)       # the fully synchronised run (mean gradient)
+                sync = plain_step(tx)       # the fully synchronized run (mean gradient)
                 s_params, s_state = params, opt_state
             for i in range(first, STEPS):
                 x, y = batch(i)
@@ -257,7 +271,7 @@ def main(argv=None):
             write("compressed", params=params, opt=synced)
             if args.phase == "train":
                 # (compressed sync decays its rows itself: compared with the momentum folded)
-                write("synchronised", params=s_params, opt=dion3_jax.fold_momentum_scale(s_state))
+                write("synchronized", params=s_params, opt=dion3_jax.fold_momentum_scale(s_state))
     multihost_utils.sync_global_devices("done")
     print(f"process {pid}/{args.num_processes} {args.phase} {args.scenarios}: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)

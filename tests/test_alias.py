@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """optax / Flax conformance of the aliases (dion3, muon, normuon)."""
 
 from __future__ import annotations
@@ -251,7 +265,7 @@ def _parameters(fn) -> list[tuple[str, str, object]]:
 
 
 def test_aliases_share_one_set_of_options():
-    """``muon`` and ``normuon`` take ``dion3``'s keyword-only options except ``flavour``, with the
+    """``muon`` and ``normuon`` take ``dion3``'s keyword-only options except ``flavor``, with the
     same defaults and annotations; their positional parameters are pinned here."""
     pos = {name: [(n, d) for n, k, d in _parameters(fn) if k == "POSITIONAL_OR_KEYWORD"]
            for name, fn in (("dion3", dion3_jax.dion3), ("muon", dion3_jax.muon),
@@ -265,7 +279,7 @@ def test_aliases_share_one_set_of_options():
                     ("weight_decay", 0.01), ("weight_decay_mask", None)]}
     full = inspect.signature(dion3_jax.dion3).parameters
     keywords = [p for p in full.values() if p.kind is p.KEYWORD_ONLY]
-    assert len(keywords) == 17 and keywords[0].name == "flavour"
+    assert len(keywords) == 17 and keywords[0].name == "flavor"
     for fn in (dion3_jax.muon, dion3_jax.normuon):
         params = inspect.signature(fn).parameters
         assert [p for p in params.values() if p.kind is p.KEYWORD_ONLY] == keywords[1:]
@@ -274,24 +288,24 @@ def test_aliases_share_one_set_of_options():
             dion3_jax.dion3)["param_labels"]
     with pytest.raises(TypeError, match="beta2"):
         dion3_jax.muon(0.01, beta2=0.9)
-    with pytest.raises(TypeError, match="flavour"):
-        dion3_jax.normuon(0.01, flavour="muon")
+    with pytest.raises(TypeError, match="flavor"):
+        dion3_jax.normuon(0.01, flavor="muon")
     with pytest.raises(TypeError):
         dion3_jax.muon(0.01, 0.9, 0.0, None, "rms_norm")   # the options are keyword-only
 
 
 @pytest.mark.parametrize("name", ["muon", "normuon"])
 def test_muon_and_normuon_are_dion3_at_fraction_one(name):
-    """Bitwise the updates of ``dion3`` at ``f = 1`` with the alias's flavour and defaults (the
+    """Bitwise the updates of ``dion3`` at ``f = 1`` with the alias's flavor and defaults (the
     definition of the aliases), options passed positionally and by keyword alike."""
     params, grads = _params(), _grads(_params())
     kw = dict(adjust_lr="rms_norm", adam_learning_rate=3e-3, adam_weight_decay=0.1)
     if name == "muon":
         alias = dion3_jax.muon(0.02, 0.9, 0.05, None, **kw)
-        ref = dion3_jax.dion3(0.02, 1.0, 0.9, 0.95, 0.05, flavour="muon", **kw)
+        ref = dion3_jax.dion3(0.02, 1.0, 0.9, 0.95, 0.05, flavor="muon", **kw)
     else:
         alias = dion3_jax.normuon(0.02, 0.9, beta2=0.8, weight_decay=0.05, **kw)
-        ref = dion3_jax.dion3(0.02, 1.0, 0.9, 0.8, 0.05, flavour="normuon", **kw)
+        ref = dion3_jax.dion3(0.02, 1.0, 0.9, 0.8, 0.05, flavor="normuon", **kw)
     s1, s2 = committed(alias.init(params)), committed(ref.init(params))
     for _ in range(2):
         u1, s1 = jax.jit(alias.update)(grads, s1, params)

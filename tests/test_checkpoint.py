@@ -1,9 +1,23 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The optimizer state round-trips through orbax-checkpoint and training resumes identically.
 
 On one device and on meshes of the 8 simulated CPU devices (tests/conftest.py): resuming from a
 checkpoint is bitwise equal to the uninterrupted run; under compressed sync (``replica_axis``)
-the momentum must be re-synchronised before saving, and then the restored run continues like the
-fully synchronised one; a checkpoint saved on 8 devices restores onto 4 devices and onto 1.
+the momentum must be re-synchronized before saving, and then the restored run continues like the
+fully synchronized one; a checkpoint saved on 8 devices restores onto 4 devices and onto 1.
 Two processes saving one checkpoint: tests/test_multihost.py.
 """
 
@@ -165,13 +179,13 @@ def compressed_step(tx, mesh):
 
 
 @pytest.mark.slow
-def test_replica_axis_resynchronise_before_save(tmp_path):
+def test_replica_axis_resynchronize_before_save(tmp_path):
     """After 2 compressed steps the pods' momenta differ; saved as is, the checkpoint holds one
-    pod's copy, not the mean (measured relative difference 1.0 from the synchronised momentum).
+    pod's copy, not the mean (measured relative difference 1.0 from the synchronized momentum).
     ``synchronize_momentum`` then save: the restored momentum and params are the fully
-    synchronised run's (mean gradient; measured 7.8e-8 and 9.5e-8), and 2 more compressed steps
-    from the restored state equal those from the in-memory synchronised state bitwise and the
-    fully synchronised run's within float rounding (measured 9.5e-8 params, 1.8e-7 momentum;
+    synchronized run's (mean gradient; measured 7.8e-8 and 9.5e-8), and 2 more compressed steps
+    from the restored state equal those from the in-memory synchronized state bitwise and the
+    fully synchronized run's within float rounding (measured 9.5e-8 params, 1.8e-7 momentum;
     all asserted < 1e-5)."""
     need(8)
     mesh = jax.make_mesh((2, 4), ("dcn", "fsdp"), axis_types=(AxisType.Explicit,) * 2)
@@ -196,7 +210,7 @@ def test_replica_axis_resynchronise_before_save(tmp_path):
                                       [put(jax.tree.map(lambda x: x.mean(0), g))])
         momentum = lambda s: s.inner_states["dion3"].inner_state[0].full_momentum()  # noqa: E731
 
-        # Saved without synchronising: one pod's momentum, which is not the synchronised one.
+        # Saved without synchronizing: one pod's momentum, which is not the synchronized one.
         unsynced = save(tmp_path / "unsynced", {"params": c_params, "opt": c_state}).restore(
             tmp_path / "unsynced", jax.tree.map(ocp.utils.to_shape_dtype_struct,
                                                 {"params": c_params, "opt": c_state}))

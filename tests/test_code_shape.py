@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """The library's shape rules, checked on the source: short functions, no import cycles, no
 trace-time switches, and no tracked file that points outside the repository or carries
 provenance instead of the library's own terms (log numbers, hosting labels, absolute paths)."""
@@ -193,3 +207,29 @@ def test_no_tracked_file_names_the_place_it_was_made(tracked_texts, label, patte
     bad = [f"{f}:{n}: {line.strip()[:120]}" for f, text in sorted(tracked_texts.items())
            for n, line in enumerate(text.splitlines(), 1) if regex.search(line)]
     assert not bad, f"{label} ({pattern}) in {len(bad)} lines:\n" + "\n".join(bad)
+
+
+LICENSE_HEADER = ("# Copyright 2026 The dion3_jax Authors.\n#\n"
+                  '# Licensed under the Apache License, Version 2.0 (the "License");\n')
+
+
+def _lacks_license_header(text: str) -> bool:
+    body = text.split("\n", 1)[1] if text.startswith("#!") else text
+    return not body.startswith(LICENSE_HEADER)
+
+
+def test_every_source_file_starts_with_the_license_header():
+    """Every tracked Python and shell file opens (after a ``#!`` line) with the Apache-2.0
+    header of LICENSE."""
+    files = subprocess.run(["git", "ls-files", "-z", "*.py", "*.sh", ".ci/run"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    files = [f for f in files if f and (ROOT / f).is_file()]
+    assert len(files) > 100
+    missing = [f for f in files if _lacks_license_header((ROOT / f).read_text())]
+    assert not missing, missing
+
+
+def test_the_header_check_sees_a_missing_header():
+    assert _lacks_license_header('"""A module."""\n')
+    assert _lacks_license_header("#!/usr/bin/env bash\nset -e\n")
+    assert not _lacks_license_header("#!/usr/bin/env bash\n" + LICENSE_HEADER)

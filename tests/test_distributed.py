@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Distributed scale_by_dion3 on 8 simulated CPU devices (tests/conftest.py sets them up).
 
 The sharded update must equal the single-device one (global scope at any f; local scope at f = 1),
@@ -267,7 +281,7 @@ def test_local_scope_selects_per_shard():
     leaves = {"w": ((16, 8 * N), P(None, "x"), {})}           # n = 8·W, 8 rows per device
     g = random_tree(leaves, 1)
     with jax.set_mesh(mesh):
-        tx = dion3_jax.scale_by_dion3(0.25, flavour="muon", adjust_lr=None, **POLAR)
+        tx = dion3_jax.scale_by_dion3(0.25, flavor="muon", adjust_lr=None, **POLAR)
         state = tx.init(put(random_tree(leaves, 0), leaves, mesh))
         u, _ = jax.jit(tx.update)(put(g, leaves, mesh), state)
     u = np.asarray(u["w"]).T                                   # (out, in)
@@ -394,9 +408,9 @@ def all_to_all_dtypes(hlo: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
-def test_payload_travels_normalised_in_the_compute_dtype_both_ways(fraction):
+def test_payload_travels_normalized_in_the_compute_dtype_both_ways(fraction):
     """With the built-in orthogonalizer (Gram NS in float16) no all-to-all moves 32-bit data:
-    the payload is normalised by its whole matrix's norm (all-reduced as one float per matrix)
+    the payload is normalized by its whole matrix's norm (all-reduced as one float per matrix)
     and cast to float16 before it leaves the device, and the factors come back in float16. A
     user's callable gets the raw float32 payload (what it would see on one device)."""
     mesh = make_mesh((N,))

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Huge but finite gradients: the summed momentum saturates at ±2⁷⁹ (``pallas_kernels.scaled_sum``),
 so its norms stay finite and every finite gradient gives a finite update and a finite state.
 
@@ -24,7 +38,7 @@ import pallas_kernels
 SHAPE = (32, 64)
 SAT = 2.0 ** 79
 SCALES = (1e28, 1e30, 1e33, 1e36, 1e37)
-FLAVOURS = [(1.0, "normuon"), (0.25, "normuon"), (1.0, "muon"), (0.25, "muon")]
+FLAVORS = [(1.0, "normuon"), (0.25, "normuon"), (1.0, "muon"), (0.25, "muon")]
 
 
 def _finite(tree) -> bool:
@@ -32,13 +46,13 @@ def _finite(tree) -> bool:
                if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
 
 
-def _reference_update(g: np.ndarray, f: float, flavour: str) -> np.ndarray:
+def _reference_update(g: np.ndarray, f: float, flavor: str) -> np.ndarray:
     """The float64 first-step direction of ``scale_by_dion3`` from a zero state, ``S`` clipped
     (a 2-D leaf is ``(in, out)``: the reference's ``(out × in)`` matrix is its transpose)."""
     s = np.clip(g.astype(np.float64), -SAT, SAT).T
     n, c = s.shape
     w, _, _ = ref.dion3_matrix_step(np.zeros((n, c)), s, np.zeros((n, c)), np.zeros(n), lr=1.0,
-                                    f=f, mu=0.5, beta2=0.95, wd=0.0, flavour=flavour,
+                                    f=f, mu=0.5, beta2=0.95, wd=0.0, flavor=flavor,
                                     adjust="spectral_norm")
     return -w.T
 
@@ -59,18 +73,18 @@ def _huge_inputs(rng) -> list[tuple[str, np.ndarray]]:
     return cases + [("entry3e38", one), ("row1e35", row)]
 
 
-@pytest.mark.parametrize("f,flavour", FLAVOURS)
-def test_huge_finite_gradients_give_finite_updates_close_to_reference(f, flavour):
+@pytest.mark.parametrize("f,flavor", FLAVORS)
+def test_huge_finite_gradients_give_finite_updates_close_to_reference(f, flavor):
     """Each huge input, from a zero state: a finite update within 2e-2 of the float64 rule, a
     finite state, and finite updates for the normal gradients after it."""
     rng = np.random.default_rng()
-    tx = dion3_jax.scale_by_dion3(f, mu=0.5, beta2=0.95, flavour=flavour)
+    tx = dion3_jax.scale_by_dion3(f, mu=0.5, beta2=0.95, flavor=flavor)
     step = jax.jit(tx.update)
     params = {"w": jnp.zeros(SHAPE, jnp.float32)}
     for name, g in _huge_inputs(rng):
         u, state = step({"w": jnp.asarray(g)}, tx.init(params))
         assert _finite(u) and _finite(state), name
-        want = _reference_update(g, f, flavour)
+        want = _reference_update(g, f, flavor)
         rel = np.linalg.norm(np.asarray(u["w"]) - want) / np.linalg.norm(want)
         assert rel < 2e-2, (name, rel)
         for _ in range(2):
@@ -78,12 +92,12 @@ def test_huge_finite_gradients_give_finite_updates_close_to_reference(f, flavour
             assert _finite(u) and _finite(state), name
 
 
-@pytest.mark.parametrize("f,flavour", [(1.0, "normuon"), (0.25, "muon")])
-def test_apply_if_finite_training_stays_finite_through_huge_gradients(f, flavour):
+@pytest.mark.parametrize("f,flavor", [(1.0, "normuon"), (0.25, "muon")])
+def test_apply_if_finite_training_stays_finite_through_huge_gradients(f, flavor):
     """Under ``optax.apply_if_finite``: huge finite gradients are applied (finite updates), a
     gradient that overflows to inf in float32 is skipped, and every later normal step is finite."""
     rng = np.random.default_rng()
-    tx = optax.apply_if_finite(dion3_jax.dion3(0.02, f, flavour=flavour,
+    tx = optax.apply_if_finite(dion3_jax.dion3(0.02, f, flavor=flavor,
                                                param_labels=lambda p: {"w": "dion3"}),
                                max_consecutive_errors=3)
     params = {"w": jnp.asarray(rng.standard_normal(SHAPE), jnp.float32)}
@@ -99,12 +113,12 @@ def test_apply_if_finite_training_stays_finite_through_huge_gradients(f, flavour
     assert int(state.total_notfinite) == 1
 
 
-@pytest.mark.parametrize("f,flavour", [(0.25, "normuon"), (1.0, "muon")])
-def test_no_nonfinite_state_behind_a_finite_update(f, flavour):
+@pytest.mark.parametrize("f,flavor", [(0.25, "normuon"), (1.0, "muon")])
+def test_no_nonfinite_state_behind_a_finite_update(f, flavor):
     """Without ``apply_if_finite``, over gradients ×1e28…1e39 (the last one inf in float32)
     applied one after another: whenever the update is finite, so is the whole state."""
     rng = np.random.default_rng()
-    tx = dion3_jax.scale_by_dion3(f, flavour=flavour)
+    tx = dion3_jax.scale_by_dion3(f, flavor=flavor)
     params = {"w": jnp.zeros(SHAPE, jnp.float32)}
     state, step = tx.init(params), jax.jit(tx.update)
     for scale in (*SCALES, 3e37, 1e38, 1e39):

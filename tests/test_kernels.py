@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Symmetric products (pallas_kernels): the shared accuracy suite, the XLA path, backend selection
 and the Mosaic GPU kernel through GPU interpret mode (CPU), each against the jnp reference.
 
@@ -330,7 +344,7 @@ class TestMosaicInterpret(KernelSuite):
         """Interpret mode fills fresh buffers with NaN: a tile-aligned output shows every write.
 
         Fewer CTAs than work items (each CTA walks several), tile grids with T = 2, 3, 5 (the
-        paired walk's singles and all of its sections but the quads' neighbours) and a batch, and
+        paired walk's singles and all of its sections but the quads' neighbors) and a batch, and
         contractions long enough that the pipeline ring wraps (k_iters > stages); the race
         detector watches every shared-memory access. Symmetry (exact for ``syrk``, across tiles
         for ``sym_matmul``) and error <= 2x the reference's against float64."""

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Multi-host Dion3 for real: two processes joined by ``jax.distributed.initialize`` on localhost.
 
 Each process (tests/multihost_worker.py) has 4 CPU devices and CPU collectives through gloo, so
@@ -10,9 +24,9 @@ an AdamW head and bias) for 4 steps; process 0 writes the globally gathered resu
   order 1; the cross-process reductions run through gloo, in another order), asserted < 1e-5.
 * Compressed sync over "dcn" (``replica_axis="dcn"``, ``replica_selection="random"``, the step
   in a ``shard_map`` over "dcn", each pod the gradient of its own half-batch, built only by its
-  own process) equals the fully synchronised run on the mean gradient. Measured: 9e-8 (params and
-  synchronised momentum), asserted < 1e-5. The two pods' momenta really differ before
-  ``synchronize_momentum`` (by ~0.09) and their mean is the synchronised momentum (2e-8).
+  own process) equals the fully synchronized run on the mean gradient. Measured: 9e-8 (params and
+  synchronized momentum), asserted < 1e-5. The two pods' momenta really differ before
+  ``synchronize_momentum`` (by ~0.09) and their mean is the synchronized momentum (2e-8).
 * An orbax checkpoint (``ocp.StandardCheckpointer``, saved by both processes after step 2; after
   ``synchronize_momentum`` in the compressed case), restored by two fresh processes onto the
   shardings of a new ``tx.init``, resumes bitwise: steps 3 and 4 equal the uninterrupted run.
@@ -128,7 +142,7 @@ def results(tmp_path_factory):
     return {"train_fsdp": load("train_fsdp"), "reference_fsdp": load("train_fsdp", ref),
             "resume_fsdp": load("resume_fsdp"), "train_compressed": load("train_compressed"),
             "resume_compressed": load("resume_compressed"),
-            "synchronised": load("train_synchronised"),
+            "synchronized": load("train_synchronized"),
             "local": [load(f"train_compressed_unsynced_local{i}") for i in range(2)]}
 
 
@@ -147,13 +161,13 @@ def test_fsdp_two_processes_equal_one_process(results):
     assert got["loss['loss']"][-1] < got["loss['loss']"][0]
 
 
-def test_compressed_sync_equals_fully_synchronised(results):
-    comp, sync = results["train_compressed"], results["synchronised"]
+def test_compressed_sync_equals_fully_synchronized(results):
+    comp, sync = results["train_compressed"], results["synchronized"]
     assert sorted(comp) == sorted(sync)
     errors = max_err(comp, sync, comp)
     assert max(errors.values()) < TOL, errors
     # Per-pod gradients were really different: before synchronize_momentum the pods' momenta
-    # differ in their unselected rows, and their mean is the synchronised run's momentum.
+    # differ in their unselected rows, and their mean is the synchronized run's momentum.
     local = results["local"]
     momenta = [k for k in local[0] if ".momentum[" in k]
     assert len(momenta) == 2

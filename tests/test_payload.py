@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """``pallas_kernels.stack_payloads``: the payload pass, of every row or of selected rows.
 
 The jnp reference against a float64 NumPy computation on fresh inputs; the Pallas kernel
@@ -262,7 +276,7 @@ def test_step_with_the_kernel_equals_the_step_with_xla(monkeypatch, sharded, mu_
     params = {"a": jnp.ones((16, 256)), "b": jnp.ones((16, 256)), "c": jnp.ones((8, 64, 32)),
               "d": jnp.ones((64, 32))}
     # XLA may keep a bfloat16 M + G in float32 for the payload where the kernel rounds it;
-    # without that licence the two agree bitwise.
+    # without that license the two agree bitwise.
     run = _three_steps(lambda: dion3_jax.scale_by_dion3(fraction, mu_dtype=mu_dtype), params,
                        sharded, {"xla_allow_excess_precision": False})
     want = run()

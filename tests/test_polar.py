@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """polar(): Gram vs standard Newton-Schulz, presets, shapes, dtypes, errors."""
 
 from __future__ import annotations
@@ -179,9 +193,9 @@ def test_padding_multiples_follow_the_backend(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_stacked_parts_equal_polar_of_the_concatenation(method):
-    """The built-in operator's ``stacked(parts)`` normalises each part before stacking; the result
+    """The built-in operator's ``stacked(parts)`` normalizes each part before stacking; the result
     is ``polar(concatenate(parts))``: float64 to 1e-12, the float16 default to fp16 tolerance.
-    (Wide parts: a tall batch is normalised and stacked alike, and both sides then take the same
+    (Wide parts: a tall batch is normalized and stacked alike, and both sides then take the same
     tall iteration, tested above.)"""
     shape = (24, 64)
     rng = np.random.default_rng()
@@ -303,9 +317,9 @@ def test_polar_beyond_the_norm_range_is_nan_not_zero():
 
 @pytest.mark.parametrize("shape", [(3, 16, 40), pytest.param((2, 40, 16), marks=pytest.mark.slow),
                                    pytest.param((2, 24, 24), marks=pytest.mark.slow)])
-def test_of_normalized_is_polar_of_the_normalised_input(shape):
-    """The built-in operator's ``of_normalized`` (what Dion3 calls on payloads it normalised
-    and cast itself) gives the bits of ``polar`` on the same input, which normalises first:
+def test_of_normalized_is_polar_of_the_normalized_input(shape):
+    """The built-in operator's ``of_normalized`` (what Dion3 calls on payloads it normalized
+    and cast itself) gives the bits of ``polar`` on the same input, which normalizes first:
     dividing a float16 matrix of unit norm by ``1 + eps`` again rounds back to it."""
     orth = BuiltinPolar(dion3_jax.make_orthogonalizer(backend="xla"))
     x = jnp.asarray(np.random.default_rng().standard_normal(shape, np.float32))

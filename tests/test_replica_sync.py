@@ -1,8 +1,22 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Compressed DCN data-parallel sync on a 2 × 4 ("dcn", "fsdp") mesh of simulated CPU devices.
 
 Each replica passes its own gradient (update called inside a shard_map over "dcn"); only the
 selected rows are averaged across replicas. With replica_selection="random" the update equals the
-fully synchronised one (gradients averaged first), and after synchronize_momentum so does the
+fully synchronized one (gradients averaged first), and after synchronize_momentum so does the
 momentum. The bytes all-reduced over "dcn" scale with f.
 
 With ``DION3_TEST_PLATFORM=gpu`` (any ``jax.devices`` platform name) the mesh is (2, N/2) over
@@ -72,7 +86,7 @@ def compressed_update(tx, m):
 @pytest.mark.parametrize("scope,axis_type", [("local", AxisType.Explicit),
                                               ("global", AxisType.Explicit),
                                               ("local", AxisType.Auto)])
-def test_random_compressed_sync_equals_fully_synchronised(scope, axis_type):
+def test_random_compressed_sync_equals_fully_synchronized(scope, axis_type):
     """Under Auto axes the leaves' specs come from ``param_specs``."""
     m = mesh(axis_type)
     specs = ({k: spec for k, (_, spec) in SPECS.items()} if axis_type == AxisType.Auto

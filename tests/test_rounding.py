@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """16-bit parameters are rounded once per step: ``W_new`` is the 16-bit rounding of the float32
 value ``(1 − lr·wd)·W − lr·scale·D`` (``D`` the step's direction, zero off the selected rows),
 through ``optax.apply_updates`` and ``nnx.Optimizer``.
@@ -37,7 +51,7 @@ def assert_rounded_once(new, w, direction, lr: float, wd: float, what: str) -> N
 
     Rounding is monotone, so a float32 evaluation within ``tol`` of ``exact`` rounds into that
     interval. It can hold more than two values where the operands nearly cancel (``|exact|``
-    far below ``|w|``), which is why the check is an interval, not a pair of neighbours."""
+    far below ``|w|``), which is why the check is an interval, not a pair of neighbors."""
     w64, d64 = np.asarray(w, np.float64), np.asarray(direction, np.float64)
     exact = (1.0 - lr * wd) * w64 - lr * d64
     tol = 2.0 ** -22 * (np.abs(w64) + lr * np.abs(d64))

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Row-selection helpers (dion3_jax._selection) against NumPy, on fresh random inputs."""
 
 import jax
@@ -94,7 +108,7 @@ def test_selected_norm_is_the_payload_frobenius_norm(scale):
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected
     payload's Frobenius norm from row statistics (selected_sq_sum, traced once per batch of
-    same-shape blocks); a plain callable doing the same polar normalises the payload itself (no call),
+    same-shape blocks); a plain callable doing the same polar normalizes the payload itself (no call),
     and the update is the same to float32 rounding."""
     import dion3_jax
     calls = []

@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """Smoke test of the main job, ``examples/train_lm.py``: a tiny byte LM trains with Dion3."""
 
 import importlib.util
@@ -47,7 +61,7 @@ def test_tiny_run_learns(tiny_run):
     losses = dion3["train_losses"]
     assert len(losses) == cfg.steps
     assert all(math.isfinite(x) for x in losses)
-    # ln(256) = 5.55 nats/byte at initialisation; a tiny model learns byte frequencies and common
+    # ln(256) = 5.55 nats/byte at initialization; a tiny model learns byte frequencies and common
     # bigrams within a few dozen steps.
     initial = sum(losses[:3]) / 3
     final = sum(losses[-10:]) / 10
@@ -63,7 +77,7 @@ def test_tiny_run_learns(tiny_run):
     # Held-out files are never trained on, and both splits are non-empty.
     assert out["data"]["train_files"] > 0 and out["data"]["heldout_files"] > 0
 
-    # Artefacts: the PNG, the table (on disk and returned), the JSON summary.
+    # Artifacts: the PNG, the table (on disk and returned), the JSON summary.
     with open(out["plot"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "held-out" in out["table"] and "dion3" in out["table"] and "adamw" in out["table"]

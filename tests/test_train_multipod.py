@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """examples/train_multipod.py in a short configuration on 8 simulated CPU devices (2 × 4), and as two
 processes joined by jax.distributed (--distributed) against the single-process run."""
 

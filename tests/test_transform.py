@@ -1,3 +1,17 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
 """scale_by_dion3 / dion3 against the float64 NumPy rendering of the update rule
 (tests/dion3_reference.py; docs/ARCHITECTURE.md states the rule)."""
 
@@ -85,7 +99,7 @@ CASES = [
     ("conv_4d", "conv", (3, 3, 4, 10), 0.4, {}),
     ("num_heads", "flax", (32, 24), 0.25, {"num_heads": 3}),
     ("split_sizes_gqa", "flax", (32, 40), 0.25, {"split_sizes": (24, 8, 8)}),
-    ("muon_flavour", "flax", (40, 24), 0.25, {"flavour": "muon"}),
+    ("muon_flavor", "flax", (40, 24), 0.25, {"flavor": "muon"}),
     ("rms_norm", "flax", (40, 24), 0.25, {"adjust_lr": "rms_norm"}),
     ("adjust_none", "flax", (40, 24), 0.25, {"adjust_lr": None}),
     ("fraction_one", "flax", (40, 24), 1.0, {}),
@@ -93,7 +107,7 @@ CASES = [
 ]
 
 
-def _reference_run(w0, grads, kind, f, *, lr, mu, beta2, wd, flavour, adjust, num_heads, splits):
+def _reference_run(w0, grads, kind, f, *, lr, mu, beta2, wd, flavor, adjust, num_heads, splits):
     mats = leaf_to_mats(w0, kind, num_heads, splits)
     ms = [np.zeros_like(m) for m in mats]
     vs = [np.zeros(m.shape[0]) for m in mats]
@@ -102,14 +116,14 @@ def _reference_run(w0, grads, kind, f, *, lr, mu, beta2, wd, flavour, adjust, nu
         for i in range(len(mats)):
             mats[i], ms[i], vs[i] = ref.dion3_matrix_step(
                 mats[i], gm[i], ms[i], vs[i], lr=lr, f=f, mu=mu, beta2=beta2, wd=wd,
-                flavour=flavour, adjust=adjust)
+                flavor=flavor, adjust=adjust)
     return mats_to_leaf(mats, w0.shape, kind, num_heads, splits), ms, vs
 
 
-# With the slow tests only: what the fast loop checks elsewhere (f = 1 and the Muon flavour:
+# With the slow tests only: what the fast loop checks elsewhere (f = 1 and the Muon flavor:
 # test_fraction_one_is_muon_momentum; torch layout and heads: their own cases here, and their
 # composition in tests/test_layout.py).
-SLOW_CASES = {"fraction_one", "muon_flavour", "torch_heads"}
+SLOW_CASES = {"fraction_one", "muon_flavor", "torch_heads"}
 
 
 @pytest.mark.parametrize("name,kind,shape,f,opts", [
@@ -118,17 +132,17 @@ SLOW_CASES = {"fraction_one", "muon_flavour", "torch_heads"}
 def test_matches_float64_reference(name, kind, shape, f, opts):
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     lr, mu, beta2, wd = 0.05, 0.9, 0.8, 0.1
-    flavour = opts.get("flavour", "normuon")
+    flavor = opts.get("flavor", "normuon")
     adjust = opts.get("adjust_lr", "spectral_norm")
     num_heads, splits = opts.get("num_heads"), opts.get("split_sizes")
     w0 = rng.standard_normal(shape)
     grads = [rng.standard_normal(shape) for _ in range(STEPS)]
     want, _, _ = _reference_run(w0, grads, kind, f, lr=lr, mu=mu, beta2=beta2, wd=wd,
-                                flavour=flavour, adjust=adjust, num_heads=num_heads,
+                                flavor=flavor, adjust=adjust, num_heads=num_heads,
                                 splits=splits)
     with jax.enable_x64(True):
         tx = dion3_jax.dion3(
-            lr, f, mu, beta2, wd, flavour=flavour, adjust_lr=adjust,
+            lr, f, mu, beta2, wd, flavor=flavor, adjust_lr=adjust,
             dimension_numbers=DN[kind], num_heads=num_heads, split_sizes=splits,
             orthogonalizer=f64_polar(),
             param_labels=lambda p: jax.tree.map(lambda _: "dion3", p))
@@ -140,7 +154,7 @@ def test_matches_float64_reference(name, kind, shape, f, opts):
             params = optax.apply_updates(params, upd)
         got = np.asarray(params["w"])
     assert got.dtype == np.float64
-    # The NorMuon normalisation runs in float32 by design, hence ~1e-6 relative.
+    # The NorMuon normalization runs in float32 by design, hence ~1e-6 relative.
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert not np.allclose(got, w0)
 
@@ -152,7 +166,7 @@ def test_default_precision_close_to_reference():
     w0 = rng.standard_normal(shape).astype(np.float32)
     grads = [rng.standard_normal(shape).astype(np.float32) for _ in range(STEPS)]
     want, _, _ = _reference_run(w0, grads, "flax", f, lr=0.02, mu=0.95 ** (1 / f), beta2=0.95,
-                                wd=0.01, flavour="normuon", adjust="spectral_norm",
+                                wd=0.01, flavor="normuon", adjust="spectral_norm",
                                 num_heads=None, splits=None)
     tx = dion3_jax.dion3(0.02, f)    # default mu: 0.95^(1/f)
     params = committed({"w": jnp.asarray(w0)})
@@ -200,8 +214,8 @@ def test_only_selected_rows_move_and_decay():
     assert np.all(var[0, expected] > 0) and np.all(var[0, rest] == 0)
 
 
-@pytest.mark.parametrize("flavour", ["muon", "normuon"])
-def test_fraction_one_is_muon_momentum(flavour):
+@pytest.mark.parametrize("flavor", ["muon", "normuon"])
+def test_fraction_one_is_muon_momentum(flavor):
     """At f = 1 the rule is Muon / NorMuon with U_t = μ·U_{t−1} + G_t, written here directly."""
     rng = np.random.default_rng(SEED + 2)
     shape, lr, mu, beta2, wd = (24, 40), 0.03, 0.9, 0.9, 0.05
@@ -211,14 +225,14 @@ def test_fraction_one_is_muon_momentum(flavour):
     for g in grads:
         u = mu * u + g.T
         o = ref.ns_polar(u)
-        if flavour == "normuon":
+        if flavor == "normuon":
             v = beta2 * v + (1 - beta2) * (o**2).mean(axis=1)
             d = o / (np.sqrt(v)[:, None] + 1e-8)
             o = d * np.linalg.norm(o) / np.linalg.norm(d)
         w = w * (1 - lr * wd) - lr * np.sqrt(shape[1] / shape[0]) * o
-    make = dion3_jax.muon if flavour == "muon" else dion3_jax.normuon
+    make = dion3_jax.muon if flavor == "muon" else dion3_jax.normuon
     with jax.enable_x64(True):
-        kw = {"beta2": beta2} if flavour == "normuon" else {}
+        kw = {"beta2": beta2} if flavor == "normuon" else {}
         tx = make(lr, mu=mu, weight_decay=wd, orthogonalizer=f64_polar(), **kw)
         params = committed({"w": jnp.asarray(w0)})
         state = tx.init(params)
@@ -298,7 +312,7 @@ def test_float16_momentum_default_does_not_overflow():
     ({"mu": 1.5}, "mu"),
     ({"beta2": 1.0}, "beta2"),
     ({"beta2": -0.5}, "beta2"),
-    ({"flavour": "adam"}, "flavour"),
+    ({"flavor": "adam"}, "flavor"),
     ({"adjust_lr": "spectral"}, "adjust_lr"),
     ({"num_heads": 0}, "num_heads"),
     ({"num_heads": "4"}, "num_heads"),
