@@ -41,7 +41,10 @@ ADJUST_LR = ("spectral_norm", "rms_norm", None)
 
 
 class Dion3Config(NamedTuple):
-    """Everything the step depends on besides the arrays (see :func:`scale_by_dion3`)."""
+    """Everything the step depends on besides the arrays (see :func:`scale_by_dion3`).
+
+    The traced step does not read it: :func:`dion3_jax._plan.build_plan` resolves the options it
+    consults into the plan, and ``mu`` and ``beta2`` reach it as ``_step.Coefficients``."""
 
     fraction: float
     mu: Any

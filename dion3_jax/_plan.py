@@ -15,8 +15,11 @@
 """The static plan of a Dion3 step: units, their matrix views, shape groups and k.
 
 Everything here is plain Python data computed from the tree structure, the shapes and dtypes, the
-leaves' shardings and the mesh; nothing is traced. :func:`build_plan` runs once per such
-signature (the transform caches it), and the traced step (``_step``) only reads it.
+leaves' shardings, the mesh and the static config; nothing is traced. :func:`build_plan` runs once
+per such signature (the transform caches it) and resolves the options the step consults (k and
+the update's shape factor per unit, the flavor, the orthogonalizer, the selection and wire
+options, the passes' implementation), so the traced step (``_step``) reads the plan and never the
+config; only ``mu`` and ``beta2``, which may be traced, travel beside the arrays.
 
 A *unit* is one batch of matrices the step treats alike: a canonical block of a leaf (all of its
 matrices when the leaf is not sharded along its rows), or one row segment of a row-sharded leaf
@@ -29,13 +32,14 @@ once per batch on its members' arrays stacked along the batch axis.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dion3_jax import _distributed, _layout, _megabatch, _selection
+from dion3_jax import _distributed, _layout, _megabatch, _rules, _selection
 from dion3_jax._config import Dion3Config
+from dion3_jax._polar_operator import PolarOperator
 
 
 class Unit(NamedTuple):
@@ -57,6 +61,8 @@ class Unit(NamedTuple):
       group: the unit's shape group.
       swap: the payload is transposed to the group's orientation (wide, for an orthogonalizer
         that takes only wide matrices).
+      lr_scale: the update's shape factor, :func:`dion3_jax._rules.lr_scale` of the whole
+        matrix under ``adjust_lr``.
     """
 
     uid: int
@@ -73,6 +79,7 @@ class Unit(NamedTuple):
     full: bool
     group: _megabatch.GroupKey
     swap: bool
+    lr_scale: float
 
 
 class Batch(NamedTuple):
@@ -108,6 +115,14 @@ class Plan(NamedTuple):
         all-reduced first, a float per matrix.
       row_norm_uids: units whose polar norm comes from row statistics taken beside the scores.
       batches: every unit in exactly one :class:`Batch`, in group order.
+      normuon: ``flavor="normuon"`` (else Muon: no second moments).
+      orthogonalizer: the polar operator the groups call.
+      seed: the seed of the shared random row scores (``MeshOptions.seed``).
+      global_scope: row-sharded matrices select among all their rows
+        (``MeshOptions.selection_scope="global"``), not per shard.
+      replica_wire_dtype: the dtype of the compressed sync's replica mean
+        (``MeshOptions.replica_wire_dtype``).
+      pass_implementation: what runs the statistics and payload passes.
     """
 
     ctx: _distributed.Context
@@ -120,6 +135,12 @@ class Plan(NamedTuple):
     send_normalized: bool
     row_norm_uids: frozenset[int]
     batches: tuple[Batch, ...]
+    normuon: bool
+    orthogonalizer: PolarOperator
+    seed: int
+    global_scope: bool
+    replica_wire_dtype: Any
+    pass_implementation: str
 
 
 def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx,
@@ -144,7 +165,7 @@ def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dt
 
 
 def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int,
-                 any_orientation: bool):
+                 any_orientation: bool, adjust_lr):
     units = []
     for bi, (gb, lb) in enumerate(zip(lp.layout.blocks, lp.local.blocks)):
         lay = _layout.BlockLayout(lb.batch, gb.n, gb.c, lb.row_axis)
@@ -152,12 +173,13 @@ def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, c
         group, swap = _group(lp.shard, lp.comm, lp.split, lay, lb.c, k, dtype, ctx,
                              any_orientation)
         units.append(Unit(start + len(units), leaf, bi, lay, lb.c, lp.shard, lp.comm, lp.split,
-                          None, k, k, k == gb.n, group, swap))
+                          None, k, k, k == gb.n, group, swap,
+                          _rules.lr_scale(adjust_lr, lay.n, lay.c)))
     return units
 
 
 def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str, dtype, ctx,
-               start: int, any_orientation: bool):
+               start: int, any_orientation: bool, adjust_lr):
     lb = lp.local.blocks[0]
     units = []
     for seg in lp.segments:
@@ -171,7 +193,8 @@ def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str
         group, swap = _group("rows", lp.comm, False, lay, lb.c, pick, dtype, ctx,
                              any_orientation, None if scope == "local" else k)
         units.append(Unit(start + len(units), leaf, 0, lay, lb.c, "rows", lp.comm, False, seg, k,
-                          pick, seg.whole and every, group, swap))
+                          pick, seg.whole and every, group, swap,
+                          _rules.lr_scale(adjust_lr, lay.n, lay.c)))
     return units
 
 
@@ -229,9 +252,11 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
     for li, (lp, dtype) in enumerate(zip(leaves, momentum_dtypes)):
         dtype = jnp.dtype(dtype)
         if lp.shard == "rows":
-            units += _row_units(li, lp, cfg.fraction, scope, dtype, ctx, len(units), anyo)
+            units += _row_units(li, lp, cfg.fraction, scope, dtype, ctx, len(units), anyo,
+                                cfg.adjust_lr)
         else:
-            units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units), anyo)
+            units += _whole_units(li, lp, cfg.fraction, dtype, ctx, len(units), anyo,
+                                  cfg.adjust_lr)
     groups: dict[_megabatch.GroupKey, dict[tuple, list[int]]] = {}
     for u in units:   # a group's members ordered by batch key: fewer, larger batches
         groups.setdefault(u.group, {}).setdefault(_batch_key(u, leaves[u.leaf]), []).append(u.uid)
@@ -243,7 +268,10 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
             u.group.route == "all_to_all" or (u.shard == "whole" and not u.split)))
     group_list = tuple((k, tuple(i for run in v.values() for i in run))
                        for k, v in groups.items())
+    opts = cfg.mesh_options
     return Plan(ctx, tuple(leaves), tuple(units), group_list,
-                replica and cfg.mesh_options.replica_selection == "random",
-                ctx.compressed and cfg.mesh_options.replica_selection == "norms",
-                stack, norms, row_norms, _batches(units, group_list, leaves))
+                replica and opts.replica_selection == "random",
+                ctx.compressed and opts.replica_selection == "norms",
+                stack, norms, row_norms, _batches(units, group_list, leaves),
+                cfg.flavor == "normuon", cfg.orthogonalizer, opts.seed, scope == "global",
+                opts.replica_wire_dtype, cfg.pass_implementation)

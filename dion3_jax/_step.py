@@ -23,18 +23,19 @@ The momentum travels as ``(M, d)``: the momentum is ``d ⊙ M`` with ``d`` one f
 that a step can defer its selected rows' decay to the next one's ``S = d ⊙ M + G``
 (:func:`error_feedback`).
 
-Each phase reads the :class:`dion3_jax._plan.Plan` and passes named tuples to the next; per-unit
-values are tuples indexed by ``Unit.uid``. The per-matrix maths lives in ``_rules``; the
-selection primitives in ``_selection``; the grouped collectives in ``_megabatch`` and
-``_collectives``. The small per-matrix work (row positions, NorMuon) runs once per
-:class:`dion3_jax._plan.Batch` on its members stacked, so the traced program does not grow by
-those operations with every matrix of a shape.
+Each phase reads the :class:`dion3_jax._plan.Plan` (never the config: the plan holds every option
+the step consults; ``mu`` and ``beta2`` come as :class:`Coefficients`, since they may be traced)
+and passes named tuples to the next; per-unit values are tuples indexed by ``Unit.uid``. The
+per-matrix maths lives in ``_rules``; the selection primitives in ``_selection``; the grouped
+collectives in ``_megabatch`` and ``_collectives``. The small per-matrix work (row positions,
+NorMuon) runs once per :class:`dion3_jax._plan.Batch` on its members stacked, so the traced
+program does not grow by those operations with every matrix of a shape.
 """
 
 from __future__ import annotations
 
 import collections
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,6 @@ import jax.numpy as jnp
 import pallas_kernels
 from dion3_jax import _megabatch, _norms, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
-from dion3_jax._config import Dion3Config
 from dion3_jax._plan import Plan, Unit
 
 Blocks = list[list[jax.Array]]
@@ -107,7 +107,7 @@ def _l1_scores(plan: Plan, local: dict) -> dict[tuple[int, int], jax.Array]:
         for k in keys])))
 
 
-def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
+def _segment_scores(plan: Plan, u: Unit, raw, count):
     """Scores of a "rows" unit over its segment's ``width`` local rows; absent rows are −inf."""
     seg, d = u.seg, _shard_index(u)
     start, cnt = _selection.local_positions(seg.start, seg.count, seg.width, d)
@@ -115,8 +115,8 @@ def _segment_scores(cfg: Dion3Config, plan: Plan, u: Unit, raw, count):
         shifted = any(s != 0 for s in seg.start)
         return _selection.segment_scores(raw[(u.leaf, u.block)], start, cnt, seg.width,
                                          shifted), (start, cnt)
-    seed = cfg.mesh_options.seed
-    if cfg.mesh_options.selection_scope == "local":
+    seed = plan.seed
+    if not plan.global_scope:
         r = _selection.random_scores(seed, count, u.uid, (u.layout.batch, seg.width), d)
     else:
         w = plan.ctx.size(u.comm)
@@ -181,12 +181,7 @@ def _row_stats(plan: Plan, momentum: Blocks, known: dict) -> tuple[dict, dict]:
     return l1, sq
 
 
-def _implementation(cfg: Dion3Config) -> str:
-    """The statistics and payload passes' implementation (``pass_implementation``)."""
-    return cfg.pass_implementation
-
-
-def _accumulate(cfg: Dion3Config, plan: Plan, grads, moms, scales):
+def _accumulate(plan: Plan, grads, moms, scales):
     """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
     step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
     units' sums of squares and the :func:`_one_pass_groups` units.
@@ -210,7 +205,7 @@ def _accumulate(cfg: Dion3Config, plan: Plan, grads, moms, scales):
         local, ra = plan.leaves[leaf].local, u.layout.row_axis
         m, g, d = (local.to_blocks(x)[block] for x in (moms[leaf], grads[leaf], scales[leaf]))
         s, l1, sq = pallas_kernels.accumulate_rows(m, g, jnp.squeeze(d, 3 - ra), row_axis=ra,
-                                                   implementation=_implementation(cfg))
+                                                   implementation=plan.pass_implementation)
         momentum[leaf][block] = s
         known[(leaf, block)] = (l1, sq)
     # (The kernel's full units take their sums from the row sums, once per batch.)
@@ -219,13 +214,12 @@ def _accumulate(cfg: Dion3Config, plan: Plan, grads, moms, scales):
     return momentum, full_sq, _row_stats(plan, momentum, known), one_pass
 
 
-def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scales, count
-                         ) -> Accumulated:
+def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count) -> Accumulated:
     """``M ← d ⊙ M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
     selection scores."""
-    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(cfg, plan, grads, moms, scales)
+    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
-                if cfg.flavor == "normuon" else None)
+                if plan.normuon else None)
     raw = {} if plan.random_selection else _l1_scores(plan, l1)
     scores, positions = [], []
     for u in plan.units:
@@ -233,11 +227,11 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scale
         if u.full:
             pass
         elif u.shard == "rows":
-            s, pos = _segment_scores(cfg, plan, u, raw, count)
+            s, pos = _segment_scores(plan, u, raw, count)
         elif plan.random_selection:
             fold = _shard_index(u) if (u.shard == "whole" and not u.split and u.comm) else None
-            s = _selection.random_scores(cfg.mesh_options.seed, count, u.uid,
-                                         (u.layout.batch, u.layout.n), fold)
+            s = _selection.random_scores(plan.seed, count, u.uid, (u.layout.batch, u.layout.n),
+                                         fold)
         else:
             s = raw[(u.leaf, u.block)]
         scores.append(s)
@@ -246,12 +240,11 @@ def accumulate_and_score(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scale
                        one_pass)
 
 
-def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, tuple]:
+def _top_k_requests(plan: Plan, acc: Accumulated) -> dict[int, tuple]:
     """Per unit that selects, its ``(scores, k)`` top-k request; global scope on row shards
     gathers every device's scores first (n floats per matrix)."""
-    global_scope = cfg.mesh_options.selection_scope == "global"
     gathered = {}
-    if global_scope:
+    if plan.global_scope:
         sel = [u for u in plan.units if u.shard == "rows" and not u.full]
         for u, g in zip(sel, batched_all_gather([(acc.scores[u.uid], u.comm) for u in sel])):
             gathered[u.uid] = g                               # (W, batch, width)
@@ -261,7 +254,7 @@ def _top_k_requests(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int,
             continue
         if u.shard != "rows":
             requests[u.uid] = (acc.scores[u.uid], u.k)
-        elif global_scope:
+        elif plan.global_scope:
             g = gathered[u.uid]
             allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, g.shape[0] * u.seg.width))
             requests[u.uid] = (allsc, u.k)
@@ -280,13 +273,13 @@ def _mine_of_global(u: Unit, top: jax.Array, devices: int):
     return li, jnp.take_along_axis(mine, li, axis=1)
 
 
-def _pick_segment_rows(cfg: Dion3Config, plan: Plan, u: Unit, m, top, scores, start,
-                       row_sums, gather: bool) -> Pick:
+def _pick_segment_rows(plan: Plan, u: Unit, m, top, scores, start, row_sums, gather: bool
+                       ) -> Pick:
     """A "rows" unit's payload (with ``gather``; else None): its picked local rows, padding
     rows zeroed."""
     ra = u.layout.row_axis
     counts = None
-    if cfg.mesh_options.selection_scope == "global":
+    if plan.global_scope:
         li, valid = _mine_of_global(u, top, plan.ctx.size(u.comm))
         counts = _selection.rows_per_device(top, u.seg.width, plan.ctx.size(u.comm))
     else:
@@ -313,11 +306,11 @@ def _sizes(plan: Plan, uids) -> list[int]:
     return [plan.units[i].layout.batch for i in uids]
 
 
-def _batch_tops(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, jax.Array]:
+def _batch_tops(plan: Plan, acc: Accumulated) -> dict[int, jax.Array]:
     """Per batch that selects (by index in ``plan.batches``), its members' top-k rows stacked
     along the batch axis, ascending per matrix: one ``top_k`` and one sort per distinct
     ``(n, k)`` of the model."""
-    requests = _top_k_requests(cfg, plan, acc)
+    requests = _top_k_requests(plan, acc)
     sel = [j for j, b in enumerate(plan.batches) if b.uids[0] in requests]
     tops = _selection.batched_top_rows(
         [(_megabatch.stack([requests[i][0] for i in plan.batches[j].uids]),
@@ -325,15 +318,15 @@ def _batch_tops(cfg: Dion3Config, plan: Plan, acc: Accumulated) -> dict[int, jax
     return dict(zip(sel, tops))
 
 
-def _pick(cfg: Dion3Config, plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
+def _pick(plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
     """One unit's payload ``S = M[I]`` from its ascending top-k rows ``top``."""
     m = acc.momentum[u.leaf][u.block]
     row_sums = acc.row_sq.get((u.leaf, u.block))
     if u.full:
         return Pick(None, m, acc.full_sq.get(u.uid))
     if u.shard == "rows":
-        return _pick_segment_rows(cfg, plan, u, m, top, acc.scores[u.uid],
-                                  acc.positions[u.uid][0], row_sums, u.uid not in acc.one_pass)
+        return _pick_segment_rows(plan, u, m, top, acc.scores[u.uid], acc.positions[u.uid][0],
+                                  row_sums, u.uid not in acc.one_pass)
     # Ascending rows: local gathers (the polar is row-permutation equivariant; none where the
     # payload pass gathers); the sums of squares of the selected rows come once per batch
     # (:func:`_batch_sq_sums`).
@@ -359,7 +352,7 @@ def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | N
     return _selection.selected_sq_sum(row_sums, top)
 
 
-def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
+def select(plan: Plan, acc: Accumulated
            ) -> tuple[tuple[Pick, ...], tuple[jax.Array | None, ...], tuple]:
     """Top-k rows per batch (one batched ``top_k`` per shape) and the payloads ``S = M[I]``.
 
@@ -368,7 +361,7 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
       (``Pick.rows`` of each member), or None where every row goes; per batch its
       :func:`_batch_sq_sums`.
     """
-    tops = _batch_tops(cfg, plan, acc)
+    tops = _batch_tops(plan, acc)
     picks: list[Pick | None] = [None] * len(plan.units)
     rows: list[jax.Array | None] = [None] * len(plan.batches)
     sq_sums = []
@@ -376,7 +369,7 @@ def select(cfg: Dion3Config, plan: Plan, acc: Accumulated
         per_unit = (_megabatch.unstack(tops[j], _sizes(plan, b.uids)) if j in tops
                     else [None] * len(b.uids))
         for i, top in zip(b.uids, per_unit):
-            picks[i] = _pick(cfg, plan, acc, plan.units[i], top)
+            picks[i] = _pick(plan, acc, plan.units[i], top)
         if j in tops:
             rows[j] = (tops[j] if plan.units[b.uids[0]].shard != "rows"
                        else _megabatch.stack([picks[i].rows for i in b.uids]))
@@ -443,13 +436,13 @@ def _pad_to(orth, u: Unit, total: int, shape: tuple[int, int]) -> int | None:
     return padded[picked]
 
 
-def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, key, uids, norms: dict,
-                       rows: dict) -> jax.Array:
+def _one_pass_payloads(plan: Plan, acc: Accumulated, key, uids, norms: dict, rows: dict
+                       ) -> jax.Array:
     """A group of one-pass units: its stacked normalized payloads, from one read of the units'
     ``S`` (:func:`pallas_kernels.stack_payloads`, with the units' selected rows ``rows`` unless
     they are full). An on-device group's stack is padded as the iteration pads it
     (:func:`_pad_to`; :func:`megabatched_polar` drops the padding from the factors)."""
-    orth, u = cfg.orthogonalizer, plan.units[uids[0]]
+    orth, u = plan.orthogonalizer, plan.units[uids[0]]
     pad_to = (_pad_to(orth, u, sum(_sizes(plan, uids)), key.shape)
               if key.route == "on_device" and not u.full else None)
     return pallas_kernels.stack_payloads(
@@ -457,7 +450,7 @@ def _one_pass_payloads(cfg: Dion3Config, plan: Plan, acc: Accumulated, key, uids
         [norms[i] + orth.eps for i in uids], out_dtype=orth.input_dtype,
         rows=None if u.full else [rows[i] for i in uids], row_axis=u.layout.row_axis,
         padded=any(plan.units[i].shard == "rows" for i in uids), pad_to=pad_to,
-        implementation=_implementation(cfg))
+        implementation=plan.pass_implementation)
 
 
 def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
@@ -469,8 +462,8 @@ def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
     return out
 
 
-def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple[Pick, ...],
-                    rows, sq_sums) -> list[GroupBatch]:
+def gather_and_send(plan: Plan, acc: Accumulated, picks: tuple[Pick, ...], rows, sq_sums
+                    ) -> list[GroupBatch]:
     """Groups the payloads by shape. Groups of one-pass units get their normalized,
     cast payloads stacked from one read of their ``S`` (``rows``: per batch, the selected
     rows). Other on-device groups stay a list of parts (normalized per part by the
@@ -478,7 +471,7 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
     to the orthogonalizer's input dtype before they are stacked for the collective
     (``plan.send_normalized``); otherwise (a user's callable, compressed sync: then averaged
     over the replicas first) the raw payloads are stacked."""
-    orth = cfg.orthogonalizer
+    orth = plan.orthogonalizer
     sent = _sent_norms(plan, sq_sums, picks) if plan.send_normalized else {}
     local = _norms_by_batch(plan, sq_sums, "on_device")
     unit_rows = _unit_rows(plan, rows)
@@ -493,8 +486,8 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
         normalized = ((key.route == "all_to_all" and plan.send_normalized)
                       or (on_device and one_pass))
         if one_pass:
-            stacked = _one_pass_payloads(cfg, plan, acc, key, uids,
-                                                  local if on_device else sent, unit_rows)
+            stacked = _one_pass_payloads(plan, acc, key, uids, local if on_device else sent,
+                                         unit_rows)
         elif normalized:
             stacked = _megabatch.stack([
                 (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
@@ -503,7 +496,7 @@ def gather_and_send(cfg: Dion3Config, plan: Plan, acc: Accumulated, picks: tuple
             stacked = _megabatch.stack(parts)
             if plan.ctx.compressed:
                 stacked = replica_mean(stacked, plan.ctx.replica_axis,
-                                       cfg.mesh_options.replica_wire_dtype)
+                                       plan.replica_wire_dtype)
         counts = _megabatch.stack([picks[i].counts for i in uids]) if key.kept else None
         batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized, counts))
     return batches
@@ -523,14 +516,14 @@ def _batch_factors(plan: Plan, group: int, o: jax.Array) -> dict:
     return out
 
 
-def megabatched_polar(cfg: Dion3Config, plan: Plan, batches: list[GroupBatch]
+def megabatched_polar(plan: Plan, batches: list[GroupBatch]
                       ) -> tuple[tuple[Polar, ...], tuple[BatchFactors, ...]]:
     """One orthogonalizer call per shape group (with its all-to-all or all-gather around it).
 
     Returns:
       Per unit its :class:`Polar`; per batch its :class:`BatchFactors`.
     """
-    orth = cfg.orthogonalizer
+    orth = plan.orthogonalizer
     out: list[Polar | None] = [None] * len(plan.units)
     per_batch: dict[int, BatchFactors] = {}
     for g, b in enumerate(batches):
@@ -581,7 +574,7 @@ def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
     return tuple(out)
 
 
-def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_src, batch_src
+def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src
                    ) -> tuple[Blocks, Blocks]:
     """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit, ``batch_src``
     per batch); returns the momentum blocks and their per-row factors ``d`` (the momentum is
@@ -592,7 +585,7 @@ def error_feedback(cfg: Dion3Config, plan: Plan, acc: Accumulated, polars, row_s
     step's ``d ⊙ M + G`` applies it on its way through. The other units decay their rows here
     (``d = 1``). Without compressed sync ``S`` is the block's own rows, which decay in place (no
     gather of ``S``); under it ``S`` is the replicas' mean."""
-    mu = jnp.asarray(cfg.mu, jnp.float32)
+    mu = jnp.asarray(mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
     scales: Blocks = [[None] * len(b) for b in acc.momentum]
     for b, src in zip(plan.batches, batch_src):
@@ -631,8 +624,7 @@ def _stacked_variance(plan: Plan, b, variance: Blocks) -> jax.Array:
                                          3 - ra) for i in b.uids])
 
 
-def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_sq: list
-                   ) -> Moments:
+def _batch_moments(plan: Plan, beta2, b, variance: Blocks, rows, row_sq: list) -> Moments:
     """A batch's :class:`Moments` (``rows``: the batch's stacked local rows, None when every
     row is selected): the variance gather and NorMuon's elementwise EMA once per batch."""
     v = _stacked_variance(plan, b, variance)
@@ -640,7 +632,7 @@ def _batch_moments(cfg: Dion3Config, plan: Plan, b, variance: Blocks, rows, row_
     sq = _megabatch.stack([row_sq[i] for i in b.uids])
     v_new, a = _rules.normuon_ema(v_sel.astype(jnp.float32), sq,
                                   plan.units[b.uids[0]].layout.c,
-                                  jnp.asarray(cfg.beta2, jnp.float32))
+                                  jnp.asarray(beta2, jnp.float32))
     return Moments(sq, v_new, a)
 
 
@@ -673,18 +665,18 @@ def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> dict[int, jax.Arra
     return out
 
 
-def normalize(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, factors,
-              batch_src) -> tuple[tuple[jax.Array, ...], Blocks | None]:
+def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_src
+              ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
     returns the float32 directions and the new second-moment blocks. The factors' row sums run
     once per batch (``factors``: :class:`BatchFactors`), the directions per unit (each leaf's
     kernel reads its factors directly); the elementwise statistics, the variance gather and its
     write-back once per batch (``batch_src``: :func:`row_sources`)."""
-    if cfg.flavor != "normuon":
+    if not plan.normuon:
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
     row_sq = _row_sq(plan, factors)
-    moments = [_batch_moments(cfg, plan, b, acc.variance, r, row_sq)
+    moments = [_batch_moments(plan, beta2, b, acc.variance, r, row_sq)
                for b, r in zip(plan.batches, rows)]
     fros = batched_psum([(_fro_terms(m),
                           units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
@@ -704,12 +696,12 @@ def normalize(cfg: Dion3Config, plan: Plan, acc: Accumulated, rows, polars, fact
     return tuple(dirs), variance
 
 
-def scatter_and_apply(cfg: Dion3Config, plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
+def scatter_and_apply(plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
     """The scaled directions written into zero updates (selected rows only); blocks → leaves,
     in :func:`_rules.update_dtype` of each gradient (float32 for 16-bit leaves)."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
-        d = _rules.lr_scale(cfg.adjust_lr, u.layout.n, u.layout.c) * dirs[u.uid]
+        d = u.lr_scale * dirs[u.uid]
         ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
             d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
     return _leaves(plan, ublk, [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
@@ -724,16 +716,24 @@ def _leaves(plan: Plan, blocks: Blocks | None, like) -> list[jax.Array]:
             for p, x, b in zip(plan.leaves, like, blocks)]
 
 
-def step(cfg: Dion3Config, plan: Plan, grads, moms, vars_, scales, count):
+class Coefficients(NamedTuple):
+    """The step's scalar hyperparameters: numbers, or arrays that may be traced
+    (``optax.inject_hyperparams``), so they travel beside the arrays, not in the static plan."""
+
+    mu: Any      # the selected rows' error-feedback decay (:func:`error_feedback`)
+    beta2: Any   # NorMuon's second-moment EMA coefficient (:func:`normalize`)
+
+
+def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, count):
     """The per-device Dion3 step: lists of leaves in (``scales``: the momenta's per-row factors
     ``d``), ``(updates, momenta, variances, scales)`` out."""
-    acc = accumulate_and_score(cfg, plan, grads, moms, vars_, scales, count)
-    picks, rows, sq_sums = select(cfg, plan, acc)
-    batches = gather_and_send(cfg, plan, acc, picks, rows, sq_sums)
-    polars, factors = megabatched_polar(cfg, plan, batches)
+    acc = accumulate_and_score(plan, grads, moms, vars_, scales, count)
+    picks, rows, sq_sums = select(plan, acc)
+    batches = gather_and_send(plan, acc, picks, rows, sq_sums)
+    polars, factors = megabatched_polar(plan, batches)
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
-    momentum, new_scales = error_feedback(cfg, plan, acc, polars, row_src, batch_src)
-    dirs, variance = normalize(cfg, plan, acc, rows, polars, factors, batch_src)
-    return (scatter_and_apply(cfg, plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
+    momentum, new_scales = error_feedback(plan, coefficients.mu, acc, polars, row_src, batch_src)
+    dirs, variance = normalize(plan, coefficients.beta2, acc, rows, polars, factors, batch_src)
+    return (scatter_and_apply(plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
             _leaves(plan, variance, vars_), _leaves(plan, new_scales, scales))

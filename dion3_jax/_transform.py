@@ -237,8 +237,10 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
         plans[key] = _plan.build_plan(cfg, updates, [m.dtype for m in moms])
     plan = plans[key]
 
+    coefficients = _step.Coefficients(cfg.mu, cfg.beta2)
+
     def step(g, m, v, d, count):
-        return _step.step(cfg, plan, g, m, v if normuon else [None] * len(g), d, count)
+        return _step.step(plan, coefficients, g, m, v if normuon else [None] * len(g), d, count)
 
     if plan.ctx.distributed:
         specs = [lp.spec for lp in plan.leaves]
