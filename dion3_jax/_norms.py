@@ -61,3 +61,12 @@ def norm(x: jax.Array, axis, keepdims: bool = False) -> jax.Array:
     """Euclidean norm of ``x`` over ``axis`` without overflow (see the module docstring)."""
     out = norm_from_sq_sum(sq_sum(x, axis))
     return jnp.expand_dims(out, axis) if keepdims else out
+
+
+def total_in_value_order(x: jax.Array, axis: int) -> jax.Array:
+    """:func:`total` of ``x`` sorted along ``axis``: the sum depends on the terms alone, not on
+    their order, so devices that hold the same terms in another order get the same bits (a
+    float32 sum's last bit depends on its order, and the float16 polar can turn one ulp of its
+    input's norm into a 1e-2 change of its output)."""
+    return total(jnp.sort(x, axis=axis), axis)
+

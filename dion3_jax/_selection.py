@@ -59,14 +59,18 @@ def row_sq_sums(m: jax.Array, row_axis: int) -> jax.Array:
     return _norms.sq_sum(m.astype(jnp.float32), 3 - row_axis)
 
 
-def selected_sq_sum(row_sums: jax.Array, rows: jax.Array,
-                    valid: jax.Array | None = None) -> jax.Array:
+def selected_sq_sum(row_sums: jax.Array, rows: jax.Array, valid: jax.Array | None = None, *,
+                    in_value_order: bool = False) -> jax.Array:
     """The selected rows' :func:`row_sq_sums` summed per batch element, ``(batch,)``: the
     (scaled) ``‖M[I]‖_F²`` of the rows ``rows`` (``(batch, k)`` indices; ``valid`` masks out
-    padding rows). :func:`dion3_jax._norms.norm_from_sq_sum` turns it into the norm."""
+    padding rows). :func:`dion3_jax._norms.norm_from_sq_sum` turns it into the norm.
+    ``in_value_order`` sums them sorted (:func:`dion3_jax._norms.total_in_value_order`), as a
+    mesh under global scope does."""
     picked = jnp.take_along_axis(row_sums, rows, axis=1)
     if valid is not None:
         picked = jnp.where(valid, picked, 0.0)
+    if in_value_order:
+        return _norms.total_in_value_order(picked, 1)
     return jnp.sum(picked, axis=1)
 
 

@@ -349,7 +349,7 @@ def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | N
         return None if sums[0] is None else _megabatch.stack(sums)
     row_sums = _megabatch.stack([acc.row_sq[(plan.units[i].leaf, plan.units[i].block)]
                                  for i in b.uids])
-    return _selection.selected_sq_sum(row_sums, top)
+    return _selection.selected_sq_sum(row_sums, top, in_value_order=plan.global_scope)
 
 
 def select(plan: Plan, acc: Accumulated
@@ -409,8 +409,8 @@ def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
     """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
     all-reduced (one float per matrix; one collective per mesh-axes tuple). Global-scope row
     segments all-gather their picked rows' sums instead (``pick`` floats per matrix) and add
-    the ``k`` selected ones in the one-device order, so that the polar's input is the
-    one-device input bitwise."""
+    the ``k`` selected ones in the order of their values, as one device under global scope
+    does, so that the polar's input is the one-device input bitwise."""
     sel = [j for j, b in enumerate(plan.batches) if _route(plan, b) == "all_to_all"]
     rows = [j for j in sel if sq_sums[j].ndim == 2]
     sel = [j for j in sel if sq_sums[j].ndim == 1]
@@ -422,7 +422,8 @@ def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
         b = plan.batches[j]
         counts = _megabatch.stack([picks[i].counts for i in b.uids])
         g = jnp.moveaxis(g, 0, 1).reshape((g.shape[1], -1))          # (batch, W · pick)
-        whole[j] = jnp.sum(_megabatch.kept_rows(g, counts, plan.units[b.uids[0]].k), axis=1)
+        kept = _megabatch.kept_rows(g, counts, plan.units[b.uids[0]].k)
+        whole[j] = _norms.total_in_value_order(kept, 1)          # the one-device bits
     return _norms_by_batch(plan, whole, "all_to_all")
 
 

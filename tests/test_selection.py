@@ -114,7 +114,7 @@ def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
     calls = []
     real = _selection.selected_sq_sum
     monkeypatch.setattr(_selection, "selected_sq_sum",
-                        lambda *a: calls.append(1) or real(*a))
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rng = np.random.default_rng()
     shapes = {"a": (16, 40), "b": (16, 40), "c": (40, 16), "heads": (16, 24), "d": (8, 4)}
     params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
@@ -136,3 +136,28 @@ def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
         np.testing.assert_allclose(np.asarray(results["built-in"][k]),
                                    np.asarray(results["callable"][k]), rtol=0, atol=1e-4,
                                    err_msg=k)
+
+
+def test_a_sum_in_value_order_does_not_depend_on_the_terms_order():
+    """``total_in_value_order`` gives the same bits for any order of the same terms (a mesh
+    under global scope holds the selected rows' sums in another order than one device);
+    ``selected_sq_sum(..., in_value_order=True)`` is that sum of the picked rows. A plain float32
+    sum of the same terms changes its last bit with their order."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 1000)) ** 2 * 10.0 ** rng.uniform(-3, 3, (3, 1000))
+         ).astype(np.float32)
+    in_order = jax.jit(lambda v: _norms.total_in_value_order(v, 1))
+    plain = jax.jit(lambda v: jnp.sum(v, axis=1))
+    ref = np.asarray(in_order(x))
+    plain_moved = False
+    for _ in range(8):
+        perm = np.stack([rng.permutation(x.shape[1]) for _ in range(x.shape[0])])
+        y = np.take_along_axis(x, perm, axis=1)
+        np.testing.assert_array_equal(np.asarray(in_order(y)), ref)
+        plain_moved |= not np.array_equal(np.asarray(plain(y)), np.asarray(plain(x)))
+    assert plain_moved
+    np.testing.assert_allclose(ref, x.astype(np.float64).sum(1), rtol=1e-5)
+    rows = np.stack([rng.permutation(1000)[:40] for _ in range(3)])
+    picked = _selection.selected_sq_sum(jnp.asarray(x), jnp.asarray(rows), in_value_order=True)
+    np.testing.assert_array_equal(
+        np.asarray(picked), np.asarray(in_order(np.take_along_axis(x, rows, axis=1))))
