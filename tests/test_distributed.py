@@ -334,12 +334,15 @@ def test_global_scope_equals_one_device_and_polar_sees_its_payload(polar, tol):
     mesh holds in another order than one device: both add them in the order of their values
     (``_norms.total_in_value_order``). Before they did, 1 draw in about 15 differed by 7.3e-3 with
     the float16 polar. Since, with XLA's default compiles, 43 of 50 draws agree to about 5e-7 and
-    the other 7 to at most 2.5e-3: some input bit still differs there (not identified; under
+    the other 7 to at most 2.5e-3, most likely because a row's own sum of squares differs in
+    its last bit (XLA reduces a device's (64, 16) shard in another order than the whole (64, 128) matrix:
+    20 of 20 random matrices had such a row, jitted alone on the CPU; under
     ``jax_disable_most_optimizations`` 6 of 30 draws reach up to 1e-2), and the float16 polar
     maps one float32 ulp of change in its input to up to 8e-3 (5 of 40 random 32×48 inputs
     above 5e-3: the snippet in docs/DISTRIBUTED.md#limits). So the float16 case is held to 2e-2
     under the default compiles; the float32 polars agree to about 5e-7 (Gram Newton-Schulz in
-    float32: up to 2e-5). Before, the padded, transposed payload gave 6% (float16 polar) and 6–10% (SVD)."""
+    float32: up to 2e-5). Before, the padded, transposed payload gave 6% (float16 polar) and
+    6–10% (SVD)."""
     print("GLOBAL_SEED =", GLOBAL_SEED)
     mesh = make_mesh((N,))
     leaves = {"flax": ((64, 16 * N), P(None, "x"), {}),
