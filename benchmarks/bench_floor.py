@@ -179,7 +179,7 @@ def table(shapes, gbps: float, tflops: float, fractions=FRACTIONS) -> list[str]:
     for name, work in rows:
         memory, compute, total = floor_ms(work, gbps, tflops)
         lines.append(f"| {name} | {work.bytes / 1e9:.3f} | {work.flops / 1e12:.4f} | "
-                     f"{memory:.3f} | {compute:.3f} | {total:.3f} | {total / adamw:.2f} |")
+                     f"{memory:.4g} | {compute:.4g} | {total:.4g} | {total / adamw:.2f} |")
     return lines
 
 

@@ -100,7 +100,8 @@ def test_table_follows_the_stated_formula():
         assert memory == pytest.approx(work.bytes / gbps / 1e6)
         assert compute == pytest.approx(work.flops / tflops / 1e9)
         got = rows[name]
-        assert got[2:5] == pytest.approx([memory, compute, memory + compute], abs=1e-3)
+        assert got[2:5] == pytest.approx([memory, compute, memory + compute], rel=1e-3,
+                                         abs=1e-12)   # printed to 4 significant digits
         adamw = bench_floor.floor_ms(bench_floor.adamw_work(shapes), gbps, tflops)[2]
         assert got[4] > 0 and got[5] == pytest.approx(total / adamw, abs=0.006)
     floors = [rows[f"dion3 f={f}"][4] for f in ("1", "0.25", "0.125")]
