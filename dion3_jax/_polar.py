@@ -153,16 +153,21 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str =
     return x
 
 
+def _next_gram(r: jax.Array, z: jax.Array, a, one, backend: str) -> jax.Array:
+    """``R``'s next value, ``Z (R Z + a·R) + a·(R Z + a·R)``: two symmetric products."""
+    rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
+    return pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
+
+
 @functools.partial(jax.jit, static_argnames=("backend", "update"))
 def _gram_first(r: jax.Array, k: _StepCoefficients, backend: str, update: bool
                 ) -> tuple[jax.Array, jax.Array]:
     """The first Gram Newton-Schulz step after a (re)start: ``Z = b·R + c·R²``, ``Q = Z + a·I``;
-    with ``update``, also ``R ← Z (R Z + a·R) + a·(R Z + a·R)`` (``R``'s next value)."""
+    with ``update``, also ``R``'s next value (:func:`_next_gram`)."""
     a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
     z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
     if update:
-        rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
-        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
+        r = _next_gram(r, z, a, one, backend)
         # Z's last readers come first, so Q = Z + a·I can update Z in place.
         z, r = jax.lax.optimization_barrier((z, r))
     return r, _add_to_diagonal(z, k.diag)
@@ -172,13 +177,12 @@ def _gram_first(r: jax.Array, k: _StepCoefficients, backend: str, update: bool
 def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: str, update: bool
                ) -> tuple[jax.Array, jax.Array]:
     """A later Gram Newton-Schulz step: ``Z = b·R + c·R²``, ``Q ← Q Z + a·Q``; with
-    ``update``, also ``R``'s next value (as in :func:`_gram_first`)."""
+    ``update``, also ``R``'s next value (:func:`_next_gram`)."""
     a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
     z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
     q = pallas_kernels.sym_matmul(q, z, q, alpha=one, beta=a, implementation=backend)
     if update:
-        rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
-        r = pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
+        r = _next_gram(r, z, a, one, backend)
     return r, q
 
 
