@@ -17,6 +17,8 @@
 - :func:`median_ms`: one call per synchronization (for calls of many milliseconds).
 - :func:`median_ms_rotated`: several calls on different input sets per synchronization (for
   sub-millisecond kernels: spreads dispatch and host sync, keeps inputs out of L2).
+- :func:`best_ms_rotated`: the same, the fastest call after as many untimed ones (for the
+  ceilings of ``bench_floor.py``).
 - :func:`median_ms_interleaved`: several variants timed in turn, one call each per round (for
   A/B comparisons: slow drifts of clocks or temperature reach every variant alike).
 """
@@ -29,17 +31,23 @@ import time
 import jax
 
 
-def median_ms(fn, *args, reps: int) -> float:
-    """Median wall time in ms of ``fn(*args)``, synchronized with ``jax.block_until_ready``,
-    after two warm-up calls (the first one compiles)."""
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+def _timed_ms(fn, args, *, reps: int, warmup: int) -> list[float]:
+    """Wall times in ms of ``reps`` calls ``fn(*args)``, each synchronized with
+    ``jax.block_until_ready``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def median_ms(fn, *args, reps: int) -> float:
+    """Median wall time in ms of ``fn(*args)``, synchronized with ``jax.block_until_ready``,
+    after two warm-up calls (the first one compiles)."""
+    return statistics.median(_timed_ms(fn, args, reps=reps, warmup=2))
 
 
 def rotated_sets(args, count: int) -> list[tuple]:
@@ -57,8 +65,24 @@ def median_ms_rotated(fn, arg_sets, *, reps: int) -> float:
     0.2 ms kernel also measures ~0.05–0.1 ms of dispatch and host sync), and each call reads
     other buffers than the one before it, so no call finds its inputs in L2.
     """
-    many = jax.jit(lambda sets: tuple(fn(*args) for args in sets))
-    return median_ms(many, tuple(tuple(a) for a in arg_sets), reps=reps) / len(arg_sets)
+    sets = tuple(tuple(a) for a in arg_sets)
+    return median_ms(_on_every_set(fn), sets, reps=reps) / len(sets)
+
+
+def best_ms_rotated(fn, arg_sets, *, reps: int) -> float:
+    """Fastest time in ms of one ``fn(*args)``: as :func:`median_ms_rotated`, but the minimum
+    of ``reps`` timed calls after ``reps + 1`` untimed ones.
+
+    For a ceiling (the best rate the device reaches): the untimed calls first bring an idle
+    GPU's clocks up, where a median taken from a cold start reads low.
+    """
+    sets = tuple(tuple(a) for a in arg_sets)
+    return min(_timed_ms(_on_every_set(fn), (sets,), reps=reps, warmup=reps + 1)) / len(sets)
+
+
+def _on_every_set(fn):
+    """One jitted call that runs ``fn`` on each of a tuple of input sets."""
+    return jax.jit(lambda sets: tuple(fn(*args) for args in sets))
 
 
 def median_ms_interleaved(calls: dict, *, reps: int, warmup: int = 2) -> dict:

@@ -48,7 +48,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import time
 import os
 import sys
 from typing import NamedTuple
@@ -63,6 +62,7 @@ except ImportError:  # running from a source checkout
     import dion3_jax
 from dion3_jax._coefficients import get_coefficients
 from dion3_jax._selection import num_selected
+from _timing import best_ms_rotated
 from bench_step import FULL, SMALL, model_shapes
 
 #: Bytes per float32 parameter that each step must move (module docstring).
@@ -71,25 +71,6 @@ ADAMW_BYTES_PER_PARAM = 7 * 4
 #: Bytes per selected payload element: the float16 input and output, each written and read.
 PAYLOAD_BYTES_PER_ELEMENT = 4 * 2
 FRACTIONS = (1.0, 0.25, 0.125)
-
-
-def best_ms_rotated(fn, arg_sets, *, reps: int) -> float:
-    """Fastest time in ms of one ``fn(*args)`` over ``reps`` timed calls (each runs ``fn`` on
-    every input set, as :func:`_timing.median_ms_rotated` does), after ``reps`` untimed ones.
-
-    A ceiling is the best rate the device reaches, so this takes the minimum, and the untimed
-    calls first bring an idle GPU's clocks up (a median taken from a cold start reads low).
-    """
-    many = jax.jit(lambda sets: tuple(fn(*args) for args in sets))
-    sets = tuple(tuple(a) for a in arg_sets)
-    for _ in range(reps + 1):
-        jax.block_until_ready(many(sets))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(many(sets))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times) / len(sets)
 
 
 def copy_gbps(mib: int, reps: int, sets: int = 8) -> float:
@@ -188,7 +169,8 @@ def main(argv=None) -> list[str]:
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
     p.add_argument("--copy-mib", type=int, default=1024, help="MiB per copied array")
     p.add_argument("--gemm-n", type=int, default=8192, help="side of the float16 GEMM")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per rate (the fastest is kept), after as many untimed ones")
+    p.add_argument("--reps", type=int, default=20,
+                   help="timed calls per rate (the fastest is kept), after one more untimed")
     p.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     a = p.parse_args(argv)
     cfg = SMALL if a.small else FULL
@@ -199,8 +181,8 @@ def main(argv=None) -> list[str]:
     print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
           f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}")
     print(f"# copy bandwidth: {gbps:.1f} GB/s ({a.copy_mib} MiB float32, y = x + 1); "
-          f"float16 GEMM: {tflops:.2f} TFLOP/s ({a.gemm_n}³); best of {a.reps} after {a.reps} "
-          "untimed")
+          f"float16 GEMM: {tflops:.2f} TFLOP/s ({a.gemm_n}³); best of {a.reps} after "
+          f"{a.reps + 1} untimed")
     print("# floor = bytes / bandwidth + polar FLOPs / GEMM rate")
     lines = table(shapes, gbps, tflops, a.fractions)
     print("\n".join(lines))
