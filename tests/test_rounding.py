@@ -59,9 +59,10 @@ def assert_rounded_once(new, w, direction, lr: float, wd: float, what: str) -> N
     got = np.asarray(new)
     ambiguous = lo != hi
     print(what, new.dtype, ambiguous.mean())
-    # The band leaves all but a few elements to the bitwise check. Measured fractions (48
-    # draws each): bfloat16 median 0, at most 2.4e-4; float16 median 1.1e-3, at most 6.1e-3.
-    bound = 1e-3 if new.dtype == jnp.bfloat16 else 1e-2
+    # The band leaves all but a few elements to the bitwise check. Measured fractions (the four
+    # configurations, 12 draws each): bfloat16 at most 6.1e-4; float16 median 1.1e-3, at most
+    # 6.1e-3.
+    bound = 2e-3 if new.dtype == jnp.bfloat16 else 1e-2
     assert ambiguous.mean() < bound, (what, ambiguous.mean())
     assert np.array_equal(lo[~ambiguous], _round(exact, new.dtype)[~ambiguous])
     g32 = got.astype(np.float32)
