@@ -396,7 +396,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backends", nargs="+", default=None,
                    help="matmul backends (default: every available one)")
     p.add_argument("--pass-implementations", nargs="+", default=["auto"],
-                   choices=["auto", "xla", "pallas_triton"],
+                   choices=["auto", "xla", "mosaic", "pallas_triton"],
                    help="the memory-bound passes' implementations to time (default: auto)")
     p.add_argument("--no-baselines", action="store_true", help="skip adamw and optax muon")
     p.add_argument("--no-polar", action="store_true", help="skip the polar-only timings")

@@ -249,7 +249,7 @@ def main(argv=None):
     p.add_argument("--method", default="gram", choices=["gram", "standard"])
     p.add_argument("--backend", default="auto")
     p.add_argument("--pass-implementation", default="auto",
-                   choices=["auto", "xla", "pallas_triton"],
+                   choices=["auto", "xla", "mosaic", "pallas_triton"],
                    help="the memory-bound passes' implementation")
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--top", type=int, default=25, help="ops listed")

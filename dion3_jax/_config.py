@@ -33,8 +33,8 @@ from dion3_jax._distributed import MeshOptions, check_mesh_options
 from dion3_jax._polar_operator import PolarOperator, as_polar_operator
 
 Flavor = Literal["normuon", "muon"]
-PassImplementation = Literal["auto", "xla", "pallas_triton"]
-PASS_IMPLEMENTATIONS = ("auto", "xla", "pallas_triton")
+PassImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
+PASS_IMPLEMENTATIONS = ("auto", "xla", "mosaic", "pallas_triton")
 AdjustLR = Literal["spectral_norm", "rms_norm"] | None
 FLAVORS = ("normuon", "muon")
 ADJUST_LR = ("spectral_norm", "rms_norm", None)

@@ -45,6 +45,12 @@ from dion3_jax import _megabatch, _norms, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
 from dion3_jax._plan import Plan, Unit
 
+#: What the payload pass runs for each ``pass_implementation``: it has no Mosaic GPU kernel, so
+#: ``"mosaic"`` runs it in XLA (as fast as its Pallas-Triton kernel in the 7B-shapes step,
+#: docs/KERNELS.md).
+PAYLOAD_IMPLEMENTATION = {"auto": "auto", "xla": "xla", "mosaic": "xla",
+                          "pallas_triton": "pallas_triton"}
+
 Blocks = list[list[jax.Array]]
 
 
@@ -451,7 +457,7 @@ def _one_pass_payloads(plan: Plan, acc: Accumulated, key, uids, norms: dict, row
         [norms[i] + orth.eps for i in uids], out_dtype=orth.input_dtype,
         rows=None if u.full else [rows[i] for i in uids], row_axis=u.layout.row_axis,
         padded=any(plan.units[i].shard == "rows" for i in uids), pad_to=pad_to,
-        implementation=plan.pass_implementation)
+        implementation=PAYLOAD_IMPLEMENTATION[plan.pass_implementation])
 
 
 def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:

@@ -318,11 +318,15 @@ def scale_by_dion3(
       pass_implementation: what runs the step's two memory-bound passes over the momentum (the
         statistics pass :func:`pallas_kernels.accumulate_rows` and the payload pass
         :func:`pallas_kernels.stack_payloads`): ``"xla"`` (XLA's fusions, every platform),
-        ``"pallas_triton"`` (Pallas kernels through Pallas' Triton lowering, NVIDIA GPUs; jax
-        0.11 deprecates it and prints a ``DeprecationWarning`` when the step compiles) or
-        ``"auto"``: the kernels where that lowering exists, else XLA (TPUs, CPUs, a jax
-        without it). Independent of the orthogonalizer's ``backend``, which picks the polar's
-        products.
+        ``"mosaic"`` (the statistics pass as a Pallas Mosaic GPU kernel, Hopper; the payload
+        pass, which has no Mosaic kernel, in XLA; every shape group's local matrices must then
+        have a multiple of 64 along axis 1), ``"pallas_triton"`` (both as Pallas kernels
+        through Pallas' Triton lowering, NVIDIA GPUs; jax 0.11 deprecates it and prints a
+        ``DeprecationWarning`` when the step compiles) or ``"auto"``: per pass, the
+        Pallas-Triton kernel where that lowering exists (it is the fastest on the 7B-shapes
+        step), else the Mosaic kernel on Hopper, else XLA (TPUs, CPUs). A named kernel that
+        does not take a group's shape raises ``ValueError``. Independent of the
+        orthogonalizer's ``backend``, which picks the polar's products.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`ScaleByDion3State`. Its updates

@@ -46,3 +46,24 @@ def scales(alpha, beta) -> jax.Array:
     """``(α, β)`` as the ``(2,)`` float32 operand the ``sym_matmul`` kernels read at run time
     (Python floats or scalar arrays; traced values are fine)."""
     return jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])
+
+
+def pow2_divisor(x: int, cap: int) -> int:
+    """The largest power of two up to ``cap`` (a power of two) that divides ``x``."""
+    p = cap
+    while x % p:
+        p //= 2
+    return p
+
+
+def mosaic_interpret_params(interpret):
+    """``interpret`` as ``plgpu.kernel`` takes it: ``None``, or GPU interpret-mode parameters
+    (``True``: the defaults; or an ``InterpretGPUParams``, e.g. with ``detect_races=True``)."""
+    if interpret is False or interpret is None:
+        return None
+    if interpret is True:
+        # Private import: GPU interpret mode has no public path in jax 0.11.2.
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        return InterpretGPUParams()
+    return interpret

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import jax
@@ -60,10 +60,21 @@ def _is_nvidia(device) -> bool:
     return device.platform == "gpu" and "NVIDIA" in device.device_kind.upper()
 
 
+#: Device kinds of Hopper GPUs, for devices that state no compute capability (an abstract
+#: mesh's device, e.g. under ``jax.set_mesh``).
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20")
+
+
 def is_hopper(device) -> bool:
-    """Whether ``device`` is an NVIDIA GPU of compute capability 9.x."""
-    cc = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
-    return cc is not None and str(cc).split(".")[0] == "9"
+    """Whether ``device`` is an NVIDIA GPU of compute capability 9.x (read from its device kind
+    where it states no compute capability)."""
+    if device.platform != "gpu":
+        return False
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None:
+        return str(cc).split(".")[0] == "9"
+    words = device.device_kind.upper().replace("-", " ").split()
+    return "NVIDIA" in words and any(w.startswith(_HOPPER_KINDS) for w in words)
 
 
 @functools.cache
@@ -142,12 +153,26 @@ def resolve(op: str, implementation: str, *, supported: Sequence[str],
     return implementation
 
 
-def resolve_pass(op: str, implementation: str, fits: bool, needs: str, interpret: bool) -> str:
-    """``"xla"`` or ``"pallas_triton"``: what one of the two elementwise passes
-    (``accumulate_rows``, ``stack_payloads``) runs. ``"auto"`` takes the kernel where it runs:
-    on an NVIDIA GPU with a jax that still has Pallas' Triton lowering, for a shape it takes."""
-    return resolve(op, implementation, supported=("pallas_triton",), auto=("pallas_triton",),
-                   fits=fits, needs=needs, interpret=interpret, interpretable=("pallas_triton",))
+def resolve_pass(op: str, implementation: str, fits: Mapping[str, bool],
+                 needs: Mapping[str, str], interpret: bool, auto: Sequence[str]) -> str:
+    """What one of the two elementwise passes (``accumulate_rows``, ``stack_payloads``) runs:
+    ``"xla"`` or one of ``fits``' kernels.
+
+    Args:
+      op: the pass's name (for errors).
+      implementation: what the caller asked for.
+      fits: per kernel the pass has, whether it takes this call's shapes.
+      needs: per kernel, what it needs of the call (for the error when it does not fit).
+      interpret: run the kernel through an interpreter (CPU tests; every kernel has one).
+      auto: the kernels ``"auto"`` may pick, in order of preference: those on a lowering jax
+        keeps (``"pallas_triton"``, deprecated, is only ever taken by name).
+    """
+    if implementation in fits:
+        return resolve(op, implementation, supported=tuple(fits), fits=fits[implementation],
+                       needs=needs[implementation], interpret=interpret,
+                       interpretable=tuple(fits))
+    return resolve(op, implementation, supported=tuple(fits), interpret=interpret,
+                   auto=[n for n in auto if fits[n]], interpretable=tuple(fits))
 
 
 def pallas_triton():

@@ -57,7 +57,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from pallas_kernels import _schedule
-from pallas_kernels._common import check_dtypes, pad_to, scales
+from pallas_kernels._common import check_dtypes, mosaic_interpret_params, pad_to, scales
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syrk_mosaic",
@@ -332,18 +332,6 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _interpret_params(interpret):
-    """``interpret`` as ``plgpu.kernel`` takes it: ``None``, or GPU interpret-mode parameters."""
-    if interpret is False or interpret is None:
-        return None
-    if interpret is True:
-        # Private import: GPU interpret mode has no public path in jax 0.11.2.
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        return InterpretGPUParams()
-    return interpret  # Already an ``InterpretGPUParams`` (e.g. with ``detect_races=True``).
-
-
 def _padded_product(a, b, c, scale, *, out_dtype, config, form: str, interpret, name: str):
     """Pads ``(batch, n, ·)`` operands to tile multiples and launches the kernel.
 
@@ -386,7 +374,7 @@ def _padded_product(a, b, c, scale, *, out_dtype, config, form: str, interpret, 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params(interpret),
+        interpret=mosaic_interpret_params(interpret),
         kernel_name=name,
     )
     return kernel(a_p, b_p, *[x for x in (c_p, scale) if x is not None])

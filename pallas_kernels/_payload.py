@@ -52,6 +52,8 @@ from pallas_kernels import _dispatch
 
 PayloadImplementation = Literal["auto", "xla", "pallas_triton"]
 
+#: The kernels ``"auto"`` takes, in order of preference.
+AUTO = ("pallas_triton",)
 #: A member's columns must be a multiple of some power of two ≥ 32 (the narrowest block row).
 _MIN_BLOCK_COLS = 32
 
@@ -241,6 +243,20 @@ def _fresh_kernel(kernel, *refs):
     kernel(*refs[:-1], None, refs[-1])
 
 
+def implementation_for(shape: tuple[int, int], implementation: str,
+                       interpret: bool = False) -> str:
+    """What :func:`stack_payloads` runs for members of matrix ``shape`` on the target device:
+    ``"xla"`` or ``"pallas_triton"``.
+
+    Raises:
+      ValueError: for an unknown implementation or a kernel that cannot run this call.
+    """
+    needs = f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got {shape}"
+    return _dispatch.resolve_pass("stack_payloads", implementation,
+                                  {"pallas_triton": block_shape(*shape) is not None},
+                                  {"pallas_triton": needs}, interpret, auto=AUTO)
+
+
 def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, out_dtype,
                    rows: Sequence[jax.Array] | None = None, row_axis: int = 1,
                    padded: bool = True, pad_to: int | None = None,
@@ -295,9 +311,7 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
     _, a, b = sums[0].shape
     if pad_to is not None and pad_to > pick:
         rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
-    needs = f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got ({a}, {b})"
-    if _dispatch.resolve_pass("stack_payloads", implementation, block_shape(a, b) is not None,
-                             needs, interpret) == "xla":
+    if implementation_for((a, b), implementation, interpret) == "xla":
         return stack_payloads_reference(sums, denoms, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
     return _stack_with_kernel(sums, denoms, out_dtype=out_dtype, rows=rows, row_axis=row_axis,

@@ -50,10 +50,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _dispatch
+from pallas_kernels import _dispatch, _row_stats_mosaic
+from pallas_kernels._common import pow2_divisor
+from pallas_kernels._row_stats_reference import (accumulate_rows_reference, row_sums,
+                                                 scaled_sum)
 
-RowStatsImplementation = Literal["auto", "xla", "pallas_triton"]
-_DOWN = 2.0 ** -32
+RowStatsImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
+#: The kernels ``"auto"`` takes, in order of preference: the Pallas-Triton kernel while jax has
+#: that lowering (the Mosaic kernel makes the 7B-shapes step 2.3% slower, docs/KERNELS.md), the
+#: Mosaic kernel on a jax without it (XLA makes that step 3.7% slower).
+AUTO = ("pallas_triton", "mosaic")
 
 
 class RowStatsConfig(NamedTuple):
@@ -82,39 +88,6 @@ CONFIGS = {2: RowStatsConfig(strip=64, step=32, chunk=128),
 _MIN_MINOR = 16
 
 
-#: Where ``|S|`` saturates (:func:`scaled_sum`): 2⁷⁹ ≈ 6.0e23, so that a matrix of up to 2³⁴
-#: entries has finite sums of ``(S·2⁻³²)²`` and a finite norm.
-SATURATION = 2.0 ** 79
-
-
-def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array) -> jax.Array:
-    """``S = scale ⊙ M + G`` in ``M``'s dtype, computed in float32 (``scale`` broadcasts
-    against ``m``); where ``M`` and ``G`` are finite, ``S`` saturates at
-    ``±min(SATURATION, finfo(M.dtype).max)`` (a sum past float32's range included), elsewhere
-    the ``inf`` or NaN of a non-finite operand stays."""
-    dtype, inf = m.dtype, np.float32(np.inf)
-    bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
-    m, g = m.astype(jnp.float32), g.astype(jnp.float32)
-    s = scale.astype(jnp.float32) * m + g
-    finite = (jnp.abs(m) < inf) & (jnp.abs(g) < inf)
-    return jnp.where(finite, jnp.minimum(jnp.maximum(s, -bound), bound), s).astype(dtype)
-
-
-def _sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
-    x = s.astype(jnp.float32)
-    zero = np.zeros((), np.float32)
-    l1 = jax.lax.reduce(jnp.abs(x), zero, jax.lax.add, (axis,))
-    sq = jax.lax.reduce(jax.lax.square(x * np.float32(_DOWN)), zero, jax.lax.add, (axis,))
-    return l1, sq
-
-
-def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int
-                              ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation)."""
-    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis))
-    return (s, *_sums(s, 3 - row_axis))
-
-
 def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
     """Rows along axis 2: a chunk of a strip of ``strip`` columns (rows of the matrix), walked
     down."""
@@ -124,7 +97,7 @@ def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip
         at = pl.ds(r * step, step)
         s = scaled_sum(m_ref[at, :], g_ref[at, :], d[None, :])
         s_ref[at, :] = s
-        l1, sq = _sums(s, 0)
+        l1, sq = row_sums(s, 0)
         return carry[0] + l1, carry[1] + sq
 
     zero = jnp.zeros((strip,), jnp.float32)
@@ -139,19 +112,11 @@ def _rows_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip
         at = pl.ds(c * step, step)
         s = scaled_sum(m_ref[:, at], g_ref[:, at], d[:, None])
         s_ref[:, at] = s
-        l1, sq = _sums(s, 1)
+        l1, sq = row_sums(s, 1)
         return carry[0] + l1, carry[1] + sq
 
     zero = jnp.zeros((strip,), jnp.float32)
     l1_ref[...], sq_ref[...] = jax.lax.fori_loop(0, m_ref.shape[1] // step, body, (zero, zero))
-
-
-def _pow2_divisor(x: int, cap: int) -> int:
-    """The largest power of two up to ``cap`` that divides ``x``."""
-    p = cap
-    while x % p:
-        p //= 2
-    return p
 
 
 def blocks(shape: tuple[int, int], row_axis: int,
@@ -160,11 +125,11 @@ def blocks(shape: tuple[int, int], row_axis: int,
     power-of-two divisor of at least 16 within the configured extent."""
     config = CONFIGS[row_axis] if config is None else config
     strip_axis, sum_axis = (1, 0) if row_axis == 2 else (0, 1)
-    strip = _pow2_divisor(shape[strip_axis], config.strip)
-    step = _pow2_divisor(shape[sum_axis], config.step)
+    strip = pow2_divisor(shape[strip_axis], config.strip)
+    step = pow2_divisor(shape[sum_axis], config.step)
     if (strip if row_axis == 2 else step) < _MIN_MINOR:
         return None
-    return strip, step, max(step, _pow2_divisor(shape[sum_axis], config.chunk))
+    return strip, step, max(step, pow2_divisor(shape[sum_axis], config.chunk))
 
 
 @functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
@@ -206,27 +171,49 @@ def _check(m, g, scale, row_axis) -> None:
             raise ValueError(f"{name} must be floating, got {x.dtype}")
 
 
+def implementation_for(shape: tuple[int, int], row_axis: int, implementation: str,
+                       interpret: bool = False) -> str:
+    """What :func:`accumulate_rows` runs for matrices of ``shape`` on the target device:
+    ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
+
+    Raises:
+      ValueError: for an unknown implementation or a kernel that cannot run this call.
+    """
+    fits = {"mosaic": _row_stats_mosaic.blocks(shape, row_axis) is not None,
+            "pallas_triton": blocks(shape, row_axis) is not None}
+    needs = {"mosaic": f"an extent along axis 1 that is a multiple of 64 and a minor axis with "
+                       f"a power-of-two divisor of at least 16, got {shape} "
+                       f"(row_axis={row_axis})",
+             "pallas_triton": f"a minor axis with a power-of-two divisor of at least "
+                              f"{_MIN_MINOR}, got {shape} (row_axis={row_axis})"}
+    return _dispatch.resolve_pass("accumulate_rows", implementation, fits, needs, interpret,
+                                  auto=AUTO)
+
+
 def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                     implementation: RowStatsImplementation = "auto", interpret: bool = False
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``S = d ⊙ M + G`` per row, and each row's ℓ1 norm and scaled sum of squares.
 
     Args:
-      m: momenta ``(batch, a, b)``; the kernel writes ``S`` into its buffer when it is donated.
+      m: momenta ``(batch, a, b)``; the kernels write ``S`` into its buffer when it is donated.
       g: gradients shaped like ``m`` (any floating dtype).
       scale: ``(batch, n)`` per-row factors ``d`` (``n = m.shape[row_axis]``).
       row_axis: the axis of the rows (1 or 2).
-      implementation: ``"pallas_triton"`` (the kernel; NVIDIA GPUs, or ``interpret``; a shape
-        it takes), ``"xla"``, or ``"auto"``: the kernel where it runs, else XLA.
-      interpret: run the kernel through Pallas' interpreter (CPU tests).
+      implementation: ``"mosaic"`` (the Mosaic GPU kernel, :mod:`pallas_kernels._row_stats_mosaic`;
+        Hopper, or ``interpret``; ``a`` a multiple of 64 and a minor axis with a power-of-two
+        divisor of at least 16), ``"pallas_triton"`` (the kernel through Pallas' deprecated
+        Triton lowering; NVIDIA GPUs, or ``interpret``), ``"xla"``, or ``"auto"``: the first of
+        :data:`AUTO` that runs here and takes the shape, else XLA.
+      interpret: run the kernel through an interpreter (CPU tests).
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
       arrays of ``Σ_j |S_ij|`` and ``Σ_j (S_ij·2⁻³²)²`` per row ``i``.
 
     Raises:
-      ValueError: for mismatched shapes, an unknown implementation, or ``"pallas_triton"`` where it
-        cannot run.
+      ValueError: for mismatched shapes, an unknown implementation, or a kernel that cannot
+        run this call.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -238,10 +225,11 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
-    needs = (f"a minor axis with a power-of-two divisor of at least {_MIN_MINOR}, got "
-             f"{m.shape[1:]} (row_axis={row_axis})")
-    fits = blocks(m.shape[1:], row_axis) is not None
-    if _dispatch.resolve_pass("accumulate_rows", implementation, fits, needs, interpret) == "xla":
+    chosen = implementation_for(m.shape[1:], row_axis, implementation, interpret)
+    if chosen == "xla":
         return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
+    if chosen == "mosaic":
+        return _row_stats_mosaic.accumulate_rows_mosaic(m, g, scale, row_axis=row_axis,
+                                                        interpret=interpret)
     return _launch(m, g, scale, row_axis=row_axis, interpret=interpret,
                    config=CONFIGS[row_axis])

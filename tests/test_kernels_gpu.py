@@ -243,14 +243,18 @@ def test_selected_rows_payload_kernel_agrees_with_xla(row_axis, batches, shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("row_axis,shape,dtype", [(2, (2, 4096, 11008), jnp.float32),
-                                                  (1, (2, 11008, 4096), jnp.float32),
-                                                  (2, (3, 256, 96), jnp.bfloat16),
-                                                  (1, (3, 40, 48), jnp.float32)])
-def test_statistics_kernel_agrees_with_float64(row_axis, shape, dtype):
-    """``accumulate_rows`` through the Pallas kernel on the GPU, its momentum donated (written in
+@pytest.mark.parametrize("impl,row_axis,shape,dtype", [
+    *[(impl, *case) for impl in ("pallas_triton", "mosaic")
+      for case in ((2, (2, 4096, 11008), jnp.float32), (1, (2, 11008, 4096), jnp.float32),
+                   (2, (2, 11008, 4096), jnp.float32), (1, (2, 4096, 11008), jnp.float32),
+                   (2, (3, 256, 96), jnp.bfloat16))],
+    ("pallas_triton", 1, (3, 40, 48), jnp.float32), ("mosaic", 1, (3, 64, 48), jnp.bfloat16)])
+def test_statistics_kernel_agrees_with_float64(impl, row_axis, shape, dtype):
+    """``accumulate_rows`` through each kernel on the GPU, its momentum donated (written in
     place): ``S`` within one rounding of the XLA reference's, the row sums within float32
     summation error of a float64 computation of that ``S`` (fresh inputs, bfloat16 gradients)."""
+    if impl not in _AVAILABLE:
+        pytest.skip(f"{impl} does not run here")
     rng = np.random.default_rng()
     m = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
     g = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.bfloat16)
@@ -258,7 +262,7 @@ def test_statistics_kernel_agrees_with_float64(row_axis, shape, dtype):
     want = jax.jit(lambda *a: pallas_kernels.accumulate_rows_reference(*a, row_axis=row_axis))(
         m, g, d)
     s, l1, sq = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation="pallas_triton"), donate_argnums=0)(m + 0, g, d)
+        *a, row_axis=row_axis, implementation=impl), donate_argnums=0)(m + 0, g, d)
     # S within one rounding of the reference's (either may contract d·M + G into an FMA).
     dm = np.expand_dims(np.asarray(d, np.float64), 3 - row_axis) * np.asarray(m, np.float64)
     bound = (2.0 ** -23 + float(jnp.finfo(dtype).eps)) * (abs(dm) + abs(np.asarray(g, np.float64)))

@@ -25,7 +25,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, 
 
 import dion3_jax
 import pallas_kernels
-from pallas_kernels import _dispatch
+from pallas_kernels import _dispatch, _payload, _row_stats
 
 SHAPES = {"q": (64, 64), "up": (64, 176), "down": (176, 64), "b": (64,)}
 TPU = AbstractDevice(device_kind="TPU v5p", num_cores=1, platform="tpu")
@@ -57,8 +57,8 @@ def _tpu_mesh(device=TPU) -> AbstractMesh:
 def test_auto_resolves_to_xla_on_a_tpu_target():
     with jax.sharding.use_abstract_mesh(_tpu_mesh()):
         assert pallas_kernels.available_implementations() == ("xla",)
-        for op in ("accumulate_rows", "stack_payloads"):
-            assert _dispatch.resolve_pass(op, "auto", True, "", False) == "xla"
+        assert _row_stats.implementation_for((4096, 4096), 2, "auto") == "xla"
+        assert _payload.implementation_for((4096, 4096), "auto") == "xla"
 
 
 def test_the_target_device_is_read_from_the_abstract_mesh():
@@ -66,7 +66,7 @@ def test_the_target_device_is_read_from_the_abstract_mesh():
     with jax.sharding.use_abstract_mesh(_tpu_mesh(H100)):
         assert _dispatch.target_device().platform == "gpu"
         assert "pallas_triton" in pallas_kernels.available_implementations()
-        assert _dispatch.resolve_pass("accumulate_rows", "auto", True, "", False) != "xla"
+        assert _row_stats.implementation_for((4096, 4096), 2, "auto") != "xla"
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.25])

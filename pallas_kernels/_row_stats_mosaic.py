@@ -1,0 +1,190 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The statistics pass on Hopper with Pallas Mosaic GPU (``plgpu.kernel``).
+
+The same op as :func:`pallas_kernels.accumulate_rows`: ``S = d ⊙ M + G`` written in place of
+``M``, with each row's ℓ1 norm and scaled sum of squares, from one read of ``M`` and ``G``.
+
+One CTA (one warpgroup) per chunk of a strip of rows. It walks its chunk in blocks along the
+summed axis through a ring of ``stages`` shared-memory slots: TMA brings the ``M`` and ``G``
+blocks in (one barrier each per slot), the warpgroup loads them in the ``WGMMA`` register layout,
+computes ``S`` in float32, stores it to its slot of the ``S`` ring, and TMA writes it back over
+``M``'s block (the momentum's buffer is passed as a mutable ``jax.Ref``, so the kernel writes
+``S`` in place and the step moves no second copy). The row sums stay in registers (the layout's
+row or column vectors, for rows along axis 1 or 2) and each chunk's partial sums go to a small
+float32 array that XLA adds up after the launch.
+
+Reference: :func:`pallas_kernels._row_stats.accumulate_rows_reference`, the plain jnp form
+(``"xla"``); ``tests/test_row_stats.py`` compares this kernel against it in GPU interpret mode
+on the CPU and ``tests/test_kernels_gpu.py`` on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._common import mosaic_interpret_params, pow2_divisor
+from pallas_kernels._row_stats_reference import DOWN, scaled_sum
+
+#: Rows of the ``WGMMA`` register layout: a block's extent along axis 1 is a multiple of it.
+_LAYOUT_ROWS = 64
+#: The narrowest block along the minor axis: 16 elements (a TMA box's rows are ≥ 16 bytes).
+_MIN_MINOR = 16
+
+
+class MosaicRowStatsConfig(NamedTuple):
+    """The kernel's blocks: the widest powers of two up to these that divide the matrix.
+
+    Attributes:
+      strip: rows of one CTA's strip (along the minor axis for rows along axis 2; exactly 64,
+        the layout's rows, for rows along axis 1).
+      step: the extent along the summed axis of one block (exactly 64 for rows along axis 2).
+      chunk: the extent along the summed axis of one CTA (at least ``step``).
+      stages: shared-memory slots of the ring.
+    """
+
+    strip: int
+    step: int
+    chunk: int
+    stages: int
+
+
+#: Per row axis, the fastest of the blocks timed on the 7B-shapes matrices (one H200):
+#: 64 × 64 blocks, 256 (axis 2) or 512 (axis 1) along the summed axis per CTA.
+CONFIGS = {2: MosaicRowStatsConfig(strip=64, step=_LAYOUT_ROWS, chunk=256, stages=2),
+           1: MosaicRowStatsConfig(strip=_LAYOUT_ROWS, step=64, chunk=512, stages=3)}
+
+
+def blocks(shape: tuple[int, int], row_axis: int,
+           config: MosaicRowStatsConfig | None = None) -> tuple[int, int, int] | None:
+    """``(strip, step, chunk)`` for matrices of ``shape``, or None when the kernel does not take
+    it (an extent along axis 1 that is not a multiple of 64, or a minor axis without a
+    power-of-two divisor of at least 16 within the configured extent)."""
+    config = CONFIGS[row_axis] if config is None else config
+    rows, cols = shape
+    if rows % _LAYOUT_ROWS:
+        return None
+    if row_axis == 2:
+        strip, step, summed = pow2_divisor(cols, config.strip), _LAYOUT_ROWS, rows
+        minor = strip
+    else:
+        strip, step, summed = _LAYOUT_ROWS, pow2_divisor(cols, config.step), cols
+        minor = step
+    if minor < _MIN_MINOR:
+        return None
+    return strip, step, max(step, pow2_divisor(summed, config.chunk))
+
+
+def _body(d_gmem, m_gmem, g_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar,
+          g_bar, *, row_axis: int, strip: int, step: int, steps: int, stages: int):
+    """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``."""
+    k, i, c = lax.axis_index("k"), lax.axis_index("i"), lax.axis_index("c")
+    rows = pl.ds(i * strip, strip)
+    summed = 1 if row_axis == 1 else 0              # the block's summed axis
+    block = (strip, step) if row_axis == 1 else (step, strip)
+    wgmma = plgpu.Layout.WGMMA
+    vector = wgmma.reduce(summed)
+
+    def at(t):
+        walked = pl.ds((c * steps + t) * step, step)
+        return (k, rows, walked) if row_axis == 1 else (k, walked, rows)
+
+    def fetch(t, slot):
+        plgpu.copy_gmem_to_smem(m_gmem.at[at(t)], m_smem.at[slot], m_bar.at[slot])
+        plgpu.copy_gmem_to_smem(g_gmem.at[at(t)], g_smem.at[slot], g_bar.at[slot])
+
+    plgpu.copy_gmem_to_smem(d_gmem.at[k, rows], v_smem.at[0], m_bar.at[stages])
+    for t in range(min(stages, steps)):
+        fetch(t, t)
+    plgpu.barrier_wait(m_bar.at[stages])
+    d = lax.broadcast_in_dim(plgpu.load(v_smem.at[0], layout=vector, optimized=False), block,
+                             (1 - summed,))
+
+    def walk(t, sums):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(m_bar.at[slot])
+        plgpu.barrier_wait(g_bar.at[slot])
+        s = scaled_sum(plgpu.load(m_smem.at[slot], layout=wgmma),
+                       plgpu.load(g_smem.at[slot], layout=wgmma), d)
+        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this S slot's last store
+        s_smem[slot] = s
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_smem.at[slot], m_gmem.at[at(t)])
+
+        @pl.when(t + stages < steps)
+        def _():
+            fetch(t + stages, slot)
+
+        x = s.astype(jnp.float32)
+        return (sums[0] + jnp.sum(jnp.abs(x), axis=summed),
+                sums[1] + jnp.sum(lax.square(x * np.float32(DOWN)), axis=summed))
+
+    zero = plgpu.layout_cast(jnp.zeros((strip,), jnp.float32), vector)
+    l1, sq = lax.fori_loop(0, steps, walk, (zero, zero))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    v_smem[0], v_smem[1] = l1, sq
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(v_smem.at[0], l1_gmem.at[k, c, rows])
+    plgpu.copy_smem_to_gmem(v_smem.at[1], sq_gmem.at[k, c, rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("row_axis", "config", "interpret"))
+def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
+                           config: MosaicRowStatsConfig | None = None, interpret: bool = False
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`pallas_kernels.accumulate_rows` through the Mosaic GPU kernel (checked
+    arguments; a shape :func:`blocks` takes).
+
+    Args:
+      m: momenta ``(batch, a, b)``; ``S`` is written into its buffer when it is donated.
+      g: gradients shaped like ``m``.
+      scale: ``(batch, n)`` per-row factors ``d`` (``n = m.shape[row_axis]``).
+      row_axis: the axis of the rows (1 or 2).
+      config: the blocks (default :data:`CONFIGS` for the row axis).
+      interpret: run through GPU interpret mode (CPU; slow; for tests).
+
+    Returns:
+      ``(S, l1, sq)`` as :func:`pallas_kernels.accumulate_rows` returns them.
+    """
+    config = CONFIGS[row_axis] if config is None else config
+    strip, step, chunk = blocks(m.shape[1:], row_axis, config)
+    batch, n, summed = m.shape[0], m.shape[row_axis], m.shape[3 - row_axis]
+    block = (strip, step) if row_axis == 1 else (step, strip)
+    stages = min(config.stages, chunk // step)
+    partial = jax.ShapeDtypeStruct((batch, summed // chunk, n), jnp.float32)
+    kernel = plgpu.kernel(
+        functools.partial(_body, row_axis=row_axis, strip=strip, step=step,
+                          steps=chunk // step, stages=stages),
+        out_type=(partial, partial),
+        scratch_types=[plgpu.SMEM((stages, *block), m.dtype),
+                       plgpu.SMEM((stages, *block), g.dtype),
+                       plgpu.SMEM((stages, *block), m.dtype),
+                       plgpu.SMEM((2, strip), jnp.float32),
+                       plgpu.Barrier(num_barriers=stages + 1),
+                       plgpu.Barrier(num_barriers=stages)],
+        grid=(batch, n // strip, summed // chunk), grid_names=("k", "i", "c"),
+        interpret=mosaic_interpret_params(interpret), kernel_name="accumulate_rows")
+    s = jax.new_ref(m)
+    l1, sq = kernel(scale.astype(jnp.float32), s, g)
+    return s[...], jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
