@@ -15,7 +15,7 @@
 """The statistics pass's Mosaic GPU kernel (``pallas_kernels._row_stats_mosaic``).
 
 Through GPU interpret mode on the CPU against the jnp reference (fresh inputs; several strips,
-chunks and ring turns; non-finite and huge values); its lowering for an H200 at the benchmark's
+chunks and ring turns; non-finite and huge values; the race detector); its lowering for an H200 at the benchmark's
 shapes, with ``S`` written in place of the momentum; the block choice; which implementation
 ``"auto"`` and a named one resolve to. The kernel on a GPU is in ``tests/test_kernels_gpu.py``.
 """
@@ -171,3 +171,18 @@ def test_the_step_with_mosaic_passes_lowers_without_the_triton_lowering(fraction
     assert text.count("custom_call @mosaic_gpu") == 2, text.count("custom_call @mosaic_gpu")
     assert "triton" not in text
     assert not caught, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("row_axis", [1, 2])
+def test_interpreted_kernel_has_no_data_race(row_axis):
+    """GPU interpret mode's race detector (the ring's TMA copies against the warpgroup's
+    shared-memory reads and writes) finds none over two ring turns."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    rng = np.random.default_rng()
+    m, g, d = _inputs(rng, _SHAPES[row_axis], row_axis, jnp.float32, jnp.float32)
+    jax.block_until_ready(accumulate_rows_mosaic(
+        m, g, d, row_axis=row_axis, config=_SMALL[row_axis],
+        interpret=InterpretGPUParams(detect_races=True)))
+    assert interpret_pallas_call.get_races().races_found is False
