@@ -28,7 +28,11 @@ payload pass reads ``S`` and writes the float16 payloads. Three more rows per gr
   same bytes reaches on the machine;
 - ``statistics kernel``: ``accumulate_rows`` with its momenta donated and carried from call to
   call, as in the step (reads ``M``, ``G``; writes ``S`` in place);
-- ``XLA, statistics``: the same outputs from XLA (the rate of the unfused form).
+- ``Mosaic statistics kernel``: the same through the Mosaic GPU kernel (where it takes the
+  shape);
+- ``XLA, statistics``: the same outputs from XLA (the rate of the unfused form);
+- at f = 1, ``Mosaic payload kernel`` and ``XLA, payload``: the payload pass of every row
+  through the Mosaic GPU kernel (one launch for the group) and through XLA.
 
 One launch per member, as in the step.
 
@@ -55,7 +59,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from dion3_jax._selection import num_selected
 import pallas_kernels
-from pallas_kernels import _payload
+from pallas_kernels import _payload, _payload_mosaic, _row_stats_mosaic
 from pallas_kernels._payload import PayloadConfig
 from _timing import median_ms
 from _trace import device_ms
@@ -156,6 +160,39 @@ def time_statistics(count, shape, implementation, *, reps: int, interpret: bool)
     return _timed_carried(jax.jit(one_pass, donate_argnums=0), count, shape, gs, ds, reps=reps)
 
 
+def time_every_row(count, shape, implementation, *, reps: int, interpret: bool):
+    """The payload pass over the group with every row selected (``stack_payloads`` without
+    ``rows``, as at f = 1) through ``implementation``: ``(device ms, wall ms)``."""
+    _, ds = _grads_and_norms(count, shape)
+
+    def one_pass(ss, ds):
+        return pallas_kernels.stack_payloads(ss, ds, out_dtype=jnp.float16,
+                                             implementation=implementation,
+                                             interpret=interpret)
+
+    return _timed(jax.jit(one_pass), _momenta(count, shape), ds, reps=reps)
+
+
+def _extra_rows(f, first, count, shape, *, reps, interpret):
+    """The reference rows of one group: XLA's read of ``S``; the statistics pass by each
+    implementation (at the first fraction: it does not depend on f); at f = 1 the payload pass
+    through the Mosaic kernel and XLA. Implementations that do not take the shape are left out."""
+    size = count * shape[0] * shape[1]
+    extra = [("XLA, read only", 4 * size, time_read_only(count, shape, reps=reps))]
+    if first:
+        for label, impl in (("statistics kernel", "pallas_triton"),
+                            ("Mosaic statistics kernel", "mosaic"), ("XLA, statistics", "xla")):
+            if impl != "mosaic" or _row_stats_mosaic.blocks(shape, 2) is not None:
+                extra.append((label, 12 * size, time_statistics(
+                    count, shape, impl, reps=reps, interpret=interpret)))
+    if f == 1:
+        for label, impl in (("Mosaic payload kernel", "mosaic"), ("XLA, payload", "xla")):
+            if impl != "mosaic" or _payload_mosaic.blocks(shape) is not None:
+                extra.append((label, 6 * size, time_every_row(
+                    count, shape, impl, reps=reps, interpret=interpret)))
+    return extra
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny groups, interpreted (CPU smoke)")
@@ -187,13 +224,8 @@ def main(argv=None) -> list[dict]:
                                  gbps=None if dev is None else moved / dev / 1e6, same=same))
                 print(f"  f={f:g} {name} {v}: {wall:.3f} ms wall"
                       + ("" if dev is None else f", {dev:.3f} ms device"), flush=True)
-            size = count * fan_in * fan_out
-            extra = [("XLA, read only", 4 * size,
-                      time_read_only(count, (fan_in, fan_out), reps=reps))]
-            if f == a.fractions[0]:   # the statistics pass does not depend on f
-                for label, impl in (("statistics kernel", "pallas_triton"), ("XLA, statistics", "xla")):
-                    extra.append((label, 12 * size, time_statistics(
-                        count, (fan_in, fan_out), impl, reps=reps, interpret=interpret)))
+            extra = _extra_rows(f, f == a.fractions[0], count, (fan_in, fan_out), reps=reps,
+                                interpret=interpret)
             for label, nbytes, (dev, wall) in extra:
                 rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out),
                                  pick=pick, variant=label, block=None, warps=None,

@@ -45,9 +45,9 @@ from dion3_jax import _megabatch, _norms, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
 from dion3_jax._plan import Plan, Unit
 
-#: What the payload pass runs for each ``pass_implementation``: it has no Mosaic GPU kernel, so
-#: ``"mosaic"`` runs it in XLA (as fast as its Pallas-Triton kernel in the 7B-shapes step,
-#: docs/KERNELS.md).
+#: What the payload pass runs for each ``pass_implementation``: ``"mosaic"`` runs it in XLA
+#: (as fast as its Pallas-Triton kernel in the 7B-shapes step at f = 1/4, docs/KERNELS.md; its
+#: Mosaic kernel covers only groups whose every row is selected and is not yet timed on a GPU).
 PAYLOAD_IMPLEMENTATION = {"auto": "auto", "xla": "xla", "mosaic": "xla",
                           "pallas_triton": "pallas_triton"}
 

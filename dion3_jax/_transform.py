@@ -319,7 +319,7 @@ def scale_by_dion3(
         statistics pass :func:`pallas_kernels.accumulate_rows` and the payload pass
         :func:`pallas_kernels.stack_payloads`): ``"xla"`` (XLA's fusions, every platform),
         ``"mosaic"`` (the statistics pass as a Pallas Mosaic GPU kernel, Hopper; the payload
-        pass, which has no Mosaic kernel, in XLA; every shape group's local matrices must then
+        pass in XLA, whose speed it matches; every shape group's local matrices must then
         have a multiple of 64 along axis 1), ``"pallas_triton"`` (both as Pallas kernels
         through Pallas' Triton lowering, NVIDIA GPUs; jax 0.11 deprecates it and prints a
         ``DeprecationWarning`` when the step compiles) or ``"auto"``: per pass, the

@@ -48,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _dispatch
+from pallas_kernels import _dispatch, _payload_mosaic
 
-PayloadImplementation = Literal["auto", "xla", "pallas_triton"]
+PayloadImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 
 #: The kernels ``"auto"`` takes, in order of preference.
 AUTO = ("pallas_triton",)
@@ -243,18 +243,23 @@ def _fresh_kernel(kernel, *refs):
     kernel(*refs[:-1], None, refs[-1])
 
 
-def implementation_for(shape: tuple[int, int], implementation: str,
-                       interpret: bool = False) -> str:
+def implementation_for(shape: tuple[int, int], implementation: str, interpret: bool = False,
+                       every_row: bool = False) -> str:
     """What :func:`stack_payloads` runs for members of matrix ``shape`` on the target device:
-    ``"xla"`` or ``"pallas_triton"``.
+    ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``; ``every_row``: a call without ``rows``.
 
     Raises:
       ValueError: for an unknown implementation or a kernel that cannot run this call.
     """
-    needs = f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got {shape}"
-    return _dispatch.resolve_pass("stack_payloads", implementation,
-                                  {"pallas_triton": block_shape(*shape) is not None},
-                                  {"pallas_triton": needs}, interpret, auto=AUTO)
+    fits = {"mosaic": every_row and _payload_mosaic.blocks(shape) is not None,
+            "pallas_triton": block_shape(*shape) is not None}
+    needs = {"mosaic": f"every row (no rows=) and matrices whose columns have a power-of-two "
+                       f"divisor of at least 16, blocks of at least 1024 elements, got {shape}"
+                       f"{'' if every_row else ' with rows'}",
+             "pallas_triton": f"matrices whose columns are a multiple of {_MIN_BLOCK_COLS}, got "
+                              f"{shape}"}
+    return _dispatch.resolve_pass("stack_payloads", implementation, fits, needs, interpret,
+                                  auto=AUTO)
 
 
 def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, out_dtype,
@@ -284,8 +289,10 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
         (the kernel writes the zero rows after its launches, or zeroes the whole stack first
         under ``padded``). None: ``pick``.
       implementation: ``"pallas_triton"`` (the kernel; NVIDIA GPUs, or ``interpret``; its
-        columns ``b`` a multiple of 32), ``"xla"``, or ``"auto"``: the kernel where it runs
-        (an NVIDIA GPU, a jax with Pallas' Triton lowering, such columns), else XLA.
+        columns ``b`` a multiple of 32), ``"mosaic"`` (the Mosaic GPU kernel,
+        :mod:`pallas_kernels._payload_mosaic`; Hopper, or ``interpret``; without ``rows``
+        only), ``"xla"``, or ``"auto"``: the Pallas-Triton kernel where it runs (an NVIDIA
+        GPU, a jax with Pallas' Triton lowering, such columns), else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:
@@ -311,9 +318,16 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
     _, a, b = sums[0].shape
     if pad_to is not None and pad_to > pick:
         rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
-    if implementation_for((a, b), implementation, interpret) == "xla":
+    chosen = implementation_for((a, b), implementation, interpret, every_row=rows is None)
+    if chosen == "xla":
         return stack_payloads_reference(sums, denoms, out_dtype=out_dtype, rows=rows,
                                         row_axis=row_axis)
+    if chosen == "mosaic":
+        if len({x.dtype for x in sums}) != 1:
+            raise ValueError(f"stack_payloads: implementation='mosaic' needs one dtype for all "
+                             f"sums, got {[str(x.dtype) for x in sums]}")
+        return _payload_mosaic.stack_payloads_mosaic(sums, denoms, out_dtype=jnp.dtype(out_dtype),
+                                                     interpret=interpret)
     return _stack_with_kernel(sums, denoms, out_dtype=out_dtype, rows=rows, row_axis=row_axis,
                               padded=padded, zero_from=pick, interpret=interpret,
                               config=PayloadConfig())

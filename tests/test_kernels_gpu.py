@@ -190,11 +190,11 @@ def _payload_inputs(rng, batches, shape):
     return sums, ds
 
 
-def _check_against_xla(run):
-    """``run(implementation)`` with "pallas_triton" against "xla": payloads finite and within one
+def _check_against_xla(run, impl="pallas_triton"):
+    """``run(implementation)`` with ``impl`` against "xla": payloads finite and within one
     float16 rounding. Returns the share of payload entries bitwise equal and the kernel's stack
     (float32)."""
-    g, w = np.asarray(run("pallas_triton"), np.float32), np.asarray(run("xla"), np.float32)
+    g, w = np.asarray(run(impl), np.float32), np.asarray(run("xla"), np.float32)
     assert np.all(np.isfinite(g))
     np.testing.assert_allclose(g, w, rtol=2.0 ** -10, atol=2.0 ** -24)
     return float(np.mean(g == w)), g
@@ -212,6 +212,20 @@ def test_payload_kernel_agrees_with_xla(batches, rows, cols):
     run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
         *a, out_dtype=jnp.float16, implementation=impl))(sums, ds)
     g, _ = _check_against_xla(run)
+    print(f"{batches} {rows}x{cols}: payload bitwise equal {g:.5%}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("mosaic" not in _AVAILABLE, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("batches,rows,cols", [([1, 1, 1], 4096, 11008), ([2, 3], 256, 96),
+                                               ([1, 1], 11008, 4096)])
+def test_mosaic_payload_kernel_agrees_with_xla(batches, rows, cols):
+    """``stack_payloads`` without rows through the Mosaic GPU kernel against the XLA reference
+    on the GPU, as the Pallas-Triton kernel above."""
+    sums, ds = _payload_inputs(np.random.default_rng(), batches, (rows, cols))
+    run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
+        *a, out_dtype=jnp.float16, implementation=impl))(sums, ds)
+    g, _ = _check_against_xla(run, "mosaic")
     print(f"{batches} {rows}x{cols}: payload bitwise equal {g:.5%}")
 
 

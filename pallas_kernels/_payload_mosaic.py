@@ -1,0 +1,155 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The payload pass for every row on Hopper with Pallas Mosaic GPU (``plgpu.kernel``).
+
+The same op as :func:`pallas_kernels.stack_payloads` without ``rows`` (Dion3 at ``f = 1``, or a
+matrix whose every row is selected): the stack of ``S_i / denoms_i`` in the compute dtype.
+
+One launch for all members of a shape: every matrix of the stack gets its CTAs (a member's
+``S`` is its own operand; the CTA picks it by its matrix index, so only the TMA issue is
+written once per member). A CTA walks a chunk of rows of a column strip in blocks through a
+ring of shared-memory slots: TMA brings ``S``'s block in, the warpgroup divides it by the
+matrix's divisor in float32 and rounds it once to the output dtype, and TMA writes it straight
+into the stack. So the pass reads ``S`` once and writes the payload once, with no concatenation.
+
+Reference: :func:`pallas_kernels._payload.stack_payloads_reference` (``"xla"``);
+``tests/test_payload_mosaic.py`` compares this kernel against it in GPU interpret mode on the
+CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from pallas_kernels._common import mosaic_interpret_params, pow2_divisor
+
+#: A block holds at least this many elements: one per lane of the warpgroup's strided layout
+#: (128 threads), times a vector of 16 bytes at the narrowest dtype.
+_MIN_BLOCK = 128 * 8
+#: The narrowest block along the minor axis: 16 elements (a TMA box's rows are ≥ 16 bytes).
+_MIN_MINOR = 16
+
+
+class MosaicPayloadConfig(NamedTuple):
+    """The kernel's blocks: the widest powers of two up to these that divide the matrix.
+
+    Attributes:
+      rows: rows of one block.
+      cols: columns of one block (of one CTA's strip).
+      chunk: rows of one CTA (at least ``rows``).
+      stages: shared-memory slots of the ring.
+    """
+
+    rows: int = 32
+    cols: int = 256
+    chunk: int = 256
+    stages: int = 3
+
+
+def blocks(shape: tuple[int, int], config: MosaicPayloadConfig = MosaicPayloadConfig()
+           ) -> tuple[int, int, int] | None:
+    """``(rows, cols, chunk)`` for matrices of ``shape``, or None when the kernel does not take
+    it (columns without a power-of-two divisor of at least 16, or a block of fewer than 1024
+    elements)."""
+    br, bc = pow2_divisor(shape[0], config.rows), pow2_divisor(shape[1], config.cols)
+    if bc < _MIN_MINOR or br * bc < _MIN_BLOCK:
+        return None
+    return br, bc, max(br, pow2_divisor(shape[0], config.chunk))
+
+
+def _body(*refs, batches: tuple[int, ...], block: tuple[int, int], steps: int, stages: int):
+    """One CTA: chunk ``c`` of column strip ``j`` of stack matrix ``k``."""
+    count = len(batches)
+    d_gmem, sums, out_gmem = refs[0], refs[1:1 + count], refs[1 + count]
+    s_smem, o_smem, d_smem, bars = refs[2 + count:]
+    k, j, c = lax.axis_index("k"), lax.axis_index("j"), lax.axis_index("c")
+    offsets = tuple(itertools.accumulate(batches, initial=0))
+    cols = pl.ds(j * block[1], block[1])
+
+    def rows(t):
+        return pl.ds((c * steps + t) * block[0], block[0])
+
+    def fetch(t, slot):
+        for i, s_gmem in enumerate(sums):
+            @pl.when((k >= offsets[i]) & (k < offsets[i + 1]))
+            def _():
+                plgpu.copy_gmem_to_smem(s_gmem.at[k - offsets[i], rows(t), cols],
+                                        s_smem.at[slot], bars.at[slot])
+
+    plgpu.copy_gmem_to_smem(d_gmem, d_smem, bars.at[stages])
+    for t in range(min(stages, steps)):
+        fetch(t, t)
+    plgpu.barrier_wait(bars.at[stages])
+    denom = d_smem[k]
+
+    @pl.loop(0, steps)
+    def _(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(bars.at[slot])
+        payload = (s_smem[slot].astype(jnp.float32) / denom).astype(o_smem.dtype)
+        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this slot's last store
+        o_smem[slot] = payload
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[slot], out_gmem.at[k, rows(t), cols])
+
+        @pl.when(t + stages < steps)
+        def _():
+            fetch(t + stages, slot)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def stack_payloads_mosaic(sums, denoms, *, out_dtype,
+                          config: MosaicPayloadConfig = MosaicPayloadConfig(),
+                          interpret: bool = False) -> jax.Array:
+    """:func:`pallas_kernels.stack_payloads` without ``rows`` through the Mosaic GPU kernel
+    (checked arguments; a shape :func:`blocks` takes).
+
+    Args:
+      sums: the members' ``S_i``, each ``(batch_i, a, b)``; one matrix shape and dtype for all.
+      denoms: per member, ``(batch_i,)`` divisors.
+      out_dtype: the stack's dtype.
+      config: the blocks.
+      interpret: run through GPU interpret mode (CPU; slow; for tests).
+
+    Returns:
+      ``(Σ batch_i, a, b)`` in ``out_dtype``.
+    """
+    (a, b), batches = sums[0].shape[1:], tuple(s.shape[0] for s in sums)
+    br, bc, chunk = blocks((a, b), config)
+    stages = min(config.stages, chunk // br)
+    total = sum(batches)
+    d = jnp.concatenate([jnp.asarray(x, jnp.float32) for x in denoms])
+    d = jnp.pad(d, (0, -total % 4), constant_values=1.0)  # a TMA copy of ≥ 16 bytes
+    kernel = plgpu.kernel(
+        functools.partial(_body, batches=batches, block=(br, bc), steps=chunk // br,
+                          stages=stages),
+        out_type=jax.ShapeDtypeStruct((total, a, b), out_dtype),
+        scratch_types=[plgpu.SMEM((stages, br, bc), sums[0].dtype),
+                       plgpu.SMEM((stages, br, bc), out_dtype),
+                       plgpu.SMEM(d.shape, jnp.float32),
+                       plgpu.Barrier(num_barriers=stages + 1)],
+        grid=(total, b // bc, a // chunk), grid_names=("k", "j", "c"),
+        interpret=mosaic_interpret_params(interpret), kernel_name="stack_payloads")
+    return kernel(d, *sums)
