@@ -70,3 +70,31 @@ def total_in_value_order(x: jax.Array, axis: int) -> jax.Array:
     input's norm into a 1e-2 change of its output)."""
     return total(jnp.sort(x, axis=axis), axis)
 
+
+def total_in_fixed_order(x: jax.Array, axis: int) -> jax.Array:
+    """:func:`total` over ``axis`` as a pairwise tree of elementwise adds: ``axis`` is padded
+    with zeros to a power of two, then its two halves are added until one entry is left.
+
+    Each sum's bits depend on its terms and their positions along ``axis`` alone, not on the
+    array's other dimensions: XLA reduces a ``(64, 16)`` and a ``(64, 128)`` array in
+    different orders, so a row's plain sum can differ in its last bit between a device's
+    shard and the whole matrix, but it does not reassociate elementwise adds. As many adds
+    as a sum in any order (and the padding's), which XLA fuses (on the CPU: one read of the
+    input and one of a quarter of it).
+    """
+    axis %= x.ndim
+    size = 1 << max(0, (x.shape[axis] - 1).bit_length())
+    if size != x.shape[axis]:
+        pads = [(0, 0, 0)] * x.ndim
+        pads[axis] = (0, size - x.shape[axis], 0)
+        x = jax.lax.pad(x, np.zeros((), x.dtype), pads)
+    while size > 1:
+        size //= 2
+        x = (jax.lax.slice_in_dim(x, 0, size, axis=axis)
+             + jax.lax.slice_in_dim(x, size, 2 * size, axis=axis))
+    return jnp.squeeze(x, axis)
+
+
+def sq_sum_in_fixed_order(x: jax.Array, axis: int) -> jax.Array:
+    """:func:`sq_sum` over ``axis`` added by :func:`total_in_fixed_order`."""
+    return total_in_fixed_order(jax.lax.square(x * np.asarray(_DOWN, x.dtype)), axis)

@@ -59,19 +59,25 @@ def row_sq_sums(m: jax.Array, row_axis: int) -> jax.Array:
     return _norms.sq_sum(m.astype(jnp.float32), 3 - row_axis)
 
 
-def selected_sq_sum(row_sums: jax.Array, rows: jax.Array, valid: jax.Array | None = None, *,
-                    in_value_order: bool = False) -> jax.Array:
+def selected_sq_sum(row_sums: jax.Array, rows: jax.Array, valid: jax.Array | None = None
+                    ) -> jax.Array:
     """The selected rows' :func:`row_sq_sums` summed per batch element, ``(batch,)``: the
     (scaled) ``‖M[I]‖_F²`` of the rows ``rows`` (``(batch, k)`` indices; ``valid`` masks out
-    padding rows). :func:`dion3_jax._norms.norm_from_sq_sum` turns it into the norm.
-    ``in_value_order`` sums them sorted (:func:`dion3_jax._norms.total_in_value_order`), as a
-    mesh under global scope does."""
+    padding rows). :func:`dion3_jax._norms.norm_from_sq_sum` turns it into the norm."""
     picked = jnp.take_along_axis(row_sums, rows, axis=1)
     if valid is not None:
         picked = jnp.where(valid, picked, 0.0)
-    if in_value_order:
-        return _norms.total_in_value_order(picked, 1)
     return jnp.sum(picked, axis=1)
+
+
+def selected_row_sq_sums(m: jax.Array, rows: jax.Array, row_axis: int) -> jax.Array:
+    """:func:`row_sq_sums` of the rows ``rows`` (``(batch, k)``, in range) of ``m``,
+    ``(batch, k)``, each added in a fixed order
+    (:func:`dion3_jax._norms.sq_sum_in_fixed_order`): a row's sum has the same bits whether
+    it is read from a device's shard or from the whole matrix, as a mesh under global scope
+    needs to match one device."""
+    picked = gather_rows(m, rows, row_axis).astype(jnp.float32)
+    return _norms.sq_sum_in_fixed_order(picked, 3 - row_axis)
 
 
 def random_scores(seed: int, count: jax.Array, uid: int, shape: tuple[int, ...],

@@ -74,7 +74,8 @@ class Pick(NamedTuple):
                                 # where the payload pass gathers (``Accumulated.one_pass``)
     sq_sum: jax.Array | None    # full and row-segment units: this device's part of
                                 # Σ (S·2⁻³²)² per matrix (_norms); global-scope row segments:
-                                # per picked row, (batch, pick); others: _batch_sq_sums
+                                # per picked row, (batch, pick), each in a fixed order
+                                # (_selection.selected_row_sq_sums); others: _batch_sq_sums
     counts: jax.Array | None = None  # global-scope row segments: (batch, W) selected rows
                                      # per device (_selection.rows_per_device)
 
@@ -298,8 +299,8 @@ def _pick_segment_rows(plan: Plan, u: Unit, m, top, scores, start, row_sums, gat
     clamped = jnp.minimum(rows, n_local - 1)
     if row_sums is None:
         sq = None
-    elif counts is not None:    # summed after the gather, in the one-device order
-        sq = jnp.where(valid, jnp.take_along_axis(row_sums, clamped, axis=1), 0.0)
+    elif counts is not None:    # the one-device bits per row, summed after the gather
+        sq = jnp.where(valid, _selection.selected_row_sq_sums(m, clamped, ra), 0.0)
     else:
         sq = _selection.selected_sq_sum(row_sums, clamped, valid)
     if not gather:
@@ -344,7 +345,8 @@ def _pick(plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
 def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | None:
     """The batch's payloads' (scaled) sums of squares, ``(batch,)``, or None where unknown:
     whole-matrix units take their selected rows' row statistics (one gather and one sum per
-    batch), the others their :attr:`Pick.sq_sum`."""
+    batch; under global scope, their rows' sums in a fixed order added in value order), the
+    others their :attr:`Pick.sq_sum`."""
     u = plan.units[b.uids[0]]
     if u.full and u.uid in acc.one_pass:     # the statistics kernel's row sums
         return _norms.total(_megabatch.stack([acc.row_sq[(plan.units[i].leaf,
@@ -353,9 +355,21 @@ def _batch_sq_sums(plan: Plan, acc: Accumulated, b, top, picks) -> jax.Array | N
     if u.shard == "rows" or u.full or u.uid not in plan.row_norm_uids:
         sums = [picks[i].sq_sum for i in b.uids]
         return None if sums[0] is None else _megabatch.stack(sums)
+    if plan.global_scope:
+        return _norms.total_in_value_order(_global_row_sq_sums(plan, acc, b, picks), 1)
     row_sums = _megabatch.stack([acc.row_sq[(plan.units[i].leaf, plan.units[i].block)]
                                  for i in b.uids])
-    return _selection.selected_sq_sum(row_sums, top, in_value_order=plan.global_scope)
+    return _selection.selected_sq_sum(row_sums, top)
+
+
+def _global_row_sq_sums(plan: Plan, acc: Accumulated, b, picks) -> jax.Array:
+    """Global scope: the batch's selected rows' sums of squares, ``(batch, k)``, each added in
+    a fixed order from the gathered rows (:func:`_selection.selected_row_sq_sums`): the bits
+    a mesh gets from its row shards."""
+    return _megabatch.stack([
+        _selection.selected_row_sq_sums(acc.momentum[plan.units[i].leaf][plan.units[i].block],
+                                        picks[i].rows, plan.units[i].layout.row_axis)
+        for i in b.uids])
 
 
 def select(plan: Plan, acc: Accumulated
@@ -414,9 +428,10 @@ def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
 def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
     """‖S‖_F of every all-to-all payload's whole matrix: the devices' partial sums of squares
     all-reduced (one float per matrix; one collective per mesh-axes tuple). Global-scope row
-    segments all-gather their picked rows' sums instead (``pick`` floats per matrix) and add
-    the ``k`` selected ones in the order of their values, as one device under global scope
-    does, so that the polar's input is the one-device input bitwise."""
+    segments all-gather their picked rows' sums instead (``pick`` floats per matrix, each
+    added in a fixed order: the bits of the same row on one device) and add the ``k``
+    selected ones in the order of their values, as one device under global scope does, so
+    that the polar's input is the one-device input bitwise."""
     sel = [j for j, b in enumerate(plan.batches) if _route(plan, b) == "all_to_all"]
     rows = [j for j in sel if sq_sums[j].ndim == 2]
     sel = [j for j in sel if sq_sums[j].ndim == 1]

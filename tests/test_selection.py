@@ -140,9 +140,8 @@ def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
 
 def test_a_sum_in_value_order_does_not_depend_on_the_terms_order():
     """``total_in_value_order`` gives the same bits for any order of the same terms (a mesh
-    under global scope holds the selected rows' sums in another order than one device);
-    ``selected_sq_sum(..., in_value_order=True)`` is that sum of the picked rows. A plain float32
-    sum of the same terms changes its last bit with their order."""
+    under global scope holds the selected rows' sums in another order than one device). A
+    plain float32 sum of the same terms changes its last bit with their order."""
     rng = np.random.default_rng()
     x = (rng.standard_normal((3, 1000)) ** 2 * 10.0 ** rng.uniform(-3, 3, (3, 1000))
          ).astype(np.float32)
@@ -157,7 +156,31 @@ def test_a_sum_in_value_order_does_not_depend_on_the_terms_order():
         plain_moved |= not np.array_equal(np.asarray(plain(y)), np.asarray(plain(x)))
     assert plain_moved
     np.testing.assert_allclose(ref, x.astype(np.float64).sum(1), rtol=1e-5)
-    rows = np.stack([rng.permutation(1000)[:40] for _ in range(3)])
-    picked = _selection.selected_sq_sum(jnp.asarray(x), jnp.asarray(rows), in_value_order=True)
-    np.testing.assert_array_equal(
-        np.asarray(picked), np.asarray(in_order(np.take_along_axis(x, rows, axis=1))))
+
+
+@pytest.mark.parametrize("shape,axis", [((64, 128), 0), ((128, 48), 1)])
+def test_a_sum_in_fixed_order_does_not_depend_on_the_shard(shape, axis):
+    """``sq_sum_in_fixed_order`` of each row of a matrix (a line along ``axis``: 64 entries,
+    or 48 padded to 64) has the same bits whether the whole matrix or one of its 8 shards
+    across the rows is summed, each jitted alone, as a mesh under global scope and one
+    device sum them; within the tree's rounding, ``(log2 64 + 1)`` half ulps (the square
+    and six levels of adds), of the float64 sum. ``selected_row_sq_sums`` of gathered rows
+    has those bits too. XLA's plain reduce (``_norms.sq_sum``) of the shards differs from
+    the whole matrix's in some row's last bit (on the CPU in every draw seen)."""
+    rng = np.random.default_rng()
+    fixed = jax.jit(lambda m: _norms.sq_sum_in_fixed_order(m, axis))
+    plain = jax.jit(lambda m: _norms.sq_sum(m, axis))
+    picked = jax.jit(lambda m, rows: _selection.selected_row_sq_sums(m, rows, 2 - axis))
+    plain_moved = False
+    for _ in range(4):
+        m = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 2, shape)).astype(np.float32)
+        shards = np.split(m, 8, axis=1 - axis)
+        whole = np.asarray(fixed(m))
+        np.testing.assert_array_equal(np.concatenate([fixed(x) for x in shards]), whole)
+        ref = np.sum(np.square(m.astype(np.float64) * 2.0 ** -32), axis=axis)
+        np.testing.assert_allclose(whole, ref, rtol=7 * 2.0 ** -24, atol=0)
+        plain_moved |= not np.array_equal(np.concatenate([plain(x) for x in shards]),
+                                          np.asarray(plain(m)))
+        rows = np.sort(rng.permutation(m.shape[1 - axis])[:16])
+        np.testing.assert_array_equal(np.asarray(picked(m[None], rows[None]))[0], whole[rows])
+    assert plain_moved
