@@ -154,7 +154,7 @@ def test_a_sum_in_value_order_does_not_depend_on_the_terms_order():
         y = np.take_along_axis(x, perm, axis=1)
         np.testing.assert_array_equal(np.asarray(in_order(y)), ref)
         plain_moved |= not np.array_equal(np.asarray(plain(y)), np.asarray(plain(x)))
-    assert plain_moved
+    print("plain reduce depends on the shard here:", plain_moved)
     np.testing.assert_allclose(ref, x.astype(np.float64).sum(1), rtol=1e-5)
 
 
@@ -165,8 +165,9 @@ def test_a_sum_in_fixed_order_does_not_depend_on_the_shard(shape, axis):
     across the rows is summed, each jitted alone, as a mesh under global scope and one
     device sum them; within the tree's rounding, ``(log2 64 + 1)`` half ulps (the square
     and six levels of adds), of the float64 sum. ``selected_row_sq_sums`` of gathered rows
-    has those bits too. XLA's plain reduce (``_norms.sq_sum``) of the shards differs from
-    the whole matrix's in some row's last bit (on the CPU in every draw seen)."""
+    has those bits too. (XLA's plain reduce, ``_norms.sq_sum``, of the shards differed from
+    the whole matrix's in some row's last bit in every draw seen on one CPU; whether it does
+    depends on the CPU, so it is printed, not asserted.)"""
     rng = np.random.default_rng()
     fixed = jax.jit(lambda m: _norms.sq_sum_in_fixed_order(m, axis))
     plain = jax.jit(lambda m: _norms.sq_sum(m, axis))
@@ -183,4 +184,4 @@ def test_a_sum_in_fixed_order_does_not_depend_on_the_shard(shape, axis):
                                           np.asarray(plain(m)))
         rows = np.sort(rng.permutation(m.shape[1 - axis])[:16])
         np.testing.assert_array_equal(np.asarray(picked(m[None], rows[None]))[0], whole[rows])
-    assert plain_moved
+    print("plain reduce depends on the shard here:", plain_moved)
