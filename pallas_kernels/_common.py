@@ -48,6 +48,11 @@ def scales(alpha, beta) -> jax.Array:
     return jnp.stack([jnp.asarray(alpha, jnp.float32), jnp.asarray(beta, jnp.float32)])
 
 
+#: The narrowest minor extent of a Mosaic kernel's block: 16 elements (a TMA box's rows are at
+#: least 16 bytes).
+TMA_MIN_MINOR = 16
+
+
 def pow2_divisor(x: int, cap: int) -> int:
     """The largest power of two up to ``cap`` (a power of two) that divides ``x``."""
     p = cap

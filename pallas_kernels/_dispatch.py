@@ -164,8 +164,8 @@ def resolve_pass(op: str, implementation: str, fits: Mapping[str, bool],
       fits: per kernel the pass has, whether it takes this call's shapes.
       needs: per kernel, what it needs of the call (for the error when it does not fit).
       interpret: run the kernel through an interpreter (CPU tests; every kernel has one).
-      auto: the kernels ``"auto"`` may pick, in order of preference: those on a lowering jax
-        keeps (``"pallas_triton"``, deprecated, is only ever taken by name).
+      auto: the kernels ``"auto"`` may pick, in order of preference (each only where it runs
+        and fits; ``"pallas_triton"`` only where jax still has that lowering).
     """
     if implementation in fits:
         return resolve(op, implementation, supported=tuple(fits), fits=fits[implementation],

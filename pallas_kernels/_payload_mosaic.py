@@ -41,13 +41,11 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from pallas_kernels._common import mosaic_interpret_params, pow2_divisor
+from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
 
 #: A block holds at least this many elements: one per lane of the warpgroup's strided layout
 #: (128 threads), times a vector of 16 bytes at the narrowest dtype.
 _MIN_BLOCK = 128 * 8
-#: The narrowest block along the minor axis: 16 elements (a TMA box's rows are ≥ 16 bytes).
-_MIN_MINOR = 16
 
 
 class MosaicPayloadConfig(NamedTuple):
@@ -72,7 +70,7 @@ def blocks(shape: tuple[int, int], config: MosaicPayloadConfig = MosaicPayloadCo
     it (columns without a power-of-two divisor of at least 16, or a block of fewer than 1024
     elements)."""
     br, bc = pow2_divisor(shape[0], config.rows), pow2_divisor(shape[1], config.cols)
-    if bc < _MIN_MINOR or br * bc < _MIN_BLOCK:
+    if bc < TMA_MIN_MINOR or br * bc < _MIN_BLOCK:
         return None
     return br, bc, max(br, pow2_divisor(shape[0], config.chunk))
 

@@ -43,13 +43,11 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._common import mosaic_interpret_params, pow2_divisor
+from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 
 #: Rows of the ``WGMMA`` register layout: a block's extent along axis 1 is a multiple of it.
 _LAYOUT_ROWS = 64
-#: The narrowest block along the minor axis: 16 elements (a TMA box's rows are ≥ 16 bytes).
-_MIN_MINOR = 16
 
 
 class MosaicRowStatsConfig(NamedTuple):
@@ -90,7 +88,7 @@ def blocks(shape: tuple[int, int], row_axis: int,
     else:
         strip, step, summed = _LAYOUT_ROWS, pow2_divisor(cols, config.step), cols
         minor = step
-    if minor < _MIN_MINOR:
+    if minor < TMA_MIN_MINOR:
         return None
     return strip, step, max(step, pow2_divisor(summed, config.chunk))
 
