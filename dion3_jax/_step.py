@@ -45,11 +45,13 @@ from dion3_jax import _megabatch, _norms, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
 from dion3_jax._plan import Plan, Unit
 
-#: What the payload pass runs for each ``pass_implementation``: ``"mosaic"`` runs it in XLA
-#: (as fast as its Pallas-Triton kernel in the 7B-shapes step at f = 1/4, docs/KERNELS.md; its
-#: Mosaic kernel covers only groups whose every row is selected and is not yet timed on a GPU).
-PAYLOAD_IMPLEMENTATION = {"auto": "auto", "xla": "xla", "mosaic": "xla",
-                          "pallas_triton": "pallas_triton"}
+#: What the payload pass of a group whose every row is selected (``full``) or of selected rows
+#: runs for each ``pass_implementation``: ``"mosaic"`` has a kernel for every row only, and
+#: selected rows go to XLA (as fast as the Pallas-Triton kernel in the 7B-shapes step at
+#: f = 1/4, docs/KERNELS.md).
+PAYLOAD_IMPLEMENTATION = {"auto": ("auto", "auto"), "xla": ("xla", "xla"),
+                          "mosaic": ("mosaic", "xla"),
+                          "pallas_triton": ("pallas_triton", "pallas_triton")}
 
 Blocks = list[list[jax.Array]]
 
@@ -472,7 +474,7 @@ def _one_pass_payloads(plan: Plan, acc: Accumulated, key, uids, norms: dict, row
         [norms[i] + orth.eps for i in uids], out_dtype=orth.input_dtype,
         rows=None if u.full else [rows[i] for i in uids], row_axis=u.layout.row_axis,
         padded=any(plan.units[i].shard == "rows" for i in uids), pad_to=pad_to,
-        implementation=PAYLOAD_IMPLEMENTATION[plan.pass_implementation])
+        implementation=PAYLOAD_IMPLEMENTATION[plan.pass_implementation][0 if u.full else 1])
 
 
 def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:

@@ -318,14 +318,15 @@ def scale_by_dion3(
       pass_implementation: what runs the step's two memory-bound passes over the momentum (the
         statistics pass :func:`pallas_kernels.accumulate_rows` and the payload pass
         :func:`pallas_kernels.stack_payloads`): ``"xla"`` (XLA's fusions, every platform),
-        ``"mosaic"`` (the statistics pass as a Pallas Mosaic GPU kernel, Hopper; the payload
-        pass in XLA, whose speed it matches; every shape group's local matrices must then
-        have a multiple of 64 along axis 1), ``"pallas_triton"`` (both as Pallas kernels
-        through Pallas' Triton lowering, NVIDIA GPUs; jax 0.11 deprecates it and prints a
-        ``DeprecationWarning`` when the step compiles) or ``"auto"``: per pass, the
-        Pallas-Triton kernel where that lowering exists (it is the fastest on the 7B-shapes
-        step), else the Mosaic kernel on Hopper, else XLA (TPUs, CPUs). A named kernel that
-        does not take a group's shape raises ``ValueError``. Independent of the
+        ``"mosaic"`` (Pallas Mosaic GPU kernels, Hopper: the statistics pass, and the payload
+        pass of groups whose every row is selected; the payload of selected rows in XLA,
+        whose speed it matches; every shape group's local matrices must then have a multiple
+        of 64 along axis 1), ``"pallas_triton"`` (both as Pallas kernels through Pallas'
+        Triton lowering, NVIDIA GPUs; jax 0.11 deprecates it and prints a
+        ``DeprecationWarning`` when the step compiles) or ``"auto"``: per pass and shape
+        group, the Mosaic kernel on Hopper where it takes the group (the fastest on the
+        7B-shapes step, docs/KERNELS.md), else XLA (other GPUs, TPUs, CPUs). A named kernel
+        that does not take a group's shape raises ``ValueError``. Independent of the
         orthogonalizer's ``backend``, which picks the polar's products.
 
     Returns:

@@ -27,10 +27,12 @@ next statistics pass as the per-row factor ``d``.
   (``input_output_aliases``); the slot is a run-time operand, so every member of a shape runs the
   same compiled kernel. With ``rows``, each block stores its selected rows (or, for rows along
   the minor axis, columns) at their payload positions under a mask. jax 0.11 deprecates that
-  lowering (compiling prints a ``DeprecationWarning``); ``"auto"`` takes the kernel only where
-  the lowering exists. Both passes in XLA make the 7B-shapes step 3.2% slower at f = 1/4 and
-  1.7% at f = 1 (docs/KERNELS.md), so the kernels stay until their Mosaic GPU port.
-- ``"xla"``: :func:`stack_payloads_reference`, plain jnp (with ``rows``, a gather).
+  lowering (compiling prints a ``DeprecationWarning``), so it runs only when named.
+- ``"mosaic"``: without ``rows``, a Pallas Mosaic GPU kernel (Hopper),
+  :mod:`pallas_kernels._payload_mosaic`; what ``"auto"`` runs for every row on Hopper.
+- ``"xla"``: :func:`stack_payloads_reference`, plain jnp (with ``rows``, a gather); what
+  ``"auto"`` runs for selected rows (XLA fuses the gather, the division and the cast into one
+  pass).
 
 Reference: Amsel et al., *Dion3: Full-Stack Orthogonal Updates*, 2026 (selection and error
 feedback).
@@ -52,8 +54,10 @@ from pallas_kernels import _dispatch, _payload_mosaic
 
 PayloadImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 
-#: The kernels ``"auto"`` takes, in order of preference.
-AUTO = ("pallas_triton",)
+#: The kernels ``"auto"`` takes, in order of preference: the Mosaic kernel (every row; faster
+#: than the Pallas-Triton kernel and XLA, docs/KERNELS.md); selected rows go to XLA, as fast as
+#: the Pallas-Triton kernel in the 7B-shapes step. That kernel runs only when named.
+AUTO = ("mosaic",)
 #: A member's columns must be a multiple of some power of two ≥ 32 (the narrowest block row).
 _MIN_BLOCK_COLS = 32
 
@@ -291,8 +295,8 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
       implementation: ``"pallas_triton"`` (the kernel; NVIDIA GPUs, or ``interpret``; its
         columns ``b`` a multiple of 32), ``"mosaic"`` (the Mosaic GPU kernel,
         :mod:`pallas_kernels._payload_mosaic`; Hopper, or ``interpret``; without ``rows``
-        only), ``"xla"``, or ``"auto"``: the Pallas-Triton kernel where it runs (an NVIDIA
-        GPU, a jax with Pallas' Triton lowering, such columns), else XLA.
+        only), ``"xla"``, or ``"auto"``: the first of :data:`AUTO` that runs here and takes
+        the call (the Mosaic kernel for every row on Hopper), else XLA.
       interpret: run the kernel through Pallas' interpreter (CPU tests).
 
     Returns:

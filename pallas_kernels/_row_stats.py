@@ -24,9 +24,11 @@ pass (so that it did not have to write the momentum a second time). Writing ``S`
 moves four full arrays through memory (``M``, ``G`` and ``S`` here, ``S`` in the payload pass)
 instead of five.
 
+- ``"mosaic"``: a Pallas Mosaic GPU kernel (Hopper), :mod:`pallas_kernels._row_stats_mosaic`;
+  what ``"auto"`` runs on Hopper.
 - ``"pallas_triton"``: a Pallas kernel through Pallas' Triton lowering (NVIDIA GPUs), which jax
-  0.11 deprecates (``"auto"`` takes it only where the lowering exists; see
-  :mod:`pallas_kernels._payload`). One program per chunk of a strip of rows (of
+  0.11 deprecates (compiling it prints a ``DeprecationWarning``), so it runs only when named.
+  One program per chunk of a strip of rows (of
   columns, when the rows lie along the minor axis): it walks its chunk in blocks, writes ``S`` in
   place of ``M`` (``input_output_aliases``) and keeps the sums in registers; the chunks' partial
   sums are added after the launch. Chunks give one matrix enough programs to keep the GPU's
@@ -56,11 +58,10 @@ from pallas_kernels._row_stats_reference import (accumulate_rows_reference, row_
                                                  scaled_sum)
 
 RowStatsImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
-#: The kernels ``"auto"`` takes, in order of preference: the Pallas-Triton kernel while jax has
-#: that lowering (the step's Mosaic passes make the 7B-shapes step 1.0% slower at f = 1/4 and
-#: 1.9% at f = 1, docs/KERNELS.md), the Mosaic kernel on a jax without it (both passes in XLA:
-#: 6.8% slower at f = 1/4, 1.2% at f = 1).
-AUTO = ("pallas_triton", "mosaic")
+#: The kernels ``"auto"`` takes, in order of preference: the Mosaic kernel (faster than the
+#: Pallas-Triton kernel on every 7B-shapes group, docs/KERNELS.md). The Pallas-Triton kernel
+#: runs only when named: its lowering is deprecated.
+AUTO = ("mosaic",)
 
 
 class RowStatsConfig(NamedTuple):

@@ -22,9 +22,10 @@ summed axis through a ring of ``stages`` shared-memory slots: TMA brings the ``M
 blocks in (one barrier each per slot), the warpgroup loads them in the ``WGMMA`` register layout,
 computes ``S`` in float32, stores it to its slot of the ``S`` ring, and TMA writes it back over
 ``M``'s block (the momentum's buffer is passed as a mutable ``jax.Ref``, so the kernel writes
-``S`` in place and the step moves no second copy). The row sums stay in registers (the layout's
-row or column vectors, for rows along axis 1 or 2) and each chunk's partial sums go to a small
-float32 array that XLA adds up after the launch.
+``S`` in place and the step moves no second copy). ``|S|`` and ``(S·2⁻³²)²`` are added up
+elementwise in two block-shaped float32 accumulators in registers; only after the walk does the
+CTA reduce them along the summed axis (so the loop has no cross-lane or cross-warp reduction),
+and each chunk's partial sums go to a small float32 array that XLA adds up after the launch.
 
 Reference: :func:`pallas_kernels._row_stats.accumulate_rows_reference`, the plain jnp form
 (``"xla"``); ``tests/test_row_stats.py`` compares this kernel against it in GPU interpret mode
@@ -134,11 +135,11 @@ def _body(d_gmem, m_gmem, g_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_sm
             fetch(t + stages, slot)
 
         x = s.astype(jnp.float32)
-        return (sums[0] + jnp.sum(jnp.abs(x), axis=summed),
-                sums[1] + jnp.sum(lax.square(x * np.float32(DOWN)), axis=summed))
+        return sums[0] + jnp.abs(x), sums[1] + lax.square(x * np.float32(DOWN))
 
-    zero = plgpu.layout_cast(jnp.zeros((strip,), jnp.float32), vector)
+    zero = plgpu.layout_cast(jnp.zeros(block, jnp.float32), wgmma)
     l1, sq = lax.fori_loop(0, steps, walk, (zero, zero))
+    l1, sq = jnp.sum(l1, axis=summed), jnp.sum(sq, axis=summed)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     v_smem[0], v_smem[1] = l1, sq
     plgpu.commit_smem()

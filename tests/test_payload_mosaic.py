@@ -111,12 +111,16 @@ def test_lowers_for_h200_at_benchmark_shapes_in_one_launch():
 
 
 def test_implementations_resolve():
-    """The Mosaic kernel is taken by name for every row; with ``rows`` it raises; ``"auto"``
-    keeps the Pallas-Triton kernel (the Mosaic one is not yet timed in the step)."""
+    """The Mosaic kernel is taken by name for every row; with ``rows`` it raises; on Hopper
+    ``"auto"`` takes it for every row, XLA for selected rows and for a shape it does not take,
+    and never the Pallas-Triton kernel (only by name)."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         assert _payload.implementation_for((4096, 4096), "mosaic", every_row=True) == "mosaic"
-        assert _payload.implementation_for((4096, 4096), "auto", every_row=True) != "mosaic"
+        assert _payload.implementation_for((4096, 4096), "auto", every_row=True) == "mosaic"
+        assert _payload.implementation_for((4096, 4096), "auto") == "xla"
+        assert _payload.implementation_for((16, 32), "auto", every_row=True) == "xla"
+        assert _payload.implementation_for((16, 32), "pallas_triton") == "pallas_triton"
         with pytest.raises(ValueError, match=r"'mosaic' needs every row \(no rows=\)"):
             _payload.implementation_for((4096, 4096), "mosaic")
     sums, denoms = _members(np.random.default_rng(), (1, 1), (64, 64))

@@ -120,14 +120,17 @@ def test_lowers_for_h200_at_benchmark_shapes_writing_s_in_place():
 
 
 def test_auto_and_named_implementations_resolve():
-    """On an H200 ``"auto"`` takes a kernel for a shape one of them takes (the Mosaic kernel
-    when jax has no Triton lowering, which ``"auto"`` prefers while it exists) and XLA for a
-    shape none takes; a named kernel for a shape it does not take, or on the CPU, raises."""
+    """On an H200 ``"auto"`` takes the Mosaic kernel for a shape it takes and XLA for any
+    other, even one the Pallas-Triton kernel takes (that kernel runs only by name); a named
+    kernel for a shape it does not take, or on the CPU, raises."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
-        assert _row_stats.implementation_for((4096, 4096), 2, "auto") in _row_stats.AUTO
+        assert _row_stats.implementation_for((4096, 4096), 2, "auto") == "mosaic"
+        assert _row_stats.implementation_for((4096, 4096), 1, "auto") == "mosaic"
         assert _row_stats.implementation_for((4096, 4096), 2, "mosaic") == "mosaic"
         assert _row_stats.implementation_for((40, 20), 2, "auto") == "xla"
+        assert _row_stats.implementation_for((40, 64), 2, "auto") == "xla"
+        assert _row_stats.implementation_for((40, 64), 2, "pallas_triton") == "pallas_triton"
         with pytest.raises(ValueError, match=r"'mosaic' needs an extent along axis 1 that is a "
                                              r"multiple of 64.*got \(40, 64\)"):
             _row_stats.implementation_for((40, 64), 2, "mosaic")
@@ -146,14 +149,19 @@ def test_auto_takes_the_mosaic_kernel_on_a_jax_without_the_triton_lowering(monke
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         assert _row_stats.implementation_for((4096, 4096), 2, "auto") == "mosaic"
+        assert _payload.implementation_for((4096, 4096), "auto", every_row=True) == "mosaic"
         assert _payload.implementation_for((4096, 4096), "auto") == "xla"
 
 
-@pytest.mark.parametrize("fraction", [0.25, 1.0])
-def test_the_step_with_mosaic_passes_lowers_without_the_triton_lowering(fraction):
-    """``pass_implementation="mosaic"``: the step lowers for an H200 with the statistics pass as
-    Mosaic GPU kernels and no Pallas-Triton kernel (its payload pass in XLA), and lowering it
-    warns of nothing (the same check sees the Pallas-Triton lowering's deprecation notice)."""
+def _xla_polar():
+    import dion3_jax
+
+    return dion3_jax.make_orthogonalizer(backend="xla")
+
+
+def _step_for_h200(fraction, **kwargs):
+    """The step's StableHLO for an H200 and the warnings raised while lowering it (two shape
+    groups, ``(128, 320)`` and ``(320, 128)``)."""
     import warnings
 
     import dion3_jax
@@ -163,14 +171,46 @@ def test_the_step_with_mosaic_passes_lowers_without_the_triton_lowering(fraction
               "down": jax.ShapeDtypeStruct((320, 128), jnp.float32)}
     with use_abstract_mesh(mesh), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tx = dion3_jax.dion3(0.01, fraction, pass_implementation="mosaic",
-                             orthogonalizer=dion3_jax.make_orthogonalizer(backend="xla"))
+        tx = dion3_jax.dion3(0.01, fraction, **kwargs)
         state = jax.eval_shape(tx.init, params)
         text = jax.jit(tx.update).trace(params, state, params).lower(
             lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 2, text.count("custom_call @mosaic_gpu")
+    return text, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("pass_implementation", ["auto", "mosaic"])
+@pytest.mark.parametrize("fraction", [0.25, 1.0])
+def test_the_step_lowers_for_h200_with_mosaic_passes_and_no_warning(fraction,
+                                                                     pass_implementation):
+    """By default (and with ``"mosaic"``) the step lowers for an H200 with Mosaic GPU kernels
+    for both statistics passes, and at f = 1 for both groups' payload passes too (at f = 1/4
+    the payload of selected rows is XLA's), with no Pallas-Triton kernel, and lowering it warns
+    of nothing (the same check sees the Pallas-Triton lowering's deprecation notice)."""
+    text, caught = _step_for_h200(fraction, pass_implementation=pass_implementation,
+                                  orthogonalizer=_xla_polar())
+    want = 4 if fraction == 1.0 else 2
+    assert text.count("custom_call @mosaic_gpu") == want, text.count("custom_call @mosaic_gpu")
     assert "triton" not in text
-    assert not caught, [str(w.message) for w in caught]
+    assert not caught, caught
+
+
+def test_the_step_with_default_arguments_lowers_for_h200_without_warnings():
+    """Every argument at its default (the polar's products included): no Pallas-Triton kernel
+    and no warning when the step lowers for an H200."""
+    for fraction in (0.25, 1.0):
+        text, caught = _step_for_h200(fraction)
+        assert "custom_call @mosaic_gpu" in text
+        assert "triton" not in text
+        assert not caught, caught
+
+
+def test_the_warning_check_sees_the_triton_lowerings_notice():
+    """The checks above can fail: named, the Pallas-Triton kernels are in the step and their
+    lowering warns."""
+    text, caught = _step_for_h200(1.0, pass_implementation="pallas_triton",
+                                  orthogonalizer=_xla_polar())
+    assert "triton" in text
+    assert any("Pallas Triton backend is deprecated" in w for w in caught), caught
 
 
 @pytest.mark.parametrize("row_axis", [1, 2])
