@@ -17,12 +17,15 @@
 The same op as :func:`pallas_kernels.stack_payloads` without ``rows`` (Dion3 at ``f = 1``, or a
 matrix whose every row is selected): the stack of ``S_i / denoms_i`` in the compute dtype.
 
-One launch for all members of a shape: every matrix of the stack gets its CTAs (a member's
-``S`` is its own operand; the CTA picks it by its matrix index, so only the TMA issue is
-written once per member). A CTA walks a chunk of rows of a column strip in blocks through a
+One launch per member, each the same compiled kernel for all members of a shape (the member's
+position in the stack is a run-time operand): the kernel's code and its compile time do not
+grow with the number of matrices. The first member's launch creates the stack (leaving the
+other matrices unwritten), and the others write into it through a mutable ``jax.Ref``, so no
+launch copies or clears it. A CTA walks a chunk of rows of a column strip in blocks through a
 ring of shared-memory slots: TMA brings ``S``'s block in, the warpgroup divides it by the
 matrix's divisor in float32 and rounds it once to the output dtype, and TMA writes it straight
-into the stack. So the pass reads ``S`` once and writes the payload once, with no concatenation.
+into the stack. So the pass reads ``S`` once and writes the payload once, with no
+concatenation.
 
 Reference: :func:`pallas_kernels._payload.stack_payloads_reference` (``"xla"``);
 ``tests/test_payload_mosaic.py`` compares this kernel against it in GPU interpret mode on the
@@ -32,7 +35,6 @@ CPU.
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import NamedTuple
 
 import jax
@@ -46,6 +48,8 @@ from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_
 #: A block holds at least this many elements: one per lane of the warpgroup's strided layout
 #: (128 threads), times a vector of 16 bytes at the narrowest dtype.
 _MIN_BLOCK = 128 * 8
+#: 4-byte scalars per TMA copy of at least 16 bytes.
+_ALIGN = 4
 
 
 class MosaicPayloadConfig(NamedTuple):
@@ -75,46 +79,82 @@ def blocks(shape: tuple[int, int], config: MosaicPayloadConfig = MosaicPayloadCo
     return br, bc, max(br, pow2_divisor(shape[0], config.chunk))
 
 
-def _body(*refs, batches: tuple[int, ...], block: tuple[int, int], steps: int, stages: int):
-    """One CTA: chunk ``c`` of column strip ``j`` of stack matrix ``k``."""
-    count = len(batches)
-    d_gmem, sums, out_gmem = refs[0], refs[1:1 + count], refs[1 + count]
-    s_smem, o_smem, d_smem, bars = refs[2 + count:]
+def _body(d_gmem, o_gmem, s_gmem, out_gmem, s_smem, p_smem, d_smem, o_smem, bars, *,
+          block: tuple[int, int], steps: int, stages: int):
+    """One CTA: chunk ``c`` of column strip ``j`` of the member's matrix ``k``, written to
+    matrix ``k + offset`` of the stack."""
     k, j, c = lax.axis_index("k"), lax.axis_index("j"), lax.axis_index("c")
-    offsets = tuple(itertools.accumulate(batches, initial=0))
     cols = pl.ds(j * block[1], block[1])
 
     def rows(t):
         return pl.ds((c * steps + t) * block[0], block[0])
 
     def fetch(t, slot):
-        for i, s_gmem in enumerate(sums):
-            @pl.when((k >= offsets[i]) & (k < offsets[i + 1]))
-            def _():
-                plgpu.copy_gmem_to_smem(s_gmem.at[k - offsets[i], rows(t), cols],
-                                        s_smem.at[slot], bars.at[slot])
+        plgpu.copy_gmem_to_smem(s_gmem.at[k, rows(t), cols], s_smem.at[slot], bars.at[slot])
 
     plgpu.copy_gmem_to_smem(d_gmem, d_smem, bars.at[stages])
+    plgpu.copy_gmem_to_smem(o_gmem, o_smem, bars.at[stages + 1])
     for t in range(min(stages, steps)):
         fetch(t, t)
     plgpu.barrier_wait(bars.at[stages])
-    denom = d_smem[k]
+    plgpu.barrier_wait(bars.at[stages + 1])
+    denom, slab = d_smem[k], k + o_smem[0]
 
     @pl.loop(0, steps)
     def _(t):
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(bars.at[slot])
-        payload = (s_smem[slot].astype(jnp.float32) / denom).astype(o_smem.dtype)
+        payload = (s_smem[slot].astype(jnp.float32) / denom).astype(p_smem.dtype)
         plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this slot's last store
-        o_smem[slot] = payload
+        p_smem[slot] = payload
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[slot], out_gmem.at[k, rows(t), cols])
+        plgpu.copy_smem_to_gmem(p_smem.at[slot], out_gmem.at[slab, rows(t), cols])
 
         @pl.when(t + stages < steps)
         def _():
             fetch(t + stages, slot)
 
     plgpu.wait_smem_to_gmem(0)
+
+
+def _member_kernel(s: jax.Array, total: int, out_dtype, config: MosaicPayloadConfig,
+                   interpret, *, into_stack: bool):
+    """The kernel that writes member ``s``'s payloads into a stack of ``total`` matrices: as
+    its output (``into_stack=False``: the stack's other matrices are left unwritten) or into a
+    stack passed as a mutable ``jax.Ref`` (``into_stack=True``)."""
+    batch, a, b = s.shape
+    br, bc, chunk = blocks((a, b), config)
+    stages = min(config.stages, chunk // br)
+    stack = jax.ShapeDtypeStruct((total, a, b), out_dtype)
+    return plgpu.kernel(
+        functools.partial(_body, block=(br, bc), steps=chunk // br, stages=stages),
+        out_type=() if into_stack else stack,
+        scratch_types=[plgpu.SMEM((stages, br, bc), s.dtype),
+                       plgpu.SMEM((stages, br, bc), out_dtype),
+                       plgpu.SMEM((_padded(batch),), jnp.float32),
+                       plgpu.SMEM((_ALIGN,), jnp.int32),
+                       plgpu.Barrier(num_barriers=stages + 2)],
+        grid=(batch, b // bc, a // chunk), grid_names=("k", "j", "c"),
+        interpret=mosaic_interpret_params(interpret), kernel_name="stack_payloads")
+
+
+def _padded(n: int) -> int:
+    """``n`` rounded up to whole TMA copies of 4-byte scalars."""
+    return n + -n % _ALIGN
+
+
+@functools.partial(jax.jit, static_argnames=("total", "out_dtype", "config", "interpret"))
+def _write_member(stack, s, denom, offset, *, total, out_dtype, config, interpret):
+    """Member ``s``'s payloads written at ``offset`` of ``stack`` (None: a new stack). Jitted,
+    so that the members of one shape share one lowering."""
+    d = jnp.pad(jnp.asarray(denom, jnp.float32), (0, -s.shape[0] % _ALIGN),
+                constant_values=1.0)
+    o = jnp.pad(jnp.asarray(offset, jnp.int32)[None], (0, _ALIGN - 1))
+    if stack is None:
+        return _member_kernel(s, total, out_dtype, config, interpret, into_stack=False)(d, o, s)
+    ref = jax.new_ref(stack)
+    _member_kernel(s, total, out_dtype, config, interpret, into_stack=True)(d, o, s, ref)
+    return ref[...]
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -134,20 +174,10 @@ def stack_payloads_mosaic(sums, denoms, *, out_dtype,
     Returns:
       ``(Σ batch_i, a, b)`` in ``out_dtype``.
     """
-    (a, b), batches = sums[0].shape[1:], tuple(s.shape[0] for s in sums)
-    br, bc, chunk = blocks((a, b), config)
-    stages = min(config.stages, chunk // br)
-    total = sum(batches)
-    d = jnp.concatenate([jnp.asarray(x, jnp.float32) for x in denoms])
-    d = jnp.pad(d, (0, -total % 4), constant_values=1.0)  # a TMA copy of ≥ 16 bytes
-    kernel = plgpu.kernel(
-        functools.partial(_body, batches=batches, block=(br, bc), steps=chunk // br,
-                          stages=stages),
-        out_type=jax.ShapeDtypeStruct((total, a, b), out_dtype),
-        scratch_types=[plgpu.SMEM((stages, br, bc), sums[0].dtype),
-                       plgpu.SMEM((stages, br, bc), out_dtype),
-                       plgpu.SMEM(d.shape, jnp.float32),
-                       plgpu.Barrier(num_barriers=stages + 1)],
-        grid=(total, b // bc, a // chunk), grid_names=("k", "j", "c"),
-        interpret=mosaic_interpret_params(interpret), kernel_name="stack_payloads")
-    return kernel(d, *sums)
+    total = sum(s.shape[0] for s in sums)
+    stack, offset = None, 0
+    for s, denom in zip(sums, denoms):
+        stack = _write_member(stack, s, denom, offset, total=total, out_dtype=out_dtype,
+                              config=config, interpret=interpret)
+        offset += s.shape[0]
+    return stack

@@ -21,6 +21,7 @@ a call resolves to.
 """
 
 import functools
+import re
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
@@ -80,10 +81,11 @@ def test_the_op_runs_the_kernel_in_interpret_mode_and_agrees_with_xla():
 
 
 def test_interpreted_kernel_has_no_data_race():
+    """Two members: the launch that creates the stack and the one that writes into it."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-    sums, denoms = _members(np.random.default_rng(), (2,), (64, 64))
+    sums, denoms = _members(np.random.default_rng(), (2, 1), (64, 64))
     jax.block_until_ready(stack_payloads_mosaic(
         sums, denoms, out_dtype=jnp.float16, config=_SMALL,
         interpret=InterpretGPUParams(detect_races=True)))
@@ -99,15 +101,20 @@ def test_blocks():
     assert _payload_mosaic.blocks((8, 64)) is None      # 8 × 64 blocks: 512 elements
 
 
-def test_lowers_for_h200_at_benchmark_shapes_in_one_launch():
+def test_lowers_for_h200_with_two_kernels_for_any_number_of_members():
+    """Three members of the 7B step's MLP shapes lower for an H200 (no GPU needed) to two
+    kernels whatever the member count: one that creates the stack, and one, called for each
+    further member, that writes into the stack in place (the custom call aliases it)."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     fn = jax.jit(functools.partial(stack_payloads_mosaic, out_dtype=jnp.float16))
     for shape in ((4096, 11008), (11008, 4096)):
         with use_abstract_mesh(mesh):
-            text = fn.trace([f32(8, *shape)] * 2, [f32(8)] * 2).lower(
+            text = fn.trace([f32(8, *shape)] * 3, [f32(8)] * 3).lower(
                 lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @mosaic_gpu") == 1
+        assert text.count("custom_call @mosaic_gpu") == 2
+        assert len(re.findall(r"call @_write_member_1\(", text)) == 2
+        assert text.count("output_operand_alias<output_tuple_indices = [], operand_index = 3") == 1
 
 
 def test_implementations_resolve():
