@@ -55,6 +55,10 @@ _ALIGN = 4
 class MosaicPayloadConfig(NamedTuple):
     """The kernel's blocks: the widest powers of two up to these that divide the matrix.
 
+    The defaults were the fastest of eight block shapes on the 7B-shapes groups (one H200;
+    docs/KERNELS.md): 32 × 128 blocks in four slots take 96 KiB of shared memory, so two CTAs
+    share a multiprocessor.
+
     Attributes:
       rows: rows of one block.
       cols: columns of one block (of one CTA's strip).
@@ -63,9 +67,9 @@ class MosaicPayloadConfig(NamedTuple):
     """
 
     rows: int = 32
-    cols: int = 256
-    chunk: int = 256
-    stages: int = 3
+    cols: int = 128
+    chunk: int = 512
+    stages: int = 4
 
 
 def blocks(shape: tuple[int, int], config: MosaicPayloadConfig = MosaicPayloadConfig()

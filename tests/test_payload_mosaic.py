@@ -93,8 +93,8 @@ def test_interpreted_kernel_has_no_data_race():
 
 
 def test_blocks():
-    assert _payload_mosaic.blocks((4096, 11008)) == (32, 256, 256)
-    assert _payload_mosaic.blocks((11008, 4096)) == (32, 256, 256)
+    assert _payload_mosaic.blocks((4096, 11008)) == (32, 128, 512)
+    assert _payload_mosaic.blocks((11008, 4096)) == (32, 128, 256)
     assert _payload_mosaic.blocks((64, 64)) == (32, 64, 64)
     assert _payload_mosaic.blocks((64, 48)) is None     # 32 × 16 blocks: 512 < 1024 elements
     assert _payload_mosaic.blocks((64, 24)) is None     # 8 columns at most: < 16
