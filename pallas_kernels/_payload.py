@@ -54,9 +54,10 @@ from pallas_kernels import _dispatch, _payload_mosaic
 
 PayloadImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 
-#: The kernels ``"auto"`` takes, in order of preference: the Mosaic kernel (every row; faster
-#: than the Pallas-Triton kernel and XLA, docs/KERNELS.md); selected rows go to XLA, as fast as
-#: the Pallas-Triton kernel in the 7B-shapes step. That kernel runs only when named.
+#: The kernels ``"auto"`` takes, in order of preference: the Mosaic kernel (every row; the step
+#: is as fast with it as with the Pallas-Triton kernel, docs/KERNELS.md); selected rows go to
+#: XLA, whose gather is as fast there. The Pallas-Triton kernel runs only when named: its
+#: lowering is deprecated.
 AUTO = ("mosaic",)
 #: A member's columns must be a multiple of some power of two ≥ 32 (the narrowest block row).
 _MIN_BLOCK_COLS = 32
