@@ -41,6 +41,8 @@ Usage::
     python benchmarks/bench_payload.py                      # GPU: every group and variant
     python benchmarks/bench_payload.py --variants b2048 c256 --fractions 0.25 1
     python benchmarks/bench_payload.py --small              # CPU smoke run (interpreted)
+    python benchmarks/bench_payload.py --fractions 1 --variants default \
+        --mosaic-blocks 32,256,256,3 32,128,512,4           # Mosaic payload block choices
 """
 
 from __future__ import annotations
@@ -173,6 +175,31 @@ def time_every_row(count, shape, implementation, *, reps: int, interpret: bool):
     return _timed(jax.jit(one_pass), _momenta(count, shape), ds, reps=reps)
 
 
+def time_mosaic_blocks(count, shape, config, *, reps: int, interpret: bool):
+    """The Mosaic payload kernel for every row with the blocks ``config``:
+    ``(device ms, wall ms)``."""
+    _, ds = _grads_and_norms(count, shape)
+
+    def one_pass(ss, ds):
+        return _payload_mosaic.stack_payloads_mosaic(ss, ds, out_dtype=jnp.float16,
+                                                     config=config, interpret=interpret)
+
+    return _timed(jax.jit(one_pass), _momenta(count, shape), ds, reps=reps)
+
+
+def _mosaic_block_rows(count, shape, configs, *, reps, interpret):
+    """At f = 1, one row per Mosaic payload kernel block choice that takes the shape."""
+    size = count * shape[0] * shape[1]
+    return [(f"Mosaic payload kernel {c.rows}×{c.cols}, {c.chunk} rows, {c.stages} slots",
+             6 * size, time_mosaic_blocks(count, shape, c, reps=reps, interpret=interpret))
+            for c in configs if _payload_mosaic.blocks(shape, c) is not None]
+
+
+def _mosaic_config(text: str) -> _payload_mosaic.MosaicPayloadConfig:
+    """``"rows,cols,chunk,stages"`` as a config (for ``--mosaic-blocks``)."""
+    return _payload_mosaic.MosaicPayloadConfig(*map(int, text.split(",")))
+
+
 def _extra_rows(f, first, count, shape, *, reps, interpret):
     """The reference rows of one group: XLA's read of ``S``; the statistics pass by each
     implementation (at the first fraction: it does not depend on f); at f = 1 the payload pass
@@ -199,6 +226,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--reps", type=int, default=None, help="synchronized calls (default 10)")
+    p.add_argument("--mosaic-blocks", type=_mosaic_config, nargs="+", default=[],
+                   metavar="ROWS,COLS,CHUNK,STAGES",
+                   help="at f = 1, also time the Mosaic payload kernel with these blocks")
     a = p.parse_args(argv)
     groups, reps = (SMALL, a.reps or 2) if a.small else (FULL, a.reps or 10)
     names = ["default"] + [v for v in a.variants if v != "default"]
@@ -226,6 +256,9 @@ def main(argv=None) -> list[dict]:
                       + ("" if dev is None else f", {dev:.3f} ms device"), flush=True)
             extra = _extra_rows(f, f == a.fractions[0], count, (fan_in, fan_out), reps=reps,
                                 interpret=interpret)
+            if f == 1:
+                extra += _mosaic_block_rows(count, (fan_in, fan_out), a.mosaic_blocks,
+                                            reps=reps, interpret=interpret)
             for label, nbytes, (dev, wall) in extra:
                 rows.append(dict(f=f, group=name, count=count, shape=(fan_in, fan_out),
                                  pick=pick, variant=label, block=None, warps=None,

@@ -190,3 +190,19 @@ def test_polar_dtype_orders_the_dtypes_by_their_rounding():
         assert table[method, "float32"]["distance"] == 0.0
         assert 0 < table[method, "float16"]["distance"] < table[method, "bfloat16"]["distance"]
         assert 0.6 < table[method, "bfloat16"]["sv_min"] and table[method, "bfloat16"]["sv_max"] < 1.4
+
+
+def test_bench_payload_reads_mosaic_blocks_and_skips_those_a_shape_refuses():
+    """``--mosaic-blocks ROWS,COLS,CHUNK,STAGES`` becomes a ``MosaicPayloadConfig``; a block
+    choice the kernel does not take for a group's shape gives that group no row."""
+    from pallas_kernels._payload_mosaic import MosaicPayloadConfig
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_payload
+    finally:
+        sys.path.pop(0)
+    config = bench_payload._mosaic_config("32,128,512,4")
+    assert config == MosaicPayloadConfig(rows=32, cols=128, chunk=512, stages=4)
+    # 8 columns: no power-of-two divisor of at least 16, so no block of this choice fits.
+    assert bench_payload._mosaic_block_rows(1, (64, 24), [config], reps=1, interpret=True) == []
