@@ -60,7 +60,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from dion3_jax._coefficients import get_coefficients
+from dion3_jax.newton_schulz import get_coefficients
 from dion3_jax._selection import num_selected
 from _timing import best_ms_rotated
 from bench_step import FULL, SMALL, model_shapes

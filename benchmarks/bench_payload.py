@@ -197,7 +197,8 @@ def _mosaic_block_rows(count, shape, configs, *, reps, interpret):
 
 def _mosaic_config(text: str) -> _payload_mosaic.MosaicPayloadConfig:
     """``"rows,cols,chunk,stages"`` as a config (for ``--mosaic-blocks``)."""
-    return _payload_mosaic.MosaicPayloadConfig(*map(int, text.split(",")))
+    rows, cols, chunk, stages = map(int, text.split(","))
+    return _payload_mosaic.MosaicPayloadConfig(rows=rows, cols=cols, chunk=chunk, stages=stages)
 
 
 def _extra_rows(f, first, count, shape, *, reps, interpret):

@@ -21,14 +21,14 @@ device time of the group's pass (``_trace.device_ms``), the bandwidth by device 
 per element: ``M`` and ``G`` read, ``S`` written), the ratio to the Triton kernel, and the
 largest relative difference of its row sums from the XLA form's (``S`` is checked bitwise).
 
-Variants: ``triton`` and ``xla`` (the other implementations), ``mosaic`` (the kernel's
+Variants: ``pallas_triton`` and ``xla`` (the other implementations), ``mosaic`` (the kernel's
 ``CONFIGS``) and ``mosaic:STRIP,STEP,CHUNK,STAGES`` (any other block configuration, e.g.
 ``mosaic:64,64,1024,3``).
 
 Usage::
 
     python benchmarks/bench_row_stats.py                      # GPU: default variants
-    python benchmarks/bench_row_stats.py --variants triton mosaic mosaic:64,64,512,3
+    python benchmarks/bench_row_stats.py --variants pallas_triton mosaic mosaic:64,64,512,3
     python benchmarks/bench_row_stats.py --small              # CPU smoke run (interpreted)
 """
 
@@ -54,18 +54,18 @@ from _trace import device_ms
 #: (name, matrices, a, b): the 7B-shapes step's groups, 8 layers.
 FULL = [("q/k/v/o", 32, 4096, 4096), ("gate/up", 16, 4096, 11008), ("down", 8, 11008, 4096)]
 SMALL = [("square", 2, 128, 128), ("wide", 1, 64, 256)]
-DEFAULT_VARIANTS = ["triton", "xla", "mosaic", "mosaic:64,64,512,2", "mosaic:64,64,1024,3",
+DEFAULT_VARIANTS = ["pallas_triton", "xla", "mosaic", "mosaic:64,64,512,2", "mosaic:64,64,1024,3",
                     "mosaic:64,128,512,3", "mosaic:128,64,256,2"]
 
 
 def parse_variant(name: str):
     """``(implementation, Mosaic config or None)`` of a variant's name."""
-    if name in ("triton", "xla", "mosaic"):
-        return {"triton": "pallas_triton"}.get(name, name), None
+    if name in ("pallas_triton", "xla", "mosaic"):
+        return name, None
     if not name.startswith("mosaic:"):
         raise ValueError(f"unknown variant {name!r}")
     strip, step, chunk, stages = (int(x) for x in name.split(":", 1)[1].split(","))
-    return "mosaic", MosaicRowStatsConfig(strip, step, chunk, stages)
+    return "mosaic", MosaicRowStatsConfig(strip=strip, step=step, chunk=chunk, stages=stages)
 
 
 def pass_fn(variant: str, row_axis: int, interpret: bool):
@@ -142,7 +142,7 @@ def main(argv=None) -> list[dict]:
         for name, count, *shape in groups:
             ref = base = None
             for v in variants:
-                if not takes(v, tuple(shape), row_axis) or (interpret and v == "triton"):
+                if not takes(v, tuple(shape), row_axis) or (interpret and v == "pallas_triton"):
                     continue
                 try:
                     dev, (s, sums) = time_variant(v, count, shape, row_axis, reps=reps,
@@ -151,7 +151,7 @@ def main(argv=None) -> list[dict]:
                     print(f"  axis {row_axis} {name} {v}: does not compile: {e}", flush=True)
                     continue
                 ref = (s, sums) if ref is None else ref
-                base = dev if v == "triton" else base
+                base = dev if v == "pallas_triton" else base
                 rows.append(dict(row_axis=row_axis, group=name, count=count, shape=shape,
                                  variant=v, device_ms=dev,
                                  s_same=all(np.array_equal(x, y) for x, y in zip(s, ref[0])),
@@ -161,13 +161,13 @@ def main(argv=None) -> list[dict]:
                       + ("–" if dev is None else f"{dev:.3f} ms"), flush=True)
             for r in rows:
                 if r["group"] == name and r["row_axis"] == row_axis:
-                    r["vs_triton"] = (None if base is None or r["device_ms"] is None
-                                      else r["device_ms"] / base)
-    print("\n| row axis | group | matrices | shape | variant | device ms | GB/s | ÷ triton | "
-          "S bitwise = XLA | sums: max rel. diff from XLA |")
+                    r["vs_pallas_triton"] = (None if base is None or r["device_ms"] is None
+                                             else r["device_ms"] / base)
+    print("\n| row axis | group | matrices | shape | variant | device ms | GB/s | "
+          "÷ pallas_triton | S bitwise = XLA | sums: max rel. diff from XLA |")
     print("|---:|---|---:|---|---|---:|---:|---:|---|---:|")
     for r in rows:
-        dev, ratio = r["device_ms"], r.get("vs_triton")
+        dev, ratio = r["device_ms"], r.get("vs_pallas_triton")
         size = r["count"] * r["shape"][0] * r["shape"][1]
         print(f"| {r['row_axis']} | {r['group']} | {r['count']} | "
               f"{r['shape'][0]}×{r['shape'][1]} | {r['variant']} | "

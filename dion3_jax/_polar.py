@@ -51,8 +51,8 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 
     A 16-bit result is asked of XLA directly (``preferred_element_type=a.dtype``): the GEMM
     accumulates in float32 and writes the rounded result, instead of writing a float32 result
-    that a separate pass converts: bitwise the same on the H200 (``tests/test_kernels_gpu.py``),
-    and about 3 ms less for the 7B-shapes f = 1 step.
+    that a separate pass converts: bitwise the same on a GPU (``tests/test_kernels_gpu.py``),
+    with one pass less over the product.
     """
     if jnp.dtype(a.dtype).itemsize == 2:
         return jnp.einsum("...ik,...kj->...ij", a, b, preferred_element_type=a.dtype)
@@ -72,7 +72,7 @@ def _tall(x: jax.Array) -> bool:
     return x.shape[-2] > x.shape[-1]
 
 
-def _gram(x: jax.Array, backend: str) -> jax.Array:
+def _gram(x: jax.Array, backend: Backend) -> jax.Array:
     """The Gram matrix of the short side: ``X Xᵀ`` of a wide ``x``, ``Xᵀ X`` of a tall one (read
     in place: no transposed copy)."""
     return pallas_kernels.syrk(x, transpose=_tall(x), implementation=backend)
@@ -85,7 +85,7 @@ def _apply(q: jax.Array, x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames="backend")
-def _restart(q: jax.Array, x: jax.Array, backend: str) -> tuple[jax.Array, jax.Array]:
+def _restart(q: jax.Array, x: jax.Array, backend: Backend) -> tuple[jax.Array, jax.Array]:
     """A restart: ``X ← Q X`` and its new Gram matrix."""
     x = _apply(q, x)
     return x, _gram(x, backend)
@@ -115,7 +115,7 @@ def _operands(coeffs: Coefficients, dtype) -> list[_StepCoefficients]:
 
 
 @functools.partial(jax.jit, static_argnames="backend")
-def _standard_step(x: jax.Array, k: _StepCoefficients, backend: str) -> jax.Array:
+def _standard_step(x: jax.Array, k: _StepCoefficients, backend: Backend) -> jax.Array:
     """One standard Newton-Schulz step: ``A = X Xᵀ; X ← (a·I + b·A + c·A²) X``."""
     gram = _gram(x, backend)
     poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=k.abc[2], beta=k.abc[1],
@@ -123,7 +123,7 @@ def _standard_step(x: jax.Array, k: _StepCoefficients, backend: str) -> jax.Arra
     return _apply(_add_to_diagonal(poly, k.diag), x)
 
 
-def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str = "auto"
+def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backend = "auto"
                            ) -> jax.Array:
     """Standard Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, wide or tall.
 
@@ -153,14 +153,14 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: str =
     return x
 
 
-def _next_gram(r: jax.Array, z: jax.Array, a, one, backend: str) -> jax.Array:
+def _next_gram(r: jax.Array, z: jax.Array, a, one, backend: Backend) -> jax.Array:
     """``R``'s next value, ``Z (R Z + a·R) + a·(R Z + a·R)``: two symmetric products."""
     rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
     return pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "update"))
-def _gram_first(r: jax.Array, k: _StepCoefficients, backend: str, update: bool
+def _gram_first(r: jax.Array, k: _StepCoefficients, backend: Backend, update: bool
                 ) -> tuple[jax.Array, jax.Array]:
     """The first Gram Newton-Schulz step after a (re)start: ``Z = b·R + c·R²``, ``Q = Z + a·I``;
     with ``update``, also ``R``'s next value (:func:`_next_gram`)."""
@@ -174,7 +174,7 @@ def _gram_first(r: jax.Array, k: _StepCoefficients, backend: str, update: bool
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "update"))
-def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: str, update: bool
+def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: Backend, update: bool
                ) -> tuple[jax.Array, jax.Array]:
     """A later Gram Newton-Schulz step: ``Z = b·R + c·R²``, ``Q ← Q Z + a·Q``; with
     ``update``, also ``R``'s next value (:func:`_next_gram`)."""
@@ -187,7 +187,7 @@ def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: str, u
 
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
-                       backend: str = "auto") -> jax.Array:
+                       backend: Backend = "auto") -> jax.Array:
     """Gram Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, n ≠ m.
 
     For a wide ``X`` it iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram
@@ -245,14 +245,14 @@ def _padded_shape(n: int, m: int, multiples: tuple[int, int]) -> tuple[int, int]
     return rows, max(m + -m % depth, rows)
 
 
-def _multiples(y: jax.Array, backend: str) -> tuple[int, int] | None:
+def _multiples(y: jax.Array, backend: Backend) -> tuple[int, int] | None:
     """The kernels' ``(tile, depth)`` padding multiples for ``y``'s Gram matrix, or None (XLA)."""
     b, n, m = y.shape
     gram_operand = (b, m, n) if n > m else (b, n, m)
     return pallas_kernels.padding_multiples(gram_operand, y.dtype, backend)
 
 
-def iteration_shape(shape: tuple[int, int, int], dtype, backend: str) -> tuple[int, int]:
+def iteration_shape(shape: tuple[int, int, int], dtype, backend: Backend) -> tuple[int, int]:
     """The ``(rows, cols)`` the iteration runs on for a ``(B, n, m)`` batch in ``dtype`` (the
     compute dtype): ``(n, m)`` zero-padded to the kernels' tile multiples, ``(n, m)`` on XLA.
 
@@ -264,7 +264,7 @@ def iteration_shape(shape: tuple[int, int, int], dtype, backend: str) -> tuple[i
 
 
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
-             backend: str, multiples: tuple[int, int] | None) -> jax.Array:
+             backend: Backend, multiples: tuple[int, int] | None) -> jax.Array:
     """Newton-Schulz on the normalized batch ``y`` of shape ``(B, n, m)``, wide or tall.
 
     With ``multiples`` (the kernels' tile multiples, :func:`_multiples`), ``y`` is zero-padded

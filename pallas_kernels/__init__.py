@@ -15,17 +15,20 @@
 """Kernels of Dion3's step: symmetric matrix products for Gram Newton-Schulz, and the payload pass.
 
 ``syrk(x) = x xᵀ`` and ``sym_matmul(a, b, c) = α·a·b + β·c`` for products known to be symmetric.
-``implementation`` picks the backend: ``"xla"`` (plain jnp, always available), ``"mosaic"`` (Pallas
+``implementation`` picks what runs: ``"xla"`` (plain jnp, always available), ``"mosaic"`` (Pallas
 Mosaic GPU, Hopper), ``"jax_triton"`` (jax-triton) or ``"auto"``.
 
 ``accumulate_rows`` writes the summed momentum ``S = d ⊙ M + G`` with each row's ℓ1 norm and sum of
 squares (the statistics pass); ``stack_payloads`` writes the selected rows of ``S``, normalized,
-into one stack (the payload pass). Both are Pallas kernels on NVIDIA GPUs, or XLA.
+into one stack (the payload pass). Both take ``"xla"``, ``"mosaic"`` (Pallas Mosaic GPU, Hopper;
+the payload pass for every row only), ``"pallas_triton"`` (Pallas' deprecated Triton lowering,
+only when named) or ``"auto"``.
 """
 
 from pallas_kernels._api import (TILE_MULTIPLES, available_implementations, padding_multiples,
                                  sym_matmul, syrk)
-from pallas_kernels._payload import stack_payloads, stack_payloads_reference
+from pallas_kernels._payload import stack_payloads
+from pallas_kernels._payload_reference import stack_payloads_reference
 from pallas_kernels._row_stats import accumulate_rows, accumulate_rows_reference, scaled_sum
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 

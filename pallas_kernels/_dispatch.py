@@ -21,8 +21,8 @@ Every op (``syrk``, ``sym_matmul``, ``accumulate_rows``, ``stack_payloads``) tak
 - ``"mosaic"``: a Pallas kernel through the Mosaic GPU lowering (Hopper, sm_90).
 - ``"jax_triton"``: a Triton kernel called through the ``jax_triton`` package (NVIDIA GPUs).
 - ``"pallas_triton"``: a Pallas kernel through Pallas' Triton lowering (NVIDIA GPUs), which jax
-  0.11 deprecates. ``"auto"`` takes it (for the two elementwise passes) only where jax still
-  has that lowering.
+  0.11 deprecates. The two elementwise passes have such kernels; ``"auto"`` never takes them,
+  so they run only when named.
 - ``"auto"``: the op's preferred implementation that runs on the target device, else ``"xla"``.
   On a TPU or CPU this is always ``"xla"``.
 
@@ -165,7 +165,7 @@ def resolve_pass(op: str, implementation: str, fits: Mapping[str, bool],
       needs: per kernel, what it needs of the call (for the error when it does not fit).
       interpret: run the kernel through an interpreter (CPU tests; every kernel has one).
       auto: the kernels ``"auto"`` may pick, in order of preference (each only where it runs
-        and fits; ``"pallas_triton"`` only where jax still has that lowering).
+        and fits).
     """
     if implementation in fits:
         return resolve(op, implementation, supported=tuple(fits), fits=fits[implementation],

@@ -40,17 +40,17 @@ feedback).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _dispatch, _payload_mosaic
+from pallas_kernels._payload_reference import split, stack_payloads_reference
 
 PayloadImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 
@@ -63,7 +63,8 @@ AUTO = ("mosaic",)
 _MIN_BLOCK_COLS = 32
 
 
-class PayloadConfig(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PayloadConfig:
     """The kernel's launch parameters (the defaults are what :func:`stack_payloads` runs;
     ``benchmarks/bench_payload.py`` times others).
 
@@ -110,51 +111,10 @@ def _positions(rows: jax.Array, n: int) -> jax.Array:
                                              unique_indices=True, mode="drop"))(pos, rows)
 
 
-def _split(x: jax.Array, sizes) -> list[jax.Array]:
-    """Consecutive pieces of ``x`` along axis 0, at run-time offsets (behind an optimization
-    barrier): XLA would otherwise split the scatter that makes ``x`` into one per piece."""
-    offsets = jax.lax.optimization_barrier(
-        [np.int32(o) for o in itertools.accumulate(sizes[:-1], initial=0)])
-    return [jax.lax.dynamic_slice_in_dim(x, o, n, axis=0, allow_negative_indices=False)
-            for o, n in zip(offsets, sizes)]
-
-
 def _member_positions(rows, n: int) -> list[jax.Array]:
     """Per member, its :func:`_positions`: the index work runs once for all members."""
     r = jnp.concatenate(rows)
-    return _split(_positions(r, n), [x.shape[0] for x in rows])
-
-
-def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
-    """Rows ``idx`` (``(batch, pick)``, in range) of each matrix of ``s``, along ``row_axis``."""
-    dn = jax.lax.GatherDimensionNumbers(
-        offset_dims=(3 - row_axis,), collapsed_slice_dims=(row_axis,),
-        start_index_map=(row_axis,), operand_batching_dims=(0,), start_indices_batching_dims=(0,))
-    sizes = [1, 1, 1]
-    sizes[3 - row_axis] = s.shape[3 - row_axis]
-    return jax.lax.gather(s, idx[:, :, None], dn, tuple(sizes),
-                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-
-
-def _select_reference(sums, denoms, rows, row_axis, out_dtype):
-    """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the clamp of the
-    indices, the padding mask, normalization and cast once on the stack."""
-    n, r = sums[0].shape[row_axis], jnp.concatenate(rows)
-    clamped = _split(jnp.minimum(r, n - 1), [x.shape[0] for x in rows])
-    stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, idx in zip(sums, clamped)])
-    valid = jnp.expand_dims(r < n, 3 - row_axis)
-    d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
-    return (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
-
-
-def stack_payloads_reference(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *,
-                             out_dtype, rows: Sequence[jax.Array] | None = None,
-                             row_axis: int = 1) -> jax.Array:
-    """The plain jnp form of :func:`stack_payloads` (the ``"xla"`` implementation)."""
-    if rows is not None:
-        return _select_reference(sums, denoms, rows, row_axis, out_dtype)
-    return jnp.concatenate([(s.astype(jnp.float32) / d.astype(jnp.float32)[:, None, None]
-                             ).astype(out_dtype) for s, d in zip(sums, denoms)])
+    return split(_positions(r, n), [x.shape[0] for x in rows])
 
 
 def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()

@@ -27,15 +27,15 @@ matrix's divisor in float32 and rounds it once to the output dtype, and TMA writ
 into the stack. So the pass reads ``S`` once and writes the payload once, with no
 concatenation.
 
-Reference: :func:`pallas_kernels._payload.stack_payloads_reference` (``"xla"``);
+Reference: :func:`pallas_kernels._payload_reference.stack_payloads_reference` (``"xla"``);
 ``tests/test_payload_mosaic.py`` compares this kernel against it in GPU interpret mode on the
 CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -52,7 +52,8 @@ _MIN_BLOCK = 128 * 8
 _ALIGN = 4
 
 
-class MosaicPayloadConfig(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MosaicPayloadConfig:
     """The kernel's blocks: the widest powers of two up to these that divide the matrix.
 
     The defaults were the fastest of eight block shapes on the 7B-shapes groups (one H200;

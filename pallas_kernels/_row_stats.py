@@ -44,8 +44,9 @@ feedback).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,8 @@ RowStatsImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 AUTO = ("mosaic",)
 
 
-class RowStatsConfig(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RowStatsConfig:
     """The kernel's blocks: the widest powers of two up to these that divide the matrix.
 
     Attributes:

@@ -34,8 +34,8 @@ on the CPU and ``tests/test_kernels_gpu.py`` on a Hopper GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -51,7 +51,8 @@ from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 _LAYOUT_ROWS = 64
 
 
-class MosaicRowStatsConfig(NamedTuple):
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MosaicRowStatsConfig:
     """The kernel's blocks: the widest powers of two up to these that divide the matrix.
 
     Attributes:

@@ -83,7 +83,7 @@ def _kernel():
         import triton
         import triton.language as tl
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ValueError("implementation='triton' needs the triton package") from e
+        raise ValueError("implementation='jax_triton' needs the triton package") from e
 
     @triton.jit
     def symmetric_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, out_ptr, N: tl.constexpr,
@@ -158,8 +158,8 @@ def _jax_triton():
     try:
         import jax_triton
     except ImportError as e:
-        raise ValueError("implementation='triton' needs the jax-triton package (0.3.1 works with "
-                         "triton 3.6): pip install 'jax-triton==0.3.1'") from e
+        raise ValueError("implementation='jax_triton' needs the jax-triton package (0.3.1 works "
+                         "with triton 3.6): pip install 'jax-triton==0.3.1'") from e
     return jax_triton
 
 

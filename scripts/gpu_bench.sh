@@ -15,7 +15,7 @@
 # ==============================================================================
 # The single-GPU measurements of docs/BENCHMARKS.md, each part time-boxed. Runs from the
 # repository root on an NVIDIA GPU machine whose python3 has jax with CUDA; the repository need
-# not be installed (it is put on PYTHONPATH). For the "triton" rows, put a jax-triton wheel in
+# not be installed (it is put on PYTHONPATH). For the "jax_triton" rows, put a jax-triton wheel in
 # $DION3_WHEELS (see docs/KERNELS.md); it is installed into $DION3_SITE.
 #
 #   bash scripts/gpu_bench.sh kernels   # GPU kernel tests + kernel table with variants + polar
@@ -61,7 +61,7 @@ if [ "$1" = --split ]; then
   wait $p1; rc1=$?
   tar czf "$DEST/logs.tgz" -C "$root" gpu0 gpu1 gpu0.log gpu1.log
   cp "$root/gpu0.log" "$root/gpu1.log" "$DEST/"
-  grep -h -E '^== |^\| |passed|failed' "$root/gpu0.log" "$root/gpu1.log" | tail -c 11000
+  grep -h -E '^== |^\| |passed|failed' "$root/gpu0.log" "$root/gpu1.log"
   echo "GPU 0 ($2) rc=$rc0; GPU 1 ($3) rc=$rc1"
   exit $((rc0 || rc1))
 fi
