@@ -18,8 +18,8 @@ kernel's default launch parameters and with variants of them.
 
 Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected along the output
 axis as the step selects them at ``--fractions``) and per variant (a
-``pallas_kernels._payload.PayloadConfig``: the tile and the warps per tile), the table gives the
-block shape, the device time of one group's payload pass (``_trace.device_ms``: the summed GPU
+``pallas_kernels._payload_triton.PayloadConfig``: the tile and the warps per tile), the table
+gives the block shape, the device time of one group's payload pass (``_trace.device_ms``: the summed GPU
 op time of a traced call), the wall time (median of ``--reps`` synchronized calls), the
 bandwidth by device time, and whether the variant's payload stack is bitwise the default's. The
 payload pass reads ``S`` and writes the float16 payloads. Three more rows per group:
@@ -61,8 +61,8 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from dion3_jax._selection import num_selected
 import pallas_kernels
-from pallas_kernels import _payload, _payload_mosaic, _row_stats_mosaic
-from pallas_kernels._payload import PayloadConfig
+from pallas_kernels import _payload_mosaic, _payload_triton, _row_stats_mosaic
+from pallas_kernels._payload_triton import PayloadConfig
 from _timing import median_ms
 from _trace import device_ms
 
@@ -101,7 +101,7 @@ def _rows(count: int, n: int, pick: int, seed: int):
 
 
 def _block(rows: int, cols: int, config: PayloadConfig) -> str:
-    return "×".join(map(str, _payload.block_shape(rows, cols, config)))
+    return "×".join(map(str, _payload_triton.block_shape(rows, cols, config)))
 
 
 def _timed(run, *args, reps: int):
@@ -132,8 +132,9 @@ def time_group(count, shape, pick, config, *, reps: int, interpret: bool):
 
     def one_pass(ss, ds):  # (the inputs are arguments: as constants they would be embedded
         #                     in the program, gigabytes of it)
-        return _payload._stack_with_kernel(ss, ds, out_dtype=jnp.float16, rows=rows, row_axis=2,
-                                           padded=False, interpret=interpret, config=config)
+        return _payload_triton.stack_payloads_triton(ss, ds, out_dtype=jnp.float16, rows=rows,
+                                                     row_axis=2, padded=False,
+                                                     interpret=interpret, config=config)
 
     run, ss = jax.jit(one_pass), _momenta(count, shape)
     return np.asarray(run(ss, ds)), *_timed(run, ss, ds, reps=reps)

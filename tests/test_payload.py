@@ -34,8 +34,8 @@ import dion3_jax
 import pallas_kernels
 from dion3_jax import _step
 from pallas_kernels import stack_payloads, stack_payloads_reference
-from pallas_kernels import _payload
-from pallas_kernels._payload import PayloadConfig, block_shape
+from pallas_kernels import _payload_triton
+from pallas_kernels._payload_triton import PayloadConfig, block_shape
 
 
 def _members(seed, batches, rows, cols, dtype=jnp.float32):
@@ -164,8 +164,9 @@ def test_launch_parameters_do_not_change_the_result(row_axis):
                                                (8, 32)[row_axis - 1], padded=False)
     configs = (PayloadConfig(), PayloadConfig(block_elements=512, max_block_cols=32, num_warps=8))
     outs = [jax.jit(functools.partial(
-        _payload._stack_with_kernel, out_dtype=jnp.float16, rows=rows, row_axis=row_axis or 1,
-        padded=False, interpret=True, config=c))(sums, ds) for c in configs]
+        _payload_triton.stack_payloads_triton, out_dtype=jnp.float16, rows=rows,
+        row_axis=row_axis or 1, padded=False, interpret=True, config=c))(sums, ds)
+        for c in configs]
     assert block_shape(32, 128, configs[1]) == (16, 32)
     for out in outs[1:]:
         np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))

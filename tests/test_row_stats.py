@@ -32,7 +32,7 @@ import pytest
 import dion3_jax
 import pallas_kernels
 from dion3_jax import _step
-from pallas_kernels import _row_stats, accumulate_rows, accumulate_rows_reference
+from pallas_kernels import _row_stats_triton, accumulate_rows, accumulate_rows_reference
 
 
 def _inputs(seed, shape, row_axis, m_dtype=jnp.float32, g_dtype=jnp.float32):
@@ -112,15 +112,15 @@ def test_reference_sums_are_the_steps_row_sums(row_axis):
 
 
 def test_blocks():
-    assert _row_stats.blocks((4096, 11008), 2) == (64, 32, 128)
-    assert _row_stats.blocks((11008, 4096), 2) == (64, 32, 128)     # 11008 = 86 · 128
-    assert _row_stats.blocks((11008, 4096), 1) == (8, 512, 2048)
-    assert _row_stats.blocks((24, 48), 2) == (16, 8, 8)
-    assert _row_stats.blocks((40, 48), 1) == (8, 16, 16)
-    assert _row_stats.blocks((64, 20), 2) is None      # 20 columns: no power-of-two ≥ 16
-    assert _row_stats.blocks((20, 8), 1) is None
-    config = _row_stats.RowStatsConfig(strip=32, step=8, chunk=16)
-    assert _row_stats.blocks((64, 64), 2, config) == (32, 8, 16)
+    assert _row_stats_triton.blocks((4096, 11008), 2) == (64, 32, 128)
+    assert _row_stats_triton.blocks((11008, 4096), 2) == (64, 32, 128)     # 11008 = 86 · 128
+    assert _row_stats_triton.blocks((11008, 4096), 1) == (8, 512, 2048)
+    assert _row_stats_triton.blocks((24, 48), 2) == (16, 8, 8)
+    assert _row_stats_triton.blocks((40, 48), 1) == (8, 16, 16)
+    assert _row_stats_triton.blocks((64, 20), 2) is None      # 20 columns: no power-of-two ≥ 16
+    assert _row_stats_triton.blocks((20, 8), 1) is None
+    config = _row_stats_triton.RowStatsConfig(strip=32, step=8, chunk=16)
+    assert _row_stats_triton.blocks((64, 64), 2, config) == (32, 8, 16)
 
 
 def test_bad_input_raises():
