@@ -16,8 +16,8 @@
 
 Through GPU interpret mode on the CPU against a float64 computation (fresh inputs; several
 members, chunks and ring turns; non-finite values; the race detector); its lowering for an H200
-at the benchmark's shapes, one launch for all members; the block choice; which implementation
-a call resolves to.
+at the benchmark's shapes, two kernels for any number of members; the block choice; which
+implementation a call resolves to.
 """
 
 import functools
