@@ -180,6 +180,7 @@ def test_bench_kernels_counts_the_products_of_gram_newton_schulz():
         assert counts == {"syrk": 2, "sym_matmul": 14, "matmul": 2}, (shape, counts)
 
 
+@pytest.mark.slow
 def test_polar_dtype_orders_the_dtypes_by_their_rounding():
     """bfloat16 rounds the polar's iteration more than float16; float32 is the reference."""
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -316,9 +316,11 @@ def rel_error(a, b) -> float:
                      / np.linalg.norm(np.asarray(b[k], np.float64))) for k in a)
 
 
-# The fast loop: the default polar; the float32 and SVD polars run with the slow tests.
+# The fast loop: the polar's exact input (identity); the default, float32 and SVD polars run with
+# the slow tests.
 @pytest.mark.parametrize("polar,tol", [
-    ("identity", 1e-6), ("default", 5e-3), pytest.param("float32", 1e-5, marks=pytest.mark.slow),
+    ("identity", 1e-6), pytest.param("default", 5e-3, marks=pytest.mark.slow),
+    pytest.param("float32", 1e-5, marks=pytest.mark.slow),
     pytest.param("svd", 1e-5, marks=pytest.mark.slow)])
 @pytest.mark.usefixtures("default_xla_optimizations")
 def test_global_scope_equals_one_device_and_polar_sees_its_payload(polar, tol):

@@ -350,12 +350,12 @@ def test_gram_ns_adds_the_identity_in_place(restarts):
     assert not re.search(r"\[(2,)?48,48\]\{[0-9,]*\} iota\(", hlo), hlo  # no identity is built
 
 
-# The fast loop: the default (Gram, float16) and standard float32; the rest with the slow tests.
+# The fast loop: the default (Gram, float16); the rest with the slow tests.
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("method,dtype", [
-    ("gram", jnp.float16), ("standard", jnp.float32),
+    ("gram", jnp.float16), pytest.param("standard", jnp.float32, marks=_SLOW),
     pytest.param("gram", jnp.bfloat16, marks=_SLOW), pytest.param("gram", jnp.float32, marks=_SLOW),
     pytest.param("standard", jnp.float16, marks=_SLOW),
     pytest.param("standard", jnp.bfloat16, marks=_SLOW)])

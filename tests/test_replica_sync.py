@@ -204,7 +204,9 @@ def test_float16_replica_wire_sends_16_bits_and_stays_within_its_rounding():
 
 
 @pytest.mark.skipif(PLATFORM is not None, reason="a 1 × 8 mesh of the simulated CPU devices")
-@pytest.mark.parametrize("selection,wire", [("random", None), ("norms", "float16")])
+# The fast loop: norms selection on the float16 wire; random selection with the slow tests.
+@pytest.mark.parametrize("selection,wire", [pytest.param("random", None, marks=pytest.mark.slow),
+                                            ("norms", "float16")])
 def test_one_pod_compiles_and_equals_the_plain_step(selection, wire):
     """A (1, 8) ("dcn", "fsdp") mesh: compressed sync over a replica axis of size 1 (one pod)
     compiles (XLA refuses an all-reduce over a manual axis of size 1, so the library leaves

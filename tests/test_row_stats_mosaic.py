@@ -178,7 +178,9 @@ def _step_for_h200(fraction, **kwargs):
     return text, [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("pass_implementation", ["auto", "mosaic"])
+# The fast loop: the default ("auto"); the named "mosaic" with the slow tests.
+@pytest.mark.parametrize("pass_implementation",
+                         ["auto", pytest.param("mosaic", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fraction", [0.25, 1.0])
 def test_the_step_lowers_for_h200_with_mosaic_passes_and_no_warning(fraction,
                                                                      pass_implementation):
