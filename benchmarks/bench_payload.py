@@ -19,9 +19,9 @@ kernel's default launch parameters and with variants of them.
 Per shape group (its matrices in Flax's ``(in, out)`` layout, the rows selected along the output
 axis as the step selects them at ``--fractions``) and per variant (a
 ``pallas_kernels._payload_triton.PayloadConfig``: the tile and the warps per tile), the table
-gives the block shape, the device time of one group's payload pass (``_trace.device_ms``: the summed GPU
-op time of a traced call), the wall time (median of ``--reps`` synchronized calls), the
-bandwidth by device time, and whether the variant's payload stack is bitwise the default's. The
+gives the block shape, the device time of one group's payload pass (``_trace.device_ms``: the
+summed GPU op time of a traced call), the wall time (median of ``--reps`` synchronized calls),
+the bandwidth by device time, and whether the variant's payload stack is bitwise the default's. The
 payload pass reads ``S`` and writes the float16 payloads. Three more rows per group:
 
 - ``XLA, read only``: a sum over ``S`` that XLA runs as one reduction: the rate a read of the

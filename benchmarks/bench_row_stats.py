@@ -50,9 +50,8 @@ except ImportError:  # running from a source checkout
 from pallas_kernels import _row_stats_mosaic
 from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig
 from _trace import device_ms
+from bench_payload import FULL  # (name, matrices, a, b): the 7B-shapes step's groups
 
-#: (name, matrices, a, b): the 7B-shapes step's groups, 8 layers.
-FULL = [("q/k/v/o", 32, 4096, 4096), ("gate/up", 16, 4096, 11008), ("down", 8, 11008, 4096)]
 SMALL = [("square", 2, 128, 128), ("wide", 1, 64, 256)]
 DEFAULT_VARIANTS = ["pallas_triton", "xla", "mosaic", "mosaic:64,64,512,2", "mosaic:64,64,1024,3",
                     "mosaic:64,128,512,3", "mosaic:128,64,256,2"]

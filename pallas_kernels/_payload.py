@@ -53,6 +53,8 @@ PayloadImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 #: XLA, whose gather is as fast there. The Pallas-Triton kernel runs only when named: its
 #: lowering is deprecated.
 AUTO = ("mosaic",)
+
+
 def _check(sums, denoms, rows, row_axis) -> None:
     if not sums or len(sums) != len(denoms):
         raise ValueError(f"stack_payloads needs as many sums and norms, at least one: got "

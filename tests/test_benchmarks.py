@@ -207,3 +207,20 @@ def test_bench_payload_reads_mosaic_blocks_and_skips_those_a_shape_refuses():
     assert config == MosaicPayloadConfig(rows=32, cols=128, chunk=512, stages=4)
     # 8 columns: no power-of-two divisor of at least 16, so no block of this choice fits.
     assert bench_payload._mosaic_block_rows(1, (64, 24), [config], reps=1, interpret=True) == []
+
+
+def test_bench_row_stats_reads_its_variants():
+    """``mosaic:STRIP,STEP,CHUNK,STAGES`` becomes a Mosaic config; the named implementations
+    pass through; anything else is refused."""
+    from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_row_stats
+    finally:
+        sys.path.pop(0)
+    assert bench_row_stats.parse_variant("pallas_triton") == ("pallas_triton", None)
+    assert bench_row_stats.parse_variant("mosaic:64,64,512,2") == (
+        "mosaic", MosaicRowStatsConfig(strip=64, step=64, chunk=512, stages=2))
+    with pytest.raises(ValueError, match="unknown variant 'triton'"):
+        bench_row_stats.parse_variant("triton")
