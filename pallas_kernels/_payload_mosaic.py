@@ -19,9 +19,9 @@ matrix whose every row is selected): the stack of ``S_i / denoms_i`` in the comp
 
 One launch per member, each the same compiled kernel for all members of a shape (the member's
 position in the stack is a run-time operand): the kernel's code and its compile time do not
-grow with the number of matrices. The first member's launch creates the stack (leaving the
-other matrices unwritten), and the others write into it through a mutable ``jax.Ref``, so no
-launch copies or clears it. A CTA walks a chunk of rows of a column strip in blocks through a
+grow with the number of matrices. The stack starts as an uninitialized buffer
+(``jax.lax.empty``) and every launch writes into it through a mutable ``jax.Ref``, so no launch
+copies or clears it, and one kernel serves every member of a batch size. A CTA walks a chunk of rows of a column strip in blocks through a
 ring of shared-memory slots: TMA brings ``S``'s block in, the warpgroup divides it by the
 matrix's divisor in float32 and rounds it once to the output dtype, and TMA writes it straight
 into the stack. So the pass reads ``S`` once and writes the payload once, with no
@@ -122,18 +122,15 @@ def _body(d_gmem, o_gmem, s_gmem, out_gmem, s_smem, p_smem, d_smem, o_smem, bars
     plgpu.wait_smem_to_gmem(0)
 
 
-def _member_kernel(s: jax.Array, total: int, out_dtype, config: MosaicPayloadConfig,
-                   interpret, *, into_stack: bool):
-    """The kernel that writes member ``s``'s payloads into a stack of ``total`` matrices: as
-    its output (``into_stack=False``: the stack's other matrices are left unwritten) or into a
-    stack passed as a mutable ``jax.Ref`` (``into_stack=True``)."""
+def _member_kernel(s: jax.Array, out_dtype, config: MosaicPayloadConfig, interpret):
+    """The kernel that writes member ``s``'s payloads into a stack passed as a mutable
+    ``jax.Ref``."""
     batch, a, b = s.shape
     br, bc, chunk = blocks((a, b), config)
     stages = min(config.stages, chunk // br)
-    stack = jax.ShapeDtypeStruct((total, a, b), out_dtype)
     return plgpu.kernel(
         functools.partial(_body, block=(br, bc), steps=chunk // br, stages=stages),
-        out_type=() if into_stack else stack,
+        out_type=(),
         scratch_types=[plgpu.SMEM((stages, br, bc), s.dtype),
                        plgpu.SMEM((stages, br, bc), out_dtype),
                        plgpu.SMEM((_padded(batch),), jnp.float32),
@@ -148,17 +145,15 @@ def _padded(n: int) -> int:
     return n + -n % _ALIGN
 
 
-@functools.partial(jax.jit, static_argnames=("total", "out_dtype", "config", "interpret"))
-def _write_member(stack, s, denom, offset, *, total, out_dtype, config, interpret):
-    """Member ``s``'s payloads written at ``offset`` of ``stack`` (None: a new stack). Jitted,
-    so that the members of one shape share one lowering."""
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _write_member(stack, s, denom, offset, *, config, interpret):
+    """Member ``s``'s payloads written at ``offset`` of ``stack``, in place. Jitted, so that the
+    members of one shape share one lowering."""
     d = jnp.pad(jnp.asarray(denom, jnp.float32), (0, -s.shape[0] % _ALIGN),
                 constant_values=1.0)
     o = jnp.pad(jnp.asarray(offset, jnp.int32)[None], (0, _ALIGN - 1))
-    if stack is None:
-        return _member_kernel(s, total, out_dtype, config, interpret, into_stack=False)(d, o, s)
     ref = jax.new_ref(stack)
-    _member_kernel(s, total, out_dtype, config, interpret, into_stack=True)(d, o, s, ref)
+    _member_kernel(s, stack.dtype, config, interpret)(d, o, s, ref)
     return ref[...]
 
 
@@ -180,9 +175,8 @@ def stack_payloads_mosaic(sums, denoms, *, out_dtype,
       ``(Σ batch_i, a, b)`` in ``out_dtype``.
     """
     total = sum(s.shape[0] for s in sums)
-    stack, offset = None, 0
+    stack, offset = lax.empty((total, *sums[0].shape[1:]), out_dtype), 0
     for s, denom in zip(sums, denoms):
-        stack = _write_member(stack, s, denom, offset, total=total, out_dtype=out_dtype,
-                              config=config, interpret=interpret)
+        stack = _write_member(stack, s, denom, offset, config=config, interpret=interpret)
         offset += s.shape[0]
     return stack

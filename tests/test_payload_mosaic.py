@@ -101,10 +101,10 @@ def test_blocks():
     assert _payload_mosaic.blocks((8, 64)) is None      # 8 × 64 blocks: 512 elements
 
 
-def test_lowers_for_h200_with_two_kernels_for_any_number_of_members():
-    """Three members of the 7B step's MLP shapes lower for an H200 (no GPU needed) to two
-    kernels whatever the member count: one that creates the stack, and one, called for each
-    further member, that writes into the stack in place (the custom call aliases it)."""
+def test_lowers_for_h200_with_one_kernel_for_any_number_of_members():
+    """Three members of the 7B step's MLP shapes lower for an H200 (no GPU needed) to one
+    kernel whatever the member count, called for each member, that writes into an
+    uninitialized stack in place (the custom call aliases it): nothing clears or copies it."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     fn = jax.jit(functools.partial(stack_payloads_mosaic, out_dtype=jnp.float16))
@@ -112,9 +112,10 @@ def test_lowers_for_h200_with_two_kernels_for_any_number_of_members():
         with use_abstract_mesh(mesh):
             text = fn.trace([f32(8, *shape)] * 3, [f32(8)] * 3).lower(
                 lowering_platforms=("cuda",)).as_text()
-        assert text.count("custom_call @mosaic_gpu") == 2
-        assert len(re.findall(r"call @_write_member_1\(", text)) == 2
+        assert text.count("custom_call @mosaic_gpu") == 1
+        assert len(re.findall(r"call @_write_member\(", text)) == 3
         assert text.count("output_operand_alias<output_tuple_indices = [], operand_index = 3") == 1
+        assert text.count("custom_call @AllocateBuffer") == 1
 
 
 def test_implementations_resolve():
