@@ -23,6 +23,9 @@ coefficients.
 Usage:
   python benchmarks/bench_polar.py                  # the 7B model's polar shapes (GPU)
   python benchmarks/bench_polar.py --small          # tiny shapes, a CPU smoke run
+  python benchmarks/bench_polar.py --shapes step --variants gram:float16 standard:float16
+      # the payload stacks of the 7B-shapes step at f = 1, 1/4, 1/8; Gram against standard NS
+  python benchmarks/bench_polar.py --shapes 8x2560x2048 --backends mosaic --no-optax
 """
 
 from __future__ import annotations
@@ -42,6 +45,25 @@ from _trace import device_ms
 
 FULL_SHAPES = [(4096, 4096), (4096, 16384), (8192, 28672), (32, 1024, 4096)]
 SMALL_SHAPES = [(128, 128), (128, 512), (4, 64, 256)]
+#: The polar's inputs in the 7B-shapes step (docs/BENCHMARKS.md), as the step stacks them: Flax
+#: ``(in, out)`` kernels keep the selected rows on the last axis. f = 1/4, f = 1/8 (the selected
+#: axis padded to the kernels' 128-row tiles, as the step writes it), then f = 1.
+STEP_SHAPES = [(32, 4096, 1024), (16, 4096, 2816), (8, 11008, 1024),
+               (32, 4096, 512), (16, 4096, 1408), (8, 11008, 512),
+               (32, 4096, 4096), (16, 4096, 11008), (8, 11008, 4096)]
+DEFAULT_VARIANTS = ("standard:bfloat16", "gram:float16")
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.split("x"))
+
+
+def _variant(text: str) -> tuple[str, str]:
+    method, _, dtype = text.partition(":")
+    if method not in ("gram", "standard") or dtype not in ("float16", "bfloat16", "float32"):
+        raise argparse.ArgumentTypeError(f"want METHOD:DTYPE (gram|standard, float16|bfloat16|"
+                                         f"float32), got {text!r}")
+    return method, dtype
 
 
 def _useful_flops(shape, steps=5) -> float:
@@ -60,8 +82,15 @@ def main(argv=None) -> None:
     p.add_argument("--backends", default="all",
                    help="comma-separated pallas_kernels implementations, or 'all' available")
     p.add_argument("--no-optax", action="store_true", help="skip optax's Newton-Schulz rows")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="BxNxM",
+                   help="shapes to time, or 'step' (the 7B-shapes step's payload stacks)")
+    p.add_argument("--variants", nargs="+", type=_variant, default=None, metavar="METHOD:DTYPE",
+                   help=f"methods and compute dtypes (default: {' '.join(DEFAULT_VARIANTS)})")
     args = p.parse_args(argv)
     shapes = SMALL_SHAPES if args.small else FULL_SHAPES
+    if args.shapes:
+        shapes = [s for t in args.shapes for s in (STEP_SHAPES if t == "step" else [_shape(t)])]
+    methods = args.variants or [_variant(v) for v in DEFAULT_VARIANTS]
     dtype = jnp.dtype(args.dtype)
     dev = jax.devices()[0]
     print(f"# device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
@@ -75,10 +104,7 @@ def main(argv=None) -> None:
         x = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(dtype)
         ref = jax.jit(lambda y: dion3_jax.polar(y.astype(jnp.float32), method="standard",
                                                 compute_dtype=jnp.float32))(x)
-        variants = []
-        for backend in backends:
-            variants.append(("standard", backend, "bfloat16"))
-            variants.append(("gram", backend, "float16"))
+        variants = [(m, backend, cdt) for backend in backends for m, cdt in methods]
         for method, backend, cdt in variants:
             fn = jax.jit(lambda y, m=method, b=backend, c=cdt: dion3_jax.polar(
                 y, method=m, backend=b, compute_dtype=jnp.dtype(c)))
