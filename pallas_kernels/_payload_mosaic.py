@@ -42,6 +42,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
 
@@ -175,7 +176,12 @@ def stack_payloads_mosaic(sums, denoms, *, out_dtype,
       ``(Σ batch_i, a, b)`` in ``out_dtype``.
     """
     total = sum(s.shape[0] for s in sums)
-    stack, offset = lax.empty((total, *sums[0].shape[1:]), out_dtype), 0
+    # Typed like any other array of the current mesh (as jnp.zeros would be): with a type of
+    # its own the stack would make the polar's first products lower second copies of their
+    # kernels under an explicit mesh.
+    replicated = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
+    stack = lax.empty((total, *sums[0].shape[1:]), out_dtype, out_sharding=replicated)
+    offset = 0
     for s, denom in zip(sums, denoms):
         stack = _write_member(stack, s, denom, offset, config=config, interpret=interpret)
         offset += s.shape[0]

@@ -118,6 +118,19 @@ def test_lowers_for_h200_with_one_kernel_for_any_number_of_members():
         assert text.count("custom_call @AllocateBuffer") == 1
 
 
+def test_stack_is_typed_like_the_meshs_other_arrays():
+    """Under an explicit mesh the stack has the type ``jnp.zeros`` would have: an array typed
+    apart (an empty mesh) makes every jitted product that reads it lower a second kernel."""
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    fn = functools.partial(stack_payloads_mosaic, out_dtype=jnp.float16)
+    with use_abstract_mesh(mesh):
+        got = jax.eval_shape(fn, [f32(1, 64, 128)] * 2, [f32(1)] * 2)
+        want = jax.eval_shape(lambda: jnp.zeros((2, 64, 128), jnp.float16))
+    assert got.sharding == want.sharding
+    assert not got.sharding.mesh.empty
+
+
 def test_implementations_resolve():
     """The Mosaic kernel is taken by name for every row; with ``rows`` it raises; on Hopper
     ``"auto"`` takes it for every row, XLA for selected rows and for a shape it does not take,
