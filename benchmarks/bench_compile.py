@@ -29,12 +29,18 @@ round traces anew, so nothing is cached) and a last row per variant gives the me
 stage, the median total and the ratio of the median totals: on a machine whose speed drifts,
 one compile of AdamW is a noisy unit.
 
+With ``--lower-for-h200`` the step is traced and lowered for an NVIDIA H200 (an abstract
+device: no GPU is needed, and nothing is compiled), as the first two stages of the GPU's cold
+start; the table then gives those two stages and the number of Mosaic GPU kernels in the
+lowered module (each adds its own lowering).
+
 Usage::
 
     python benchmarks/bench_compile.py                         # 8 and 32 layers, f = 1 and 1/4
     python benchmarks/bench_compile.py --layers 8 32 96 --fractions 1 0.25
     python benchmarks/bench_compile.py --layers 96 --fractions 0.25 --repeats 3
     python benchmarks/bench_compile.py --layers 2 --d 64 --ff 176   # a small smoke run
+    python benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 --lower-for-h200
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 import optax
 
 try:
@@ -53,13 +61,29 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from bench_step import compile_step, model_shapes
+from bench_step import compile_step, jitted_step, model_shapes
+
+H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
 
 
 def compile_seconds(tx: optax.GradientTransformation, params) -> tuple[float, float, float]:
     """Seconds to trace, lower and compile ``jit(update + apply_updates)`` on abstract leaves
     (``bench_step.compile_step``: the state's shapes from ``jax.eval_shape``)."""
     return tuple(compile_step(tx, params, params)[1])
+
+
+def h200_lowering(tx: optax.GradientTransformation, params) -> tuple[float, float, int]:
+    """Seconds to trace and lower ``jit(update + apply_updates)`` for an abstract H200, and the
+    Mosaic GPU kernels in the lowered module."""
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    with use_abstract_mesh(mesh):
+        state = jax.eval_shape(tx.init, params)
+        t0 = time.perf_counter()
+        traced = jitted_step(tx).trace(params, state, params)
+        t1 = time.perf_counter()
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, text.count("custom_call @mosaic_gpu")
 
 
 def main(argv=None) -> None:
@@ -70,9 +94,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ff", type=int, default=11008, help="MLP width")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default 1)")
+    ap.add_argument("--lower-for-h200", action="store_true",
+                    help="trace and lower for an abstract H200 only; count Mosaic GPU kernels")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {a.repeats}")
+    if a.lower_for_h200:
+        return _h200_table(a)
     print(f"backend: {jax.default_backend()}; d={a.d}, ff={a.ff}; seconds")
     print(f"{'layers':>6} {'optimizer':<21} {'trace':>7} {'lower':>7} {'compile':>8} "
           f"{'total':>8} {'× AdamW':>8}")
@@ -93,6 +121,29 @@ def main(argv=None) -> None:
                 _print_row(layers, f"{name} (median)",
                            [statistics.median(x) for x in zip(*r)], totals[name],
                            totals["adamw"])
+
+
+def _h200_table(a) -> None:
+    """The ``--lower-for-h200`` table: per depth and variant, trace and lowering seconds (and
+    medians over ``--repeats`` interleaved rounds) and the Mosaic GPU kernel count."""
+    print(f"lowered for an abstract NVIDIA H200 on {jax.default_backend()}; d={a.d}, ff={a.ff}; "
+          "seconds")
+    print(f"{'layers':>6} {'optimizer':<21} {'trace':>7} {'lower':>7} {'kernels':>8}")
+    for layers in a.layers:
+        params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
+                  for k, s in model_shapes(layers, a.d, a.ff).items()}
+        variants = [(f"dion3 f={f:g}", dion3_jax.dion3(a.lr, f)) for f in a.fractions]
+        runs = {name: [] for name, _ in variants}
+        for _ in range(a.repeats):
+            for name, tx in variants:
+                runs[name].append(h200_lowering(tx, params))
+                trace, lower, kernels = runs[name][-1]
+                print(f"{layers:>6} {name:<21} {trace:7.2f} {lower:7.2f} {kernels:>8}",
+                      flush=True)
+        for name, r in runs.items() if a.repeats > 1 else ():
+            trace, lower = (statistics.median(x[i] for x in r) for i in (0, 1))
+            print(f"{layers:>6} {name + ' (median)':<21} {trace:7.2f} {lower:7.2f} "
+                  f"{r[0][2]:>8}", flush=True)
 
 
 def _print_row(layers: int, name: str, stages, total: float, adamw_total: float) -> None:
