@@ -143,6 +143,13 @@ def test_scaled_sum_saturates_finite_overflow_only():
     np.testing.assert_array_equal(out[0, :4], [SAT, -SAT, SAT, 2.0])
     assert out[0, 4] == np.inf and out[0, 5] == -np.inf and np.isnan(out[0, 6])
     assert out[0, 7] == SAT
+    # One non-finite operand beside a finite one (of either sign or size) still passes through.
+    finite = jnp.asarray([[1.0, -1.0, 3e38, -3e38]], jnp.float32)
+    for bad in (np.inf, -np.inf, np.nan):
+        bad = jnp.full_like(finite, bad)
+        for m_, g_ in ((bad, finite), (finite, bad)):
+            got = np.asarray(pallas_kernels.scaled_sum(m_, g_, jnp.ones((1, 1))))
+            np.testing.assert_array_equal(got, np.asarray(m_ + g_))
     half = pallas_kernels.scaled_sum(jnp.full((1, 2), 6e4, jnp.float16),
                                      jnp.full((1, 2), 6e4, jnp.float16), jnp.ones((1, 1)))
     assert half.dtype == jnp.float16 and float(half[0, 0]) == 65504.0
