@@ -24,11 +24,13 @@ import functools
 import re
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, use_abstract_mesh
+from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dion3_jax
 from pallas_kernels import _payload, _payload_mosaic, stack_payloads
 from pallas_kernels._payload_mosaic import MosaicPayloadConfig, stack_payloads_mosaic
 
@@ -129,6 +131,24 @@ def test_stack_is_typed_like_the_meshs_other_arrays():
         want = jax.eval_shape(lambda: jnp.zeros((2, 64, 128), jnp.float16))
     assert got.sharding == want.sharding
     assert not got.sharding.mesh.empty
+
+
+@pytest.mark.slow  # the step on a mesh; the fast loop keeps the one-device lowerings above
+def test_the_sharded_step_lowers_one_payload_kernel_per_group_for_h200s():
+    """At f = 1 on an abstract mesh of eight H200s (FSDP-sharded leaves, so the payload pass
+    runs inside the step's ``shard_map``), each shape group's payload pass lowers one kernel
+    into one uninitialized stack."""
+    mesh = AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    shapes = {"q": (1024, 1024), "up": (1024, 2816), "down": (2816, 1024)}
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+              for k, s in shapes.items()}
+    with use_abstract_mesh(mesh):
+        tx = dion3_jax.dion3(0.01, 1.0)
+        state = jax.eval_shape(tx.init, params)
+        text = jax.jit(tx.update).trace(params, state, params).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert len(set(re.findall(r"func.func private @(_write_member\w*)\(", text))) == 3
+    assert text.count("custom_call @AllocateBuffer") == 3
 
 
 def test_implementations_resolve():
