@@ -24,6 +24,7 @@
 #   bash scripts/gpu_bench.sh host      # device and host time per step, command buffers on/off
 #   bash scripts/gpu_bench.sh payload   # the payload kernel's launch parameters, per shape group
 #   bash scripts/gpu_bench.sh compile   # the step's GPU compile time against AdamW's (8 layers)
+#   bash scripts/gpu_bench.sh polar-shapes   # Gram against standard NS on the step's payloads
 #   bash scripts/gpu_bench.sh step-gram profile kernels-table   # parts run in the given order
 #
 #   bash scripts/gpu_bench.sh --split "kernels" "step-all"   # on a machine of 2 GPUs: the
@@ -114,6 +115,12 @@ case "$PART" in
   profile)  # Where the f = 1/4 step spends its time (jax.profiler, per op kind).
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25
     ;;
+  polar-shapes)  # Gram against standard Newton-Schulz (both float16, Mosaic products) on the
+                 # step's payload stacks at f = 1, 1/4, 1/8 and on an aspect-ratio sweep.
+    run bench_polar_shapes 400 python3 benchmarks/bench_polar.py --shapes step 8x2304x2048 \
+      8x2560x2048 8x3072x2048 8x4096x2048 --variants gram:float16 standard:float16 \
+      --backends mosaic --no-optax --reps 10
+    ;;
   host)  # Device and host time per step, with and without XLA's command buffers (CUDA graphs),
          # AdamW and Dion3 Gram NS (Mosaic) at f = 1, 1/4, 1/8 in one process; then the host's
          # events while the GPU idles before each step, for Dion3 at f = 1/4 and for AdamW.
@@ -140,7 +147,7 @@ case "$PART" in
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | host | payload | compile | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | selection)"
      exit 2 ;;
 esac
 done
