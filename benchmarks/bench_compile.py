@@ -20,6 +20,9 @@ allocated, so the 7B shapes run on any machine. Each variant is ``jit(update +
 apply_updates)`` with donated params and state, as in ``bench_step.py``; the table gives the
 seconds of its three stages, ``jax.jit(...).trace`` (Python), ``.lower`` (StableHLO) and
 ``.compile`` (XLA), their total and the total as a multiple of AdamW's at the same depth.
+With ``--xla-option NAME=VALUE`` every variant is also compiled with those XLA options (rows
+marked ``+opts``, each against AdamW's compile with the same options): on a GPU,
+``xla_gpu_autotune_level=0`` shows the share of XLA's GEMM autotuning.
 
 Dion3 is ``dion3_jax.dion3`` with its defaults (NorMuon, Gram Newton-Schulz in float16) at each
 ``--fractions`` value. The XLA compile time depends on the backend (``jax.default_backend()``,
@@ -41,6 +44,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 96 --fractions 0.25 --repeats 3
     python benchmarks/bench_compile.py --layers 2 --d 64 --ff 176   # a small smoke run
     python benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 --lower-for-h200
+    python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
 """
 
 from __future__ import annotations
@@ -61,15 +65,17 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from bench_step import compile_step, jitted_step, model_shapes
+from bench_step import compile_step, jitted_step, model_shapes, xla_options
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
 
 
-def compile_seconds(tx: optax.GradientTransformation, params) -> tuple[float, float, float]:
+def compile_seconds(tx: optax.GradientTransformation, params, options=None
+                    ) -> tuple[float, float, float]:
     """Seconds to trace, lower and compile ``jit(update + apply_updates)`` on abstract leaves
-    (``bench_step.compile_step``: the state's shapes from ``jax.eval_shape``)."""
-    return tuple(compile_step(tx, params, params)[1])
+    (``bench_step.compile_step``: the state's shapes from ``jax.eval_shape``), with the XLA
+    compiler ``options`` (a dict; None: XLA's defaults)."""
+    return tuple(compile_step(tx, params, params, options=options)[1])
 
 
 def h200_lowering(tx: optax.GradientTransformation, params) -> tuple[float, float, int]:
@@ -94,6 +100,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ff", type=int, default=11008, help="MLP width")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds (default 1)")
+    ap.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="also compile every variant with these XLA options (repeatable), "
+                         "e.g. xla_gpu_autotune_level=0 for the autotuner's share")
     ap.add_argument("--lower-for-h200", action="store_true",
                     help="trace and lower for an abstract H200 only; count Mosaic GPU kernels")
     a = ap.parse_args(argv)
@@ -101,26 +110,30 @@ def main(argv=None) -> None:
         ap.error(f"--repeats must be at least 1, got {a.repeats}")
     if a.lower_for_h200:
         return _h200_table(a)
+    options = xla_options(a.xla_option)
     print(f"backend: {jax.default_backend()}; d={a.d}, ff={a.ff}; seconds")
-    print(f"{'layers':>6} {'optimizer':<21} {'trace':>7} {'lower':>7} {'compile':>8} "
+    print(f"{'layers':>6} {'optimizer':<29} {'trace':>7} {'lower':>7} {'compile':>8} "
           f"{'total':>8} {'× AdamW':>8}")
     for layers in a.layers:
         params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
                   for k, s in model_shapes(layers, a.d, a.ff).items()}
-        variants = [("adamw", optax.adamw(a.lr))]
-        variants += [(f"dion3 f={f:g}", dion3_jax.dion3(a.lr, f)) for f in a.fractions]
-        runs = {name: [] for name, _ in variants}
+        # Each row's unit is AdamW compiled with the same options (the "adamw" of its tag).
+        builds = [("", None)] + ([(" +opts", options)] if options else [])
+        variants = [("adamw" + tag, tag, optax.adamw(a.lr), opts) for tag, opts in builds]
+        variants += [(f"dion3 f={f:g}" + tag, tag, dion3_jax.dion3(a.lr, f), opts)
+                     for tag, opts in builds for f in a.fractions]
+        runs = {name: [] for name, *_ in variants}
         for _ in range(a.repeats):
-            for name, tx in variants:
-                runs[name].append(compile_seconds(tx, params))
+            for name, tag, tx, opts in variants:
+                runs[name].append(compile_seconds(tx, params, opts))
                 _print_row(layers, name, runs[name][-1], sum(runs[name][-1]),
-                           sum(runs["adamw"][-1]))
+                           sum(runs["adamw" + tag][-1]))
         if a.repeats > 1:
             totals = {name: statistics.median(map(sum, r)) for name, r in runs.items()}
-            for name, r in runs.items():
+            for name, tag, *_ in variants:
                 _print_row(layers, f"{name} (median)",
-                           [statistics.median(x) for x in zip(*r)], totals[name],
-                           totals["adamw"])
+                           [statistics.median(x) for x in zip(*runs[name])], totals[name],
+                           totals["adamw" + tag])
 
 
 def _h200_table(a) -> None:
@@ -148,7 +161,7 @@ def _h200_table(a) -> None:
 
 def _print_row(layers: int, name: str, stages, total: float, adamw_total: float) -> None:
     """One table row: the three stages' seconds, the total and the total over AdamW's."""
-    print(f"{layers:>6} {name:<21} {stages[0]:7.2f} {stages[1]:7.2f} {stages[2]:8.2f} "
+    print(f"{layers:>6} {name:<29} {stages[0]:7.2f} {stages[1]:7.2f} {stages[2]:8.2f} "
           f"{total:8.2f} {total / adamw_total:8.1f}", flush=True)
 
 
