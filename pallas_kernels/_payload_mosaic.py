@@ -21,11 +21,11 @@ One launch per member, each the same compiled kernel for all members of a shape 
 position in the stack is a run-time operand): the kernel's code and its compile time do not
 grow with the number of matrices. The stack starts as an uninitialized buffer
 (``jax.lax.empty``) and every launch writes into it through a mutable ``jax.Ref``, so no launch
-copies or clears it, and one kernel serves every member of a batch size. A CTA walks a chunk of rows of a column strip in blocks through a
-ring of shared-memory slots: TMA brings ``S``'s block in, the warpgroup divides it by the
-matrix's divisor in float32 and rounds it once to the output dtype, and TMA writes it straight
-into the stack. So the pass reads ``S`` once and writes the payload once, with no
-concatenation.
+copies or clears it, and one kernel serves every member of a batch size. A CTA walks a chunk
+of rows of a column strip in blocks through a ring of shared-memory slots: TMA brings ``S``'s
+block in, the warpgroup divides it by the matrix's divisor in float32 and rounds it once to the
+output dtype, and TMA writes it straight into the stack. So the pass reads ``S`` once and
+writes the payload once, with no concatenation.
 
 Reference: :func:`pallas_kernels._payload_reference.stack_payloads_reference` (``"xla"``);
 ``tests/test_payload_mosaic.py`` compares this kernel against it in GPU interpret mode on the

@@ -45,7 +45,7 @@ def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array) -> jax.Array:
     bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
     m, g = m.astype(jnp.float32), g.astype(jnp.float32)
     s = scale.astype(jnp.float32) * m + g
-    # Eight element ops (the compile time of a deep model follows them); a NaN operand makes
+    # Eight element ops, as a deep model's step runs this once per matrix; a NaN operand makes
     # ``s`` NaN, which both branches keep.
     finite = jnp.maximum(jnp.abs(m), jnp.abs(g)) < np.float32(np.inf)
     return lax.select(finite, lax.clamp(-bound, s, bound), s).astype(dtype)
