@@ -16,7 +16,8 @@
 rows of each ``S``, divided by their matrix's divisor and cast, stacked.
 
 This is the ``"xla"`` implementation and the reference the kernels
-(:mod:`pallas_kernels._payload`, :mod:`pallas_kernels._payload_mosaic`) are tested against.
+(:mod:`pallas_kernels._payload_triton`, :mod:`pallas_kernels._payload_mosaic`) are tested
+against.
 """
 
 from __future__ import annotations

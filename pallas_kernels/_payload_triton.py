@@ -169,9 +169,9 @@ def stack_payloads_triton(sums, denoms, *, out_dtype, rows=None, row_axis: int =
                           config: PayloadConfig = PayloadConfig(),
                           zero_from: int | None = None) -> jax.Array:
     """:func:`pallas_kernels.stack_payloads` through the kernel (checked arguments), one launch
-    per member with the launch parameters ``config``. ``zero_from``: the payload rows from it on are padding
-    (``rows`` holds indices ≥ n there), zeroed after the launches unless ``padded`` zeroed the
-    whole stack first."""
+    per member with the launch parameters ``config``. ``zero_from``: the payload rows from it
+    on are padding (``rows`` holds indices ≥ n there), zeroed after the launches unless
+    ``padded`` zeroed the whole stack first."""
     _, a, b = sums[0].shape
     total = sum(s.shape[0] for s in sums)
     part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1

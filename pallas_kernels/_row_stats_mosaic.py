@@ -27,9 +27,9 @@ elementwise in two block-shaped float32 accumulators in registers; only after th
 CTA reduce them along the summed axis (so the loop has no cross-lane or cross-warp reduction),
 and each chunk's partial sums go to a small float32 array that XLA adds up after the launch.
 
-Reference: :func:`pallas_kernels._row_stats.accumulate_rows_reference`, the plain jnp form
-(``"xla"``); ``tests/test_row_stats.py`` compares this kernel against it in GPU interpret mode
-on the CPU and ``tests/test_kernels_gpu.py`` on a Hopper GPU.
+Reference: :func:`pallas_kernels._row_stats_reference.accumulate_rows_reference`, the plain jnp
+form (``"xla"``); ``tests/test_row_stats_mosaic.py`` compares this kernel against it in GPU
+interpret mode on the CPU and ``tests/test_kernels_gpu.py`` on a Hopper GPU.
 """
 
 from __future__ import annotations

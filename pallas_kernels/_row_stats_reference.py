@@ -16,7 +16,8 @@
 M + G`` with each row's ℓ1 norm and scaled sum of squares.
 
 This is the ``"xla"`` implementation and the reference the kernels
-(:mod:`pallas_kernels._row_stats`, :mod:`pallas_kernels._row_stats_mosaic`) are tested against;
+(:mod:`pallas_kernels._row_stats_triton`, :mod:`pallas_kernels._row_stats_mosaic`) are tested
+against;
 :func:`scaled_sum` is also the kernels' own elementwise body.
 """
 
