@@ -32,6 +32,12 @@ round traces anew, so nothing is cached) and a last row per variant gives the me
 stage, the median total and the ratio of the median totals: on a machine whose speed drifts,
 one compile of AdamW is a noisy unit.
 
+With ``--ops N`` the table is instead the compile time of each kind of per-matrix pass the step
+holds, for one 4096×4096 matrix (and ``--d`` as its size): ``N`` independent instances in one
+jitted function, compiled once (XLA:CPU compiles every instance's kernel on its own), in
+milliseconds per instance, with the fusions per instance. It shows which passes a deep model's
+compile pays for per matrix.
+
 With ``--lower-for-h200`` the step is traced and lowered for an NVIDIA H200 (an abstract
 device: no GPU is needed, and nothing is compiled), as the first two stages of the GPU's cold
 start; the table then gives those two stages and the number of Mosaic GPU kernels in the
@@ -45,6 +51,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 2 --d 64 --ff 176   # a small smoke run
     python benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 --lower-for-h200
     python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
+    python benchmarks/bench_compile.py --ops 40             # compile ms per per-matrix pass
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 import optax
 
@@ -65,6 +73,8 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
+import pallas_kernels
+from dion3_jax import _selection
 from bench_step import compile_step, jitted_step, model_shapes, xla_options
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
@@ -105,9 +115,13 @@ def main(argv=None) -> None:
                          "e.g. xla_gpu_autotune_level=0 for the autotuner's share")
     ap.add_argument("--lower-for-h200", action="store_true",
                     help="trace and lower for an abstract H200 only; count Mosaic GPU kernels")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="instead: compile ms per instance of each per-matrix pass (N of each)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {a.repeats}")
+    if a.ops:
+        return _ops_table(a.ops, a.d)
     if a.lower_for_h200:
         return _h200_table(a)
     options = xla_options(a.xla_option)
@@ -157,6 +171,44 @@ def _h200_table(a) -> None:
             trace, lower = (statistics.median(x[i] for x in r) for i in (0, 1))
             print(f"{layers:>6} {name + ' (median)':<21} {trace:7.2f} {lower:7.2f} "
                   f"{r[0][2]:>8}", flush=True)
+
+
+def _per_matrix_passes(d: int) -> dict:
+    """Per kind of per-matrix pass: ``(function of N matrices' inputs, one matrix's inputs)``,
+    the passes in the step's form (a quarter of the rows selected; rows along the minor axis,
+    as in Flax's layout)."""
+    m, k = jax.ShapeDtypeStruct((1, d, d), jnp.float32), d // 4
+    row = jax.ShapeDtypeStruct((1, 1, d), jnp.float32)
+    idx, keep = (jax.ShapeDtypeStruct((1, n), t) for n, t in ((k, jnp.int32), (d, jnp.bool_)))
+    dirs = jax.ShapeDtypeStruct((1, d, k), jnp.float32)
+    return {
+        "S = d ⊙ M + G": (lambda m, g, s: pallas_kernels.scaled_sum(m, g, s), (m, m, row)),
+        "S's two row sums": (lambda m, g, s: pallas_kernels.accumulate_rows_reference(
+            m, g, s[:, 0], row_axis=2)[1:], (m, m, row)),
+        "payload gather S[:, I] → f16": (lambda s, i: (_selection.gather_rows(s, i, 2) / 3.0
+                                                       ).astype(jnp.float16), (m, idx)),
+        "update gather + parameter": (lambda p, o, i, keep: p - 0.01 * _selection.place_rows(
+            o, (i, keep), 2), (m, dirs, jax.ShapeDtypeStruct((1, d), jnp.int32), keep)),
+        "AdamW's update": (lambda p, g, mu, nu: (p - 0.01 * mu / (jnp.sqrt(nu) + 1e-8),
+                                                 0.9 * mu + 0.1 * g, 0.99 * nu + 0.01 * g * g),
+                           (m, m, m, m)),
+        "slice of a per-group array": (lambda x, o: 2.0 * jax.lax.dynamic_slice_in_dim(
+            x, o, 1), (jax.ShapeDtypeStruct((8, d), jnp.float32), np.int32(3))),
+    }
+
+
+def _ops_table(n: int, d: int) -> None:
+    """The ``--ops`` table: per pass, the compile time of ``n`` independent instances."""
+    print(f"backend: {jax.default_backend()}; {d}×{d} matrices, {n} instances per row")
+    print(f"{'pass':<32} {'ms per instance':>16} {'fusions':>8}")
+    for name, (fn, args) in _per_matrix_passes(d).items():
+        many = jax.jit(lambda *xs: [fn(*x) for x in xs])
+        lowered = many.lower(*[args] * n)
+        t0 = time.perf_counter()
+        text = lowered.compile().as_text()
+        ms = (time.perf_counter() - t0) * 1000 / n
+        fusions = text[text.index("ENTRY"):].count(" fusion(") / n
+        print(f"{name:<32} {ms:16.2f} {fusions:8.1f}", flush=True)
 
 
 def _print_row(layers: int, name: str, stages, total: float, adamw_total: float) -> None:

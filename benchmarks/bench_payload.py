@@ -91,13 +91,13 @@ def _grads_and_norms(count: int, shape: tuple[int, int]):
     key = jax.random.key(1)
     gs = [1e-3 * jax.random.normal(jax.random.fold_in(key, i), (1, *shape))
           for i in range(count)]
-    return gs, [jnp.full((1,), 100.0 + i, jnp.float32) for i in range(count)]
+    return gs, 100.0 + jnp.arange(count, dtype=jnp.float32)
 
 
 def _rows(count: int, n: int, pick: int, seed: int):
     rng = np.random.default_rng(seed)
-    return [jnp.asarray(np.sort(rng.choice(n, pick, replace=False))[None], jnp.int32)
-            for _ in range(count)]
+    return jnp.asarray(np.stack([np.sort(rng.choice(n, pick, replace=False))
+                                 for _ in range(count)]), jnp.int32)
 
 
 def _block(rows: int, cols: int, config: PayloadConfig) -> str:

@@ -417,14 +417,28 @@ def _route(plan: Plan, b) -> str:
 
 
 def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
-    """Per unit of a batch on ``route`` whose sums of squares are known (``sq_sums``: per
-    batch), its :func:`_norms.norm_from_sq_sum` (elementwise: once per batch)."""
-    out = {}
-    for b, s in zip(plan.batches, sq_sums):
-        if s is not None and _route(plan, b) == route:
-            norms = _norms.norm_from_sq_sum(s)
-            out.update(zip(b.uids, _megabatch.unstack(norms, _sizes(plan, b.uids), True)))
+    """Per batch on ``route`` whose sums of squares are known (``sq_sums``: per batch; keyed by
+    index in ``plan.batches``), its members' :func:`_norms.norm_from_sq_sum`, ``(batch,)``."""
+    return {j: _norms.norm_from_sq_sum(s) for j, (b, s) in enumerate(zip(plan.batches, sq_sums))
+            if s is not None and _route(plan, b) == route}
+
+
+def _per_unit(plan: Plan, by_batch: dict[int, jax.Array], uids) -> dict[int, jax.Array]:
+    """Per unit of ``uids``, its slice of its batch's array in ``by_batch`` (where there is
+    one): the slices only units that need their own are given."""
+    out, wanted = {}, set(uids)
+    for j, x in by_batch.items():
+        b = plan.batches[j]
+        if wanted.intersection(b.uids):
+            out.update(zip(b.uids, _megabatch.unstack(x, _sizes(plan, b.uids), True)))
     return out
+
+
+def _per_group(plan: Plan, group: int, by_batch) -> jax.Array:
+    """The group's batches' arrays (``by_batch``: per batch index) stacked: the group's members
+    are its batches' members, consecutive and in order."""
+    return _megabatch.stack([by_batch[j] for j, b in enumerate(plan.batches)
+                             if b.group == group])
 
 
 def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
@@ -460,30 +474,24 @@ def _pad_to(orth, u: Unit, total: int, shape: tuple[int, int]) -> int | None:
     return padded[picked]
 
 
-def _one_pass_payloads(plan: Plan, acc: Accumulated, key, uids, norms: dict, rows: dict
+def _one_pass_payloads(plan: Plan, acc: Accumulated, group: int, norms: dict, rows
                        ) -> jax.Array:
     """A group of one-pass units: its stacked normalized payloads, from one read of the units'
-    ``S`` (:func:`pallas_kernels.stack_payloads`, with the units' selected rows ``rows`` unless
-    they are full). An on-device group's stack is padded as the iteration pads it
-    (:func:`_pad_to`; :func:`megabatched_polar` drops the padding from the factors)."""
+    ``S`` (:func:`pallas_kernels.stack_payloads`, with the batches' selected rows ``rows``
+    unless they are full; ``norms``: per batch, ``‖S[I]‖_F``). An on-device group's stack is
+    padded as the iteration pads it (:func:`_pad_to`; :func:`megabatched_polar` drops the
+    padding from the factors)."""
+    key, uids = plan.groups[group]
     orth, u = plan.orthogonalizer, plan.units[uids[0]]
     pad_to = (_pad_to(orth, u, sum(_sizes(plan, uids)), key.shape)
               if key.route == "on_device" and not u.full else None)
     return pallas_kernels.stack_payloads(
         [acc.momentum[plan.units[i].leaf][plan.units[i].block] for i in uids],
-        [norms[i] + orth.eps for i in uids], out_dtype=orth.input_dtype,
-        rows=None if u.full else [rows[i] for i in uids], row_axis=u.layout.row_axis,
+        _per_group(plan, group, norms) + orth.eps, out_dtype=orth.input_dtype,
+        rows=None if u.full else _per_group(plan, group, dict(enumerate(rows))),
+        row_axis=u.layout.row_axis,
         padded=any(plan.units[i].shard == "rows" for i in uids), pad_to=pad_to,
         implementation=PAYLOAD_IMPLEMENTATION[plan.pass_implementation][0 if u.full else 1])
-
-
-def _unit_rows(plan: Plan, rows) -> dict[int, jax.Array]:
-    """Per unit that selects, its selected local rows (``rows``: per batch, :func:`select`)."""
-    out = {}
-    for b, r in zip(plan.batches, rows):
-        if r is not None:
-            out.update(zip(b.uids, _megabatch.unstack(r, _sizes(plan, b.uids))))
-    return out
 
 
 def gather_and_send(plan: Plan, acc: Accumulated, picks: tuple[Pick, ...], rows, sq_sums
@@ -498,23 +506,24 @@ def gather_and_send(plan: Plan, acc: Accumulated, picks: tuple[Pick, ...], rows,
     orth = plan.orthogonalizer
     sent = _sent_norms(plan, sq_sums, picks) if plan.send_normalized else {}
     local = _norms_by_batch(plan, sq_sums, "on_device")
-    unit_rows = _unit_rows(plan, rows)
+    # Per-unit norms only where a group's parts are normalized one by one.
+    many = [i for key, uids in plan.groups if uids[0] not in acc.one_pass for i in uids]
+    local_units, sent_units = _per_unit(plan, local, many), _per_unit(plan, sent, many)
     batches = []
-    for key, uids in plan.groups:
+    for g, (key, uids) in enumerate(plan.groups):
         one_pass = uids[0] in acc.one_pass
         parts = None if one_pass else [_orient(picks[i].payload, plan.units[i].swap)
                                        for i in uids]
         on_device = key.route == "on_device"
-        norms = [local.get(i) for i in uids]
+        norms = [local_units.get(i) for i in uids]
         stacked = None
         normalized = ((key.route == "all_to_all" and plan.send_normalized)
                       or (on_device and one_pass))
         if one_pass:
-            stacked = _one_pass_payloads(plan, acc, key, uids, local if on_device else sent,
-                                         unit_rows)
+            stacked = _one_pass_payloads(plan, acc, g, local if on_device else sent, rows)
         elif normalized:
             stacked = _megabatch.stack([
-                (p.astype(jnp.float32) / (sent[i] + orth.eps)[:, None, None]).astype(
+                (p.astype(jnp.float32) / (sent_units[i] + orth.eps)[:, None, None]).astype(
                     orth.input_dtype) for i, p in zip(uids, parts)])
         elif not (on_device and plan.stack_on_device):
             stacked = _megabatch.stack(parts)
@@ -648,12 +657,12 @@ def _stacked_variance(plan: Plan, b, variance: Blocks) -> jax.Array:
                                          3 - ra) for i in b.uids])
 
 
-def _batch_moments(plan: Plan, beta2, b, variance: Blocks, rows, row_sq: list) -> Moments:
+def _batch_moments(plan: Plan, beta2, b, variance: Blocks, rows, sq: jax.Array) -> Moments:
     """A batch's :class:`Moments` (``rows``: the batch's stacked local rows, None when every
-    row is selected): the variance gather and NorMuon's elementwise EMA once per batch."""
+    row is selected; ``sq``: its factors' :func:`_row_sq`): the variance gather and NorMuon's
+    elementwise EMA once per batch."""
     v = _stacked_variance(plan, b, variance)
     v_sel = v if rows is None else _selection.take_rows(v, jnp.minimum(rows, v.shape[1] - 1))
-    sq = _megabatch.stack([row_sq[i] for i in b.uids])
     v_new, a = _rules.normuon_ema(v_sel.astype(jnp.float32), sq,
                                   plan.units[b.uids[0]].layout.c,
                                   jnp.asarray(beta2, jnp.float32))
@@ -676,17 +685,14 @@ def _new_variance(m: Moments, src, base: jax.Array) -> jax.Array:
     return _selection.place_rows(m.v_new[:, :, None], src, 1, base=base[:, :, None])[:, :, 0]
 
 
-def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> dict[int, jax.Array]:
-    """Per unit ``‖O_i‖²`` of its factors' rows (:func:`_rules.row_sq_norms`, summed over column
-    shards): one reduction per batch, over the batch's factors as the polar wrote them."""
-    sums = batched_psum([
+def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> list[jax.Array]:
+    """Per batch, ``(batch, rows)``: ``‖O_i‖²`` of its factors' rows
+    (:func:`_rules.row_sq_norms`, summed over column shards), one reduction per batch over the
+    batch's factors as the polar wrote them."""
+    return batched_psum([
         (_rules.row_sq_norms(f.factors, f.row_axis),
          plan.units[b.uids[0]].comm if plan.units[b.uids[0]].shard == "cols" else ())
         for b, f in zip(plan.batches, factors)])
-    out = {}
-    for b, s in zip(plan.batches, sums):
-        out.update(zip(b.uids, _megabatch.unstack(s, _sizes(plan, b.uids), True)))
-    return out
 
 
 def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_src
@@ -699,9 +705,8 @@ def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_
     if not plan.normuon:
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
-    row_sq = _row_sq(plan, factors)
-    moments = [_batch_moments(plan, beta2, b, acc.variance, r, row_sq)
-               for b, r in zip(plan.batches, rows)]
+    moments = [_batch_moments(plan, beta2, b, acc.variance, r, sq)
+               for b, r, sq in zip(plan.batches, rows, _row_sq(plan, factors))]
     fros = batched_psum([(_fro_terms(m),
                           units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
                          for b, m in zip(plan.batches, moments)])

@@ -56,25 +56,23 @@ AUTO = ("mosaic",)
 
 
 def _check(sums, denoms, rows, row_axis) -> None:
-    if not sums or len(sums) != len(denoms):
-        raise ValueError(f"stack_payloads needs as many sums and norms, at least one: got "
-                         f"{len(sums)}, {len(denoms)}")
+    if not sums:
+        raise ValueError("stack_payloads needs at least one member")
     if row_axis not in (1, 2):
         raise ValueError(f"row_axis must be 1 or 2, got {row_axis!r}")
-    if rows is not None and len(rows) != len(sums):
-        raise ValueError(f"rows: one array per member, got {len(rows)} for {len(sums)}")
     shape = sums[0].shape[1:]
-    for i, (m, d) in enumerate(zip(sums, denoms)):
+    for i, m in enumerate(sums):
         if m.ndim != 3 or m.shape[1:] != shape:
             raise ValueError(f"member {i}: sums {m.shape} must be (batch, *{shape})")
-        if jnp.shape(d) != m.shape[:1]:
-            raise ValueError(f"member {i}: norms must be ({m.shape[0]},), got {jnp.shape(d)}")
-        if rows is not None and (rows[i].ndim != 2 or rows[i].shape[0] != m.shape[0]
-                                 or rows[i].shape[1] != rows[0].shape[1]
-                                 or not jnp.issubdtype(rows[i].dtype, jnp.integer)):
-            raise ValueError(f"member {i}: rows must be integer ({m.shape[0]}, pick) like the "
-                             f"first member's {rows[0].shape}, got {rows[i].dtype} "
-                             f"{rows[i].shape}")
+    total = sum(m.shape[0] for m in sums)
+    if getattr(denoms, "shape", None) != (total,):
+        raise ValueError(f"denoms must be an array of one divisor per matrix of the stack, "
+                         f"({total},), got {getattr(denoms, 'shape', type(denoms))}")
+    if rows is not None and (getattr(rows, "ndim", None) != 2 or rows.shape[0] != total
+                             or not jnp.issubdtype(rows.dtype, jnp.integer)):
+        raise ValueError(f"rows must be an integer array ({total}, pick), one row of indices "
+                         f"per matrix of the stack, got "
+                         f"{getattr(rows, 'dtype', type(rows))} {getattr(rows, 'shape', '')}")
 
 
 def implementation_for(shape: tuple[int, int], implementation: str, interpret: bool = False,
@@ -96,8 +94,8 @@ def implementation_for(shape: tuple[int, int], implementation: str, interpret: b
                                   auto=AUTO)
 
 
-def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, out_dtype,
-                   rows: Sequence[jax.Array] | None = None, row_axis: int = 1,
+def stack_payloads(sums: Sequence[jax.Array], denoms: jax.Array, *, out_dtype,
+                   rows: jax.Array | None = None, row_axis: int = 1,
                    padded: bool = True, pad_to: int | None = None,
                    implementation: PayloadImplementation = "auto", interpret: bool = False
                    ) -> jax.Array:
@@ -106,15 +104,17 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
     Returns the concatenation along axis 0 of the payloads ``P_i / denoms_i`` (per matrix, in
     float32, cast to ``out_dtype``). Without ``rows`` every row is selected and ``P_i = S_i``;
     with them, ``P_i`` holds the rows ``rows_i`` of ``S_i`` in their order (along ``row_axis``),
-    and zeros where an index is ``≥ n`` (padding), then zero rows up to ``pad_to``.
+    and zeros where an index is ``≥ n`` (padding), then zero rows up to ``pad_to``. The small
+    per-matrix arrays ``denoms`` and ``rows`` come stacked like the result, so that a caller
+    holding them stacked does not slice them per member.
 
     Args:
       sums: the members' summed momenta ``S_i``, each ``(batch_i, a, b)``; one matrix shape for
         all.
-      denoms: per member, ``(batch_i,)`` divisors (``‖P‖_F + ε``).
+      denoms: ``(Σ batch_i,)`` divisors (``‖P‖_F + ε``), one per matrix of the stack.
       out_dtype: the stack's dtype.
-      rows: per member, ``(batch_i, pick)`` distinct integer rows in ``[0, n)`` or ``≥ n``
-        (padding); None: every row.
+      rows: ``(Σ batch_i, pick)``, per matrix of the stack its distinct integer rows in
+        ``[0, n)`` or ``≥ n`` (padding); None: every row.
       row_axis: the axis of the rows (1 or 2; ``n`` is its length).
       padded: whether ``rows`` may hold padding. With False (every index in range) the
         kernel's stack is not zeroed first: every payload row is written by the kernel.
@@ -141,12 +141,12 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
       >>> import jax.numpy as jnp
       >>> from pallas_kernels import stack_payloads
       >>> s = jnp.ones((1, 4, 32))
-      >>> stack = stack_payloads([s, 3 * s], [jnp.full(1, 2.0)] * 2, out_dtype=jnp.float16,
+      >>> stack = stack_payloads([s, 3 * s], jnp.full(2, 2.0), out_dtype=jnp.float16,
       ...                        implementation="xla")
       >>> stack.shape, float(stack[0, 0, 0]), float(stack[1, 0, 0])
       ((2, 4, 32), 0.5, 1.5)
     """
-    sums, denoms = list(sums), list(denoms)
+    sums = list(sums)
     _check(sums, denoms, rows, row_axis)
     pick = _check_pad_to(rows, pad_to)
     _, a, b = sums[0].shape
@@ -167,16 +167,16 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *, ou
                                                  zero_from=pick, interpret=interpret)
 
 
-def _padded_rows(rows, n: int, pad_to: int) -> list[jax.Array]:
+def _padded_rows(rows: jax.Array, n: int, pad_to: int) -> jax.Array:
     """``rows`` followed by distinct padding indices ``n, n + 1, …`` up to ``pad_to`` each."""
-    pad = pad_to - rows[0].shape[1]
-    return [jnp.concatenate([r, jnp.broadcast_to(jnp.arange(n, n + pad, dtype=r.dtype),
-                                                 (r.shape[0], pad))], axis=1) for r in rows]
+    pad = jnp.broadcast_to(jnp.arange(n, n + pad_to - rows.shape[1], dtype=rows.dtype),
+                           (rows.shape[0], pad_to - rows.shape[1]))
+    return jnp.concatenate([rows, pad], axis=1)
 
 
 def _check_pad_to(rows, pad_to) -> int | None:
     """The selected rows' count (None without ``rows``); ``pad_to`` must not be below it."""
-    pick = None if rows is None else rows[0].shape[1]
+    pick = None if rows is None else rows.shape[1]
     if pad_to is not None and (pick is None or pad_to < pick):
         raise ValueError(f"pad_to needs rows and must be at least their count {pick}, got "
                          f"{pad_to=}")

@@ -147,11 +147,12 @@ def _padded(n: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _write_member(stack, s, denom, offset, *, config, interpret):
-    """Member ``s``'s payloads written at ``offset`` of ``stack``, in place. Jitted, so that the
+def _write_member(stack, s, denoms, offset, *, config, interpret):
+    """Member ``s``'s payloads written at ``offset`` of ``stack``, in place, divided by
+    ``denoms[offset : offset + batch]`` (``denoms``: the whole stack's). Jitted, so that the
     members of one shape share one lowering."""
-    d = jnp.pad(jnp.asarray(denom, jnp.float32), (0, -s.shape[0] % _ALIGN),
-                constant_values=1.0)
+    d = jax.lax.dynamic_slice_in_dim(jnp.asarray(denoms, jnp.float32), offset, s.shape[0])
+    d = jnp.pad(d, (0, -s.shape[0] % _ALIGN), constant_values=1.0)
     o = jnp.pad(jnp.asarray(offset, jnp.int32)[None], (0, _ALIGN - 1))
     ref = jax.new_ref(stack)
     _member_kernel(s, stack.dtype, config, interpret)(d, o, s, ref)
@@ -167,7 +168,7 @@ def stack_payloads_mosaic(sums, denoms, *, out_dtype,
 
     Args:
       sums: the members' ``S_i``, each ``(batch_i, a, b)``; one matrix shape and dtype for all.
-      denoms: per member, ``(batch_i,)`` divisors.
+      denoms: ``(Σ batch_i,)`` divisors, one per matrix of the stack.
       out_dtype: the stack's dtype.
       config: the blocks.
       interpret: run through GPU interpret mode (CPU; slow; for tests).
@@ -182,7 +183,7 @@ def stack_payloads_mosaic(sums, denoms, *, out_dtype,
     replicated = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
     stack = lax.empty((total, *sums[0].shape[1:]), out_dtype, out_sharding=replicated)
     offset = 0
-    for s, denom in zip(sums, denoms):
-        stack = _write_member(stack, s, denom, offset, config=config, interpret=interpret)
+    for s in sums:
+        stack = _write_member(stack, s, denoms, offset, config=config, interpret=interpret)
         offset += s.shape[0]
     return stack

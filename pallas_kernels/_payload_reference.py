@@ -53,19 +53,21 @@ def _take_rows(s: jax.Array, idx: jax.Array, row_axis: int) -> jax.Array:
 def _select_reference(sums, denoms, rows, row_axis, out_dtype):
     """:func:`stack_payloads_reference` with ``rows``: the gathers per member, the clamp of the
     indices, the padding mask, normalization and cast once on the stack."""
-    n, r = sums[0].shape[row_axis], jnp.concatenate(rows)
-    clamped = split(jnp.minimum(r, n - 1), [x.shape[0] for x in rows])
+    n = sums[0].shape[row_axis]
+    clamped = split(jnp.minimum(rows, n - 1), [x.shape[0] for x in sums])
     stack = jnp.concatenate([_take_rows(s, idx, row_axis) for s, idx in zip(sums, clamped)])
-    valid = jnp.expand_dims(r < n, 3 - row_axis)
-    d = jnp.concatenate(denoms).astype(jnp.float32)[:, None, None]
-    return (jnp.where(valid, stack, 0).astype(jnp.float32) / d).astype(out_dtype)
+    valid = jnp.expand_dims(rows < n, 3 - row_axis)
+    return _normalized(jnp.where(valid, stack, 0), denoms, out_dtype)
 
 
-def stack_payloads_reference(sums: Sequence[jax.Array], denoms: Sequence[jax.Array], *,
-                             out_dtype, rows: Sequence[jax.Array] | None = None,
-                             row_axis: int = 1) -> jax.Array:
+def _normalized(stack, denoms, out_dtype):
+    return (stack.astype(jnp.float32) / denoms.astype(jnp.float32)[:, None, None]
+            ).astype(out_dtype)
+
+
+def stack_payloads_reference(sums: Sequence[jax.Array], denoms: jax.Array, *, out_dtype,
+                             rows: jax.Array | None = None, row_axis: int = 1) -> jax.Array:
     """The plain jnp form of :func:`stack_payloads` (the ``"xla"`` implementation)."""
     if rows is not None:
         return _select_reference(sums, denoms, rows, row_axis, out_dtype)
-    return jnp.concatenate([(s.astype(jnp.float32) / d.astype(jnp.float32)[:, None, None]
-                             ).astype(out_dtype) for s, d in zip(sums, denoms)])
+    return _normalized(jnp.concatenate(sums), denoms, out_dtype)

@@ -67,10 +67,10 @@ def _positions(rows: jax.Array, n: int) -> jax.Array:
                                              unique_indices=True, mode="drop"))(pos, rows)
 
 
-def _member_positions(rows, n: int) -> list[jax.Array]:
-    """Per member, its :func:`_positions`: the index work runs once for all members."""
-    r = jnp.concatenate(rows)
-    return split(_positions(r, n), [x.shape[0] for x in rows])
+def _member_positions(rows: jax.Array, sizes, n: int) -> list[jax.Array]:
+    """Per member (``sizes``: their batches), its :func:`_positions`: the index work runs once
+    for all members."""
+    return split(_positions(rows, n), sizes)
 
 
 def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
@@ -174,13 +174,13 @@ def stack_payloads_triton(sums, denoms, *, out_dtype, rows=None, row_axis: int =
     ``padded`` zeroed the whole stack first."""
     _, a, b = sums[0].shape
     total = sum(s.shape[0] for s in sums)
-    part = (a, b) if rows is None else ((rows[0].shape[1], b) if row_axis == 1
-                                         else (a, rows[0].shape[1]))
-    denoms = jnp.concatenate([jnp.asarray(d, jnp.float32) for d in denoms])  # one small op
+    part = (a, b) if rows is None else ((rows.shape[1], b) if row_axis == 1
+                                         else (a, rows.shape[1]))
+    denoms = jnp.asarray(denoms, jnp.float32)
     # Payload rows of padding indices are never written: the stack starts zeroed then.
     stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
     pos = ([None] * len(sums) if rows is None
-           else _member_positions(rows, sums[0].shape[row_axis]))
+           else _member_positions(rows, [s.shape[0] for s in sums], sums[0].shape[row_axis]))
     slot = 0
     for s, p in zip(sums, pos):
         stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, s, p, total=total,

@@ -54,6 +54,20 @@ def test_benchmark_script_runs(args):
     assert "ms" in out.stdout
 
 
+def test_bench_compile_ops_table():
+    """bench_compile.py --ops: one row per per-matrix pass, its compile milliseconds per
+    instance and its fusions per instance (the passes are the step's: each compiles to at
+    least one kernel)."""
+    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--ops", "2", "--d",
+                          "64"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.rsplit(None, 2) for line in out.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["S = d ⊙ M + G", "S's two row sums",
+                                    "payload gather S[:, I] → f16", "update gather + parameter",
+                                    "AdamW's update", "slice of a per-group array"], out.stdout
+    assert all(float(ms) > 0 and float(fusions) >= 1 for _, ms, fusions in rows), out.stdout
+
+
 @pytest.mark.slow
 def test_bench_compile_repeats():
     """bench_compile.py --repeats 2: two rounds of rows, then a median row per variant whose

@@ -182,11 +182,10 @@ def test_16bit_gemm_output_accumulates_in_float32(shape, dtype):
 
 
 def _payload_inputs(rng, batches, shape):
-    """Random float32 sums and norms in [100, 900], per member."""
-    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 2 * len(batches))
-    sums = [jax.random.normal(keys[2 * i], (b, *shape)) for i, b in enumerate(batches)]
-    ds = [jax.random.uniform(keys[2 * i + 1], (b,), minval=100.0, maxval=900.0)
-          for i, b in enumerate(batches)]
+    """Random float32 sums per member, and norms in [100, 900] per matrix of the stack."""
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), len(batches) + 1)
+    sums = [jax.random.normal(keys[i], (b, *shape)) for i, b in enumerate(batches)]
+    ds = jax.random.uniform(keys[-1], (sum(batches),), minval=100.0, maxval=900.0)
     return sums, ds
 
 
@@ -241,12 +240,10 @@ def test_selected_rows_payload_kernel_agrees_with_xla(row_axis, batches, shape):
     rng = np.random.default_rng()
     sums, ds = _payload_inputs(rng, batches, shape)
     n = shape[row_axis - 1]
-    rows = []
-    for b in batches:
-        r = np.stack([np.sort(rng.choice(n, n // 4, replace=False)) for _ in range(b)])
-        rows.append(r)
-    rows[0][0, -2:] = [n, n + 1]
-    rows = [jnp.asarray(r, jnp.int32) for r in rows]
+    rows = np.stack([np.sort(rng.choice(n, n // 4, replace=False))
+                     for _ in range(sum(batches))])
+    rows[0, -2:] = [n, n + 1]
+    rows = jnp.asarray(rows, jnp.int32)
     run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
         *a[:2], rows=a[2], row_axis=row_axis, out_dtype=jnp.float16, implementation=impl))(
         sums, ds, rows)

@@ -39,12 +39,12 @@ from pallas_kernels._payload_triton import PayloadConfig, block_shape
 
 
 def _members(seed, batches, rows, cols, dtype=jnp.float32):
-    """Summed momenta ``S`` and norms of the members (drawn by NumPy: jax.random would compile
-    its sampler anew for every shape)."""
+    """Summed momenta ``S`` of the members and the stack's norms, one per matrix (drawn by
+    NumPy: jax.random would compile its sampler anew for every shape)."""
     rng = np.random.default_rng(seed)
     sums = [jnp.asarray(rng.standard_normal((b, rows, cols), np.float32).astype(dtype))
             for b in batches]
-    ds = [jnp.asarray(rng.uniform(0.5, 4.0, b).astype(np.float32)) for b in batches]
+    ds = jnp.asarray(rng.uniform(0.5, 4.0, sum(batches)).astype(np.float32))
     return sums, ds
 
 
@@ -55,7 +55,7 @@ def test_reference_matches_float64(dtype):
     stack = jax.jit(functools.partial(stack_payloads_reference, out_dtype=jnp.float16))(sums, ds)
     assert stack.shape == (6, 24, 96) and stack.dtype == jnp.float16
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    want = np.concatenate([f64(s) / f64(d)[:, None, None] for s, d in zip(sums, ds)])
+    want = np.concatenate([f64(s) for s in sums]) / f64(ds)[:, None, None]
     assert np.all(abs(f64(stack) - want) <= 2.0 ** -11 * abs(want) + 1e-7)
 
 
@@ -71,16 +71,13 @@ def test_kernel_interpreted_equals_reference_bitwise(batches, rows, cols, dtype)
 
 
 def _rows(seed, batches, n, pick, padded):
-    """Per member ``(batch, pick)`` ascending distinct rows of ``[0, n)``; with ``padded``, the
-    last two of the first matrix are padding (≥ n)."""
+    """``(Σ batch, pick)``: per matrix of the stack, ascending distinct rows of ``[0, n)``;
+    with ``padded``, the last two of the first matrix are padding (≥ n)."""
     rng = np.random.default_rng(seed)
-    out = []
-    for b in batches:
-        r = np.stack([np.sort(rng.choice(n, pick, replace=False)) for _ in range(b)])
-        if padded:
-            r[0, -2:] = [n, n + 5]
-        out.append(jnp.asarray(r, jnp.int32))
-    return out
+    r = np.stack([np.sort(rng.choice(n, pick, replace=False)) for _ in range(sum(batches))])
+    if padded:
+        r[0, -2:] = [n, n + 5]
+    return jnp.asarray(r, jnp.int32)
 
 
 @pytest.mark.parametrize("row_axis", [1, 2])
@@ -94,13 +91,11 @@ def test_selected_rows_reference_matches_float64(row_axis):
     stack = jax.jit(functools.partial(stack_payloads_reference, out_dtype=jnp.float16,
                                       row_axis=row_axis))(sums, ds, rows=rows)
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
-    want, got = [], np.moveaxis(f64(stack), row_axis, 1)
-    for s, d, r in zip(sums, ds, rows):
-        s, r = np.moveaxis(f64(s), row_axis, 1), np.asarray(r)
-        for j in range(s.shape[0]):
-            valid = (r[j] < n)[:, None]
-            want.append(np.where(valid, s[j][np.minimum(r[j], n - 1)], 0) / float(d[j]))
-    want = np.stack(want)
+    got = np.moveaxis(f64(stack), row_axis, 1)
+    s = np.moveaxis(np.concatenate([f64(x) for x in sums]), row_axis, 1)
+    r, d = np.asarray(rows), f64(ds)
+    want = np.stack([np.where((r[j] < n)[:, None], s[j][np.minimum(r[j], n - 1)], 0) / d[j]
+                     for j in range(s.shape[0])])
     assert stack.shape[0] == 3 and got.shape == want.shape
     assert np.all(abs(got - want) <= 2.0 ** -11 * abs(want) + 1e-7)
     assert np.all(got[0, -2:] == 0)
@@ -179,11 +174,12 @@ def test_bad_input_raises():
         stack_payloads(sums, ds, out_dtype=f16, implementation="cuda")
     with pytest.raises(ValueError, match=r"member 1: sums \(2, 8, 64\) must be"):
         stack_payloads([sums[0], jnp.zeros((2, 8, 64))], ds, out_dtype=f16)
-    with pytest.raises(ValueError, match=r"member 0: norms must be \(1,\)"):
-        stack_payloads(sums, [ds[1], ds[1]], out_dtype=f16)
-    with pytest.raises(ValueError, match="as many sums and norms"):
-        stack_payloads([], [], out_dtype=f16)
-    with pytest.raises(ValueError, match="as many sums and norms"):
+    with pytest.raises(ValueError, match=r"denoms must be an array of one divisor per matrix "
+                                         r"of the stack, \(3,\), got <class 'list'>"):
+        stack_payloads(sums, [ds[:1], ds[1:]], out_dtype=f16)
+    with pytest.raises(ValueError, match="at least one member"):
+        stack_payloads([], ds, out_dtype=f16)
+    with pytest.raises(ValueError, match=r"\(3,\), got \(1,\)"):
         stack_payloads(sums, ds[:1], out_dtype=f16)
     narrow = _members(0, [1], 8, 20)
     with pytest.raises(ValueError, match=r"multiple of 32, got \(8, 20\)"):
@@ -191,18 +187,21 @@ def test_bad_input_raises():
     if jax.default_backend() == "cpu":
         with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
             stack_payloads(sums, ds, out_dtype=f16, implementation="pallas_triton")
-    rows = [jnp.zeros((1, 2), jnp.int32), jnp.zeros((2, 2), jnp.int32)]
+    rows = jnp.zeros((3, 2), jnp.int32)
     with pytest.raises(ValueError, match="row_axis must be 1 or 2, got 0"):
         stack_payloads(sums, ds, out_dtype=f16, rows=rows, row_axis=0)
-    with pytest.raises(ValueError, match="one array per member, got 1 for 2"):
+    with pytest.raises(ValueError, match=r"rows must be an integer array \(3, pick\).* got "
+                                         r"int32 \(1, 2\)"):
         stack_payloads(sums, ds, out_dtype=f16, rows=rows[:1])
     with pytest.raises(ValueError, match=r"pad_to needs rows and must be at least their count 2, "
                                          r"got pad_to=1"):
         stack_payloads(sums, ds, out_dtype=f16, rows=rows, pad_to=1)
     with pytest.raises(ValueError, match="pad_to needs rows"):
         stack_payloads(sums, ds, out_dtype=f16, pad_to=4)
-    with pytest.raises(ValueError, match=r"member 1: rows must be integer \(2, pick\)"):
-        stack_payloads(sums, ds, out_dtype=f16, rows=[rows[0], jnp.zeros((2, 2), jnp.float32)])
+    with pytest.raises(ValueError, match=r"rows must be an integer array.* got float32"):
+        stack_payloads(sums, ds, out_dtype=f16, rows=rows.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"rows must be an integer array.* got <class 'list'>"):
+        stack_payloads(sums, ds, out_dtype=f16, rows=[rows[:1], rows[1:]])
 
 
 def test_kernel_lowers_for_h200_at_benchmark_shapes():
@@ -214,14 +213,14 @@ def test_kernel_lowers_for_h200_at_benchmark_shapes():
                                    implementation="pallas_triton", interpret=False))
     for rows, cols in ((4096, 11008), (11008, 4096)):
         with use_abstract_mesh(mesh):
-            text = fn.trace([f32(1, rows, cols)] * 3, [f32(1)] * 3).lower(
+            text = fn.trace([f32(1, rows, cols)] * 3, f32(3)).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert text.count("stack_payloads") >= 3, text[:2000]
-        rows = [jax.ShapeDtypeStruct((1, 1376), jnp.int32)] * 2
+        rows = jax.ShapeDtypeStruct((2, 1376), jnp.int32)
         fn = jax.jit(functools.partial(stack_payloads, out_dtype=jnp.float16, row_axis=2,
                                        implementation="pallas_triton", interpret=False))
         with use_abstract_mesh(mesh):
-            text = fn.trace([f32(1, 4096, 5504)] * 2, [f32(1)] * 2, rows=rows).lower(
+            text = fn.trace([f32(1, 4096, 5504)] * 2, f32(2), rows=rows).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert text.count("stack_payloads") >= 2, text[:2000]
 
@@ -323,7 +322,7 @@ def test_step_with_a_padded_stack_equals_the_step_without(monkeypatch, kernel, s
     want = run()  # the iteration pads the stack
 
     def spy(*args, **kwargs):
-        pads.append((kwargs["pad_to"], kwargs["rows"][0].shape[1]))
+        pads.append((kwargs["pad_to"], kwargs["rows"].shape[1]))
         extra = {"implementation": "pallas_triton", "interpret": True} if kernel else {}
         return original(*args, **{**kwargs, **extra})
 

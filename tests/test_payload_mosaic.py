@@ -42,7 +42,7 @@ _SMALL = MosaicPayloadConfig(rows=16, cols=16 * 4, chunk=32, stages=2)
 def _members(rng, batches, shape, dtype=jnp.float32):
     sums = [jnp.asarray(rng.standard_normal((b, *shape), np.float32)).astype(dtype)
             for b in batches]
-    denoms = [jnp.asarray(rng.uniform(0.5, 3.0, (b,)).astype(np.float32)) for b in batches]
+    denoms = jnp.asarray(rng.uniform(0.5, 3.0, sum(batches)).astype(np.float32))
     return sums, denoms
 
 
@@ -50,7 +50,7 @@ def _float64_payload(sums, denoms, out_dtype):
     """Each ``S / d`` in float64, rounded to float32 (a correctly rounded float32 division),
     then to ``out_dtype``."""
     s = np.concatenate([np.asarray(x, np.float64) for x in sums])
-    d = np.concatenate([np.asarray(x, np.float64) for x in denoms])
+    d = np.asarray(denoms, np.float64)
     return np.asarray(jnp.asarray((s / d[:, None, None]).astype(np.float32)).astype(out_dtype))
 
 
@@ -112,7 +112,7 @@ def test_lowers_for_h200_with_one_kernel_for_any_number_of_members():
     fn = jax.jit(functools.partial(stack_payloads_mosaic, out_dtype=jnp.float16))
     for shape in ((4096, 11008), (11008, 4096)):
         with use_abstract_mesh(mesh):
-            text = fn.trace([f32(8, *shape)] * 3, [f32(8)] * 3).lower(
+            text = fn.trace([f32(8, *shape)] * 3, f32(24)).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @mosaic_gpu") == 1
         assert len(re.findall(r"call @_write_member\(", text)) == 3
@@ -127,7 +127,7 @@ def test_stack_is_typed_like_the_meshs_other_arrays():
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     fn = functools.partial(stack_payloads_mosaic, out_dtype=jnp.float16)
     with use_abstract_mesh(mesh):
-        got = jax.eval_shape(fn, [f32(1, 64, 128)] * 2, [f32(1)] * 2)
+        got = jax.eval_shape(fn, [f32(1, 64, 128)] * 2, f32(2))
         want = jax.eval_shape(lambda: jnp.zeros((2, 64, 128), jnp.float16))
     assert got.sharding == want.sharding
     assert not got.sharding.mesh.empty
