@@ -22,11 +22,13 @@ step with the kernel against the step with XLA. The kernel on a GPU is in
 """
 
 import functools
+import re
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import dion3_jax
@@ -199,3 +201,25 @@ def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 2e-5 * np.linalg.norm(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("fraction", [0.25, 1.0])
+def test_xla_statistics_pass_writes_s_in_place_of_a_donated_2d_momentum(fraction):
+    """With the XLA statistics pass (the CPU's), the compiled step (params and state donated)
+    writes each 2-D momentum's ``S`` into the momentum's own buffer: no copy of a
+    momentum-shaped array (the reference sums a single matrix as the 2-D array it is a view
+    of; a 3-D result would need its own buffer and a copy into the donated one)."""
+    shapes = {"a": (64, 256), "b": (64, 256), "c": (256, 64)}
+    params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+    tx = dion3_jax.scale_by_dion3(fraction)
+    state = jax.eval_shape(tx.init, params)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    text = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    copies = re.findall(r"= f32\[(?:64,256|256,64)\]\S* copy\(", entry)
+    assert not copies, copies
+    assert "input_output_alias" in text
