@@ -12,13 +12,14 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Helpers shared by the kernel wrappers: operand checks, padding to tile multiples, and the
-scales operand."""
+"""Helpers shared by the kernel wrappers: operand checks, padding to tile multiples, the
+scales operand, and the payload kernels' uninitialized stack."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 #: Operand dtypes the kernels take (the tensor cores' 16-bit inputs, float32 accumulation).
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -72,3 +73,13 @@ def mosaic_interpret_params(interpret):
 
         return InterpretGPUParams()
     return interpret
+
+
+def empty_stack(shape: tuple[int, ...], dtype) -> jax.Array:
+    """An uninitialized array that kernels write into in place (``input_output_aliases``).
+
+    Typed like any other array of the current mesh (as ``jnp.zeros`` would be): with a type of
+    its own, under an explicit mesh, every jitted product that reads it would lower a second
+    copy of its kernel."""
+    replicated = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
+    return jax.lax.empty(shape, dtype, out_sharding=replicated)

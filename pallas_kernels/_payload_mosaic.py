@@ -42,9 +42,9 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
+from pallas_kernels._common import (TMA_MIN_MINOR, empty_stack, mosaic_interpret_params,
+                                    pow2_divisor)
 
 #: A block holds at least this many elements: one per lane of the warpgroup's strided layout
 #: (128 threads), times a vector of 16 bytes at the narrowest dtype.
@@ -177,11 +177,7 @@ def stack_payloads_mosaic(sums, denoms, *, out_dtype,
       ``(Σ batch_i, a, b)`` in ``out_dtype``.
     """
     total = sum(s.shape[0] for s in sums)
-    # Typed like any other array of the current mesh (as jnp.zeros would be): with a type of
-    # its own the stack would make the polar's first products lower second copies of their
-    # kernels under an explicit mesh.
-    replicated = NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec())
-    stack = lax.empty((total, *sums[0].shape[1:]), out_dtype, out_sharding=replicated)
+    stack = empty_stack((total, *sums[0].shape[1:]), out_dtype)
     offset = 0
     for s in sums:
         stack = _write_member(stack, s, denoms, offset, config=config, interpret=interpret)

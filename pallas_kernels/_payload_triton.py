@@ -14,9 +14,10 @@
 # ==============================================================================
 """The payload pass as a Pallas kernel through Pallas' Triton lowering (NVIDIA GPUs).
 
-The same op as :func:`pallas_kernels.stack_payloads`. One launch per member writes the member's
-payload straight into its slot of the stack (``input_output_aliases``); the slot is a run-time
-operand, so every member of a shape runs the same compiled kernel. With ``rows``, each block
+The same op as :func:`pallas_kernels.stack_payloads`. The stack starts uninitialized (zeroed
+when padding rows must stay zero), and one launch per member writes the member's payload
+straight into its slot of it (``input_output_aliases``); the slot is a run-time operand, so
+every member of a shape runs the same compiled kernel. With ``rows``, each block
 stores its selected rows (or, for rows along the minor axis, columns) at their payload positions
 under a mask. jax 0.11 deprecates this lowering, so :func:`pallas_kernels.stack_payloads` runs
 the kernel only when it is named.
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _dispatch
+from pallas_kernels._common import empty_stack
 from pallas_kernels._payload_reference import split
 
 #: A member's columns must be a multiple of some power of two ≥ 32 (the narrowest block row).
@@ -120,48 +122,36 @@ def _select_kernel(slot_ref, denom_ref, pos_ref, s_ref, stack_in_ref, stack_ref,
                                     mask=keep)
 
 
-@functools.partial(jax.jit, static_argnames=("total", "part", "out_dtype", "row_axis",
-                                             "interpret", "config"))
-def _write_member(stack, slot, denoms, s, pos, *, total: int, part: tuple[int, int], out_dtype,
-                  row_axis: int, interpret: bool, config: PayloadConfig):
-    """One member's launch: its payload (``part``: its shape) into ``stack[slot : slot +
-    batch]``, divided by ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's
+@functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
+def _write_member(stack, slot, denoms, s, pos, *, row_axis: int, interpret: bool,
+                  config: PayloadConfig):
+    """One member's launch: its payloads into ``stack[slot : slot + batch]`` in place, divided by ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's
     divisors, one array for every launch, so no member needs its own slice of them); ``pos``
-    None: every row, else each row's payload position. ``stack`` None: the first member
-    allocates the stack of ``total`` matrices (the members after it write the other slots).
-    Jitted so that all members of one shape share one lowering."""
+    None: every row, else each row's payload position. Jitted so that all members of one shape
+    share one lowering."""
     b, rows, cols = s.shape
     br, bc = block_shape(rows, cols, config)
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    fresh = stack is None
     if pos is None:
         kernel, pos_spec = functools.partial(_kernel, br=br, bc=bc), []
     else:
-        kernel = functools.partial(_select_kernel, br=br, bc=bc, pick=part[row_axis - 1],
+        kernel = functools.partial(_select_kernel, br=br, bc=bc, pick=stack.shape[row_axis],
                                    row_axis=row_axis)
         pos_spec = [pl.BlockSpec((None, bc), lambda k, i, j: (k, j)) if row_axis == 2
                     else pl.BlockSpec((None, br), lambda k, i, j: (k, i))]
-    if fresh:
-        kernel = functools.partial(_fresh_kernel, kernel)
     operands = [slot, denoms] + ([] if pos is None else [pos]) + [s]
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((total, *part), out_dtype),
+        out_shape=jax.ShapeDtypeStruct(stack.shape, stack.dtype),
         grid=(b, rows // br, cols // bc),
-        in_specs=[scalar, anywhere] + pos_spec + [blk] + ([] if fresh else [anywhere]),
+        in_specs=[scalar, anywhere] + pos_spec + [blk, anywhere],
         out_specs=anywhere,
-        input_output_aliases={} if fresh else {len(operands): 0},
+        input_output_aliases={len(operands): 0},
         compiler_params=_dispatch.triton_params(config.num_warps, interpret),
         interpret=interpret, name="stack_payloads",
-    )(*operands, *([] if fresh else [stack]))
-
-
-def _fresh_kernel(kernel, *refs):
-    """``kernel`` for the member that allocates the stack: no stack input (``refs``: the
-    inputs, then the output)."""
-    kernel(*refs[:-1], None, refs[-1])
+    )(*operands, stack)
 
 
 def stack_payloads_triton(sums, denoms, *, out_dtype, rows=None, row_axis: int = 1,
@@ -178,14 +168,14 @@ def stack_payloads_triton(sums, denoms, *, out_dtype, rows=None, row_axis: int =
                                          else (a, rows.shape[1]))
     denoms = jnp.asarray(denoms, jnp.float32)
     # Payload rows of padding indices are never written: the stack starts zeroed then.
-    stack = jnp.zeros((total, *part), out_dtype) if rows is not None and padded else None
+    stack = (jnp.zeros if rows is not None and padded else empty_stack)((total, *part),
+                                                                        out_dtype)
     pos = ([None] * len(sums) if rows is None
            else _member_positions(rows, [s.shape[0] for s in sums], sums[0].shape[row_axis]))
     slot = 0
     for s, p in zip(sums, pos):
-        stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, s, p, total=total,
-                              part=part, out_dtype=jnp.dtype(out_dtype), row_axis=row_axis,
-                              interpret=interpret, config=config)
+        stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, s, p,
+                              row_axis=row_axis, interpret=interpret, config=config)
         slot += s.shape[0]
     if not padded and zero_from is not None and zero_from < part[row_axis - 1]:
         tail = list(stack.shape)
