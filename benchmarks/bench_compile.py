@@ -41,7 +41,8 @@ compile pays for per matrix.
 With ``--lower-for-h200`` the step is traced and lowered for an NVIDIA H200 (an abstract
 device: no GPU is needed, and nothing is compiled), as the first two stages of the GPU's cold
 start; the table then gives those two stages and the number of Mosaic GPU kernels in the
-lowered module (each adds its own lowering).
+lowered module (each adds its own lowering), for the default step and for the step with every
+product and pass in XLA (``no kernels``): the difference is the kernels' lowering.
 
 Usage::
 
@@ -150,26 +151,33 @@ def main(argv=None) -> None:
                            totals["adamw" + tag])
 
 
+#: The ``--lower-for-h200`` variants: the defaults, and the step with no kernel (the polar's
+#: products and both passes in XLA), whose difference is the kernels' share of the lowering.
+_XLA_ONLY = (("", {}), (" no kernels", dict(
+    pass_implementation="xla", orthogonalizer=dion3_jax.make_orthogonalizer(backend="xla"))))
+
+
 def _h200_table(a) -> None:
     """The ``--lower-for-h200`` table: per depth and variant, trace and lowering seconds (and
     medians over ``--repeats`` interleaved rounds) and the Mosaic GPU kernel count."""
     print(f"lowered for an abstract NVIDIA H200 on {jax.default_backend()}; d={a.d}, ff={a.ff}; "
           "seconds")
-    print(f"{'layers':>6} {'optimizer':<21} {'trace':>7} {'lower':>7} {'kernels':>8}")
+    print(f"{'layers':>6} {'optimizer':<34} {'trace':>7} {'lower':>7} {'kernels':>8}")
     for layers in a.layers:
         params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
                   for k, s in model_shapes(layers, a.d, a.ff).items()}
-        variants = [(f"dion3 f={f:g}", dion3_jax.dion3(a.lr, f)) for f in a.fractions]
+        variants = [(f"dion3 f={f:g}{tag}", dion3_jax.dion3(a.lr, f, **kw))
+                    for f in a.fractions for tag, kw in _XLA_ONLY]
         runs = {name: [] for name, _ in variants}
         for _ in range(a.repeats):
             for name, tx in variants:
                 runs[name].append(h200_lowering(tx, params))
                 trace, lower, kernels = runs[name][-1]
-                print(f"{layers:>6} {name:<21} {trace:7.2f} {lower:7.2f} {kernels:>8}",
+                print(f"{layers:>6} {name:<34} {trace:7.2f} {lower:7.2f} {kernels:>8}",
                       flush=True)
         for name, r in runs.items() if a.repeats > 1 else ():
             trace, lower = (statistics.median(x[i] for x in r) for i in (0, 1))
-            print(f"{layers:>6} {name + ' (median)':<21} {trace:7.2f} {lower:7.2f} "
+            print(f"{layers:>6} {name + ' (median)':<34} {trace:7.2f} {lower:7.2f} "
                   f"{r[0][2]:>8}", flush=True)
 
 

@@ -54,6 +54,19 @@ def test_benchmark_script_runs(args):
     assert "ms" in out.stdout
 
 
+def test_bench_compile_lower_for_h200_counts_kernels():
+    """bench_compile.py --lower-for-h200 (no GPU): the default step lowers Mosaic GPU kernels
+    (the passes at least), the step with every product and pass in XLA none."""
+    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
+                          "256", "--ff", "512", "--fractions", "1", "--lower-for-h200"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {" ".join(line.split()[1:-3]): int(line.split()[-1])
+            for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {"dion3 f=1", "dion3 f=1 no kernels"}, out.stdout
+    assert rows["dion3 f=1"] >= 2 and rows["dion3 f=1 no kernels"] == 0, out.stdout
+
+
 def test_bench_compile_ops_table():
     """bench_compile.py --ops: one row per per-matrix pass, its compile milliseconds per
     instance and its fusions per instance (the passes are the step's: each compiles to at
