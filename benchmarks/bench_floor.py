@@ -153,7 +153,8 @@ def floor_ms(work: Work, gbps: float, tflops: float) -> tuple[float, float, floa
 def table(shapes, gbps: float, tflops: float, fractions=FRACTIONS) -> list[str]:
     """The floor table's lines (markdown)."""
     adamw = floor_ms(adamw_work(shapes), gbps, tflops)[2]
-    lines = ["| step | GB moved | polar TFLOP | memory ms | compute ms | floor ms | × AdamW floor |",
+    lines = ["| step | GB moved | polar TFLOP | memory ms | compute ms | floor ms "
+             "| × AdamW floor |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     rows = [("optax.adamw", adamw_work(shapes))]
     rows += [(f"dion3 f={f:g}", dion3_work(shapes, f)) for f in fractions]

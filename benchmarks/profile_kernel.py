@@ -18,10 +18,11 @@ loop and in the epilogue of each work item, from Mosaic GPU's in-kernel profiler
 ``pallas_kernels._mosaic`` names the two phases of a work item with ``jax.named_scope``
 ("mainloop": the pipelined ``wgmma`` steps; "epilogue": ``+ β·c``, rounding, the stores and
 their mirrors). This script compiles the kernel with the profiler on (it wraps
-``plgpu.CompilerParams`` while the kernel is traced: ``profile_space``, ``profile_dir``), runs
-it once after warm-up calls of the same kernel without the profiler, and summarizes the trace
-that Mosaic writes (one begin/end pair per scope, per warpgroup, per CTA). The profiler's buffer takes shared memory, so the kernel runs with ``--stages``
-pipeline stages (default 3; the 16-bit default is 4, which leaves no room for the buffer).
+``plgpu.CompilerParams`` while the kernel is traced: ``profile_space``, ``profile_dir``), runs it
+once after warm-up calls of the same kernel without the profiler, and summarizes the trace that
+Mosaic writes (one begin/end pair per scope, per warpgroup, per CTA). The profiler's buffer takes
+shared memory, so the kernel runs with ``--stages`` pipeline stages (default 3; the 16-bit default
+is 4, which leaves no room for the buffer).
 
 Usage (a Hopper GPU)::
 

@@ -125,7 +125,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     rng = np.random.default_rng(a.seed)
     print(f"# {a.rows}×{a.cols} selected rows, replica spread {a.noise:g}, {a.trials} trials; "
-          f"momentum: {a.steps} steps of a {a.rows // 4}×{a.cols // 4} matrix per replica at f = 1/4, μ = 0.95^4")
+          f"momentum: {a.steps} steps of a {a.rows // 4}×{a.cols // 4} matrix per replica at "
+          f"f = 1/4, μ = 0.95^4")
     print("\n| replicas | wire | ‖S − S_exact‖/‖S‖ | update error | momentum distance |")
     print("|---:|---|---:|---:|---:|")
     for r in a.replicas:

@@ -62,7 +62,8 @@ def _as_axes(axis, what: str) -> tuple[str, ...] | None:
     else:
         axes = ()
     if not axes or not all(isinstance(a, str) for a in axes):
-        raise ValueError(f"{what} must be a mesh axis name or a tuple of names, got {what}={axis!r}")
+        raise ValueError(f"{what} must be a mesh axis name or a tuple of names, got "
+                         f"{what}={axis!r}")
     if len(set(axes)) != len(axes):
         raise ValueError(f"{what} repeats an axis: {what}={axis!r}")
     return axes

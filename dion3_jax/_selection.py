@@ -196,7 +196,8 @@ def place_rows(rows: jax.Array, sources: tuple[jax.Array, jax.Array], row_axis: 
 def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
                 base: jax.Array | None = None) -> jax.Array:
     """The inverse of :func:`gather_rows` without a scatter: an ``n``-row block whose row ``r`` is
-    ``rows[pos[r]]`` where ``pos[r] < k`` and ``base``'s row ``r`` (zero without ``base``) elsewhere.
+    ``rows[pos[r]]`` where ``pos[r] < k`` and ``base``'s row ``r`` (zero without ``base``)
+    elsewhere.
 
     A gather of whole rows plus a select, so the result is written once, densely; equal to
     ``scatter_rows(base, idx, rows, row_axis, mode="drop")`` for ``pos = row_positions(idx, n)``.

@@ -125,10 +125,10 @@ def _select_kernel(slot_ref, denom_ref, pos_ref, s_ref, stack_in_ref, stack_ref,
 @functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
 def _write_member(stack, slot, denoms, s, pos, *, row_axis: int, interpret: bool,
                   config: PayloadConfig):
-    """One member's launch: its payloads into ``stack[slot : slot + batch]`` in place, divided by ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's
-    divisors, one array for every launch, so no member needs its own slice of them); ``pos``
-    None: every row, else each row's payload position. Jitted so that all members of one shape
-    share one lowering."""
+    """One member's launch: its payloads into ``stack[slot : slot + batch]`` in place, divided by
+    ``denoms[slot : slot + batch]`` (``denoms``: the whole stack's divisors, one array for every
+    launch, so no member needs its own slice of them); ``pos`` None: every row, else each row's
+    payload position. Jitted so that all members of one shape share one lowering."""
     b, rows, cols = s.shape
     br, bc = block_shape(rows, cols, config)
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))

@@ -217,7 +217,8 @@ def test_polar_dtype_orders_the_dtypes_by_their_rounding():
     for method in ("gram", "standard"):
         assert table[method, "float32"]["distance"] == 0.0
         assert 0 < table[method, "float16"]["distance"] < table[method, "bfloat16"]["distance"]
-        assert 0.6 < table[method, "bfloat16"]["sv_min"] and table[method, "bfloat16"]["sv_max"] < 1.4
+        bf16 = table[method, "bfloat16"]
+        assert 0.6 < bf16["sv_min"] and bf16["sv_max"] < 1.4
 
 
 def test_bench_payload_reads_mosaic_blocks_and_skips_those_a_shape_refuses():

@@ -103,14 +103,14 @@ def test_per_leaf_trace_holds_only_the_leaf_passes():
 
 
 def test_per_leaf_trace_is_small():
-    """The traced work per extra same-shape leaf (a regression bound with some slack: 48
-    equations per leaf at f = 1/4, 36 at f = 1, with the statistics pass's reference summing a
-    single matrix as its 2-D view (so XLA writes ``S`` in place of the momentum); 46 and 34
-    before, with the payload pass given its batches' norms and selected rows stacked and
-    NorMuon's factor row norms kept per batch; 50 and 40 when each was sliced per leaf; 53 and 43 with two compares in the saturation of ``S``; 44
-    and 34 with the statistics pass that writes ``S`` and the decay deferred to the momentum's
-    row factors; 43 and 30 before it, with the selected rows' payload pass; 40 and 28 before
-    that; 47 and 34 before the factors' row norms ran per batch; 74 and 40 before the
+    """The traced work per extra same-shape leaf (a regression bound with some slack: 48 equations
+    per leaf at f = 1/4, 36 at f = 1, with the statistics pass's reference summing a single matrix
+    as its 2-D view (so XLA writes ``S`` in place of the momentum); 46 and 34 before, with the
+    payload pass given its batches' norms and selected rows stacked and NorMuon's factor row norms
+    kept per batch; 50 and 40 when each was sliced per leaf; 53 and 43 with two compares in the
+    saturation of ``S``; 44 and 34 with the statistics pass that writes ``S`` and the decay deferred
+    to the momentum's row factors; 43 and 30 before it, with the selected rows' payload pass; 40 and
+    28 before that; 47 and 34 before the factors' row norms ran per batch; 74 and 40 before the
     per-batch index work, NorMuon statistics and sums)."""
     for fraction, bound in ((0.25, 50), (1.0, 38)):
         a, b = _primitives(fraction, 2), _primitives(fraction, 3)

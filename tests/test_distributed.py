@@ -20,9 +20,9 @@ and never all-gather a whole matrix of an FSDP-sharded parameter.
 
 On real accelerators set ``DION3_TEST_PLATFORM=gpu`` (any ``jax.devices`` platform name): the
 meshes are then built from that platform's N ≥ 2 devices: 1-D over all N, 2-D (2, N/2) when
-N is even ((2, 1) on two GPUs; and (4, 2) when N = 8), skipping the shapes that do not fit N; float32 matmuls run at
-"highest" precision so the tolerances stay those of the CPU run. Unset, the tests use the
-default backend's devices with the CPU mesh (2, 4) (scripts/gpu_multi.sh).
+N is even ((2, 1) on two GPUs; and (4, 2) when N = 8), skipping the shapes that do not fit N;
+float32 matmuls run at "highest" precision so the tolerances stay those of the CPU run. Unset,
+the tests use the default backend's devices with the CPU mesh (2, 4) (scripts/gpu_multi.sh).
 """
 
 from __future__ import annotations
@@ -236,11 +236,12 @@ def test_bfloat16_sharded_equals_single_device():
     update as the single-device one is.
 
     Both are bf16 approximations of the same update, and they differ from each other by bf16
-    rounding: the devices' sums (norms, NorMuon's statistics) add in other orders. So the yardstick is each one's distance
-    from the exact update (float32 everything, Newton-Schulz in float32 at "highest" matmul
-    precision): per leaf, the sharded distance is at most twice the single-device one (max and
-    mean), plus one bf16 ulp at unit scale (2^-8) for the output rounding. A misplaced row or a
-    wrong shard is O(1) off and fails. (8 CPU devices: max ratio ≈ 1.5, mean ≈ 1.8 over 6 seeds.)
+    rounding: the devices' sums (norms, NorMuon's statistics) add in other orders. So the yardstick
+    is each one's distance from the exact update (float32 everything, Newton-Schulz in float32 at
+    "highest" matmul precision): per leaf, the sharded distance is at most twice the single-device
+    one (max and mean), plus one bf16 ulp at unit scale (2^-8) for the output rounding. A misplaced
+    row or a wrong shard is O(1) off and fails. (8 CPU devices: max ratio ≈ 1.5, mean ≈ 1.8 over
+    6 seeds.)
     """
     mesh = make_mesh(need_2d())
     leaves = {k: v for k, v in model(mesh).items() if k in ("rows", "qkv", "cols_18_rows",
@@ -256,8 +257,8 @@ def test_bfloat16_sharded_equals_single_device():
         return {k: np.asarray(v, np.float32) for k, v in tree.items()}
     with jax.default_matmul_precision("highest"):
         exact_polar = dion3_jax.make_orthogonalizer(method="standard", compute_dtype=jnp.float32)
-        exact, _ = run_single(dion3_jax.scale_by_dion3(0.5, **{**kw, "orthogonalizer": exact_polar}),
-                              f32(params), [f32(g) for g in grads])
+        exact_tx = dion3_jax.scale_by_dion3(0.5, **{**kw, "orthogonalizer": exact_polar})
+        exact, _ = run_single(exact_tx, f32(params), [f32(g) for g in grads])
     ulp = 2.0 ** -8
     with jax.set_mesh(mesh):
         tx = dion3_jax.scale_by_dion3(0.5, **kw)

@@ -432,7 +432,8 @@ class TestMosaicInterpret(KernelSuite):
         from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
 
         params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
-        for s, (shape, dtype) in enumerate([((384, 64), jnp.float16), ((2, 256, 40), jnp.bfloat16)]):
+        cases = [((384, 64), jnp.float16), ((2, 256, 40), jnp.bfloat16)]
+        for s, (shape, dtype) in enumerate(cases):
             x, ref = gram_inputs(fresh_key(900 + s), shape, dtype)
             out = np.asarray(syrk_mosaic(x, config=MosaicConfig(num_sms=1), interpret=params),
                              np.float32)

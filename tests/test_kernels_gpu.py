@@ -13,7 +13,8 @@
 # limitations under the License.
 # ==============================================================================
 """The compiled kernels on a GPU: the shared accuracy suite on many shapes, every output element
-written, symmetry (exact for ``syrk``; for ``sym_matmul`` exact mirrors across tiles). Skipped where the backend is not available (CPU CI)."""
+written, symmetry (exact for ``syrk``; for ``sym_matmul`` exact mirrors across tiles). Skipped where
+the backend is not available (CPU CI)."""
 
 import jax
 import jax.numpy as jnp

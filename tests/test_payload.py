@@ -14,9 +14,9 @@
 # ==============================================================================
 """``pallas_kernels.stack_payloads``: the payload pass, of every row or of selected rows.
 
-The jnp reference against a float64 NumPy computation on fresh inputs; the Pallas kernel
-(through Pallas' interpreter on the CPU) bitwise against the reference; its Triton lowering for an H200 at the
-benchmark's shapes; the Dion3 step at f = 1 and f = 1/4 with the kernel bitwise against the step
+The jnp reference against a float64 NumPy computation on fresh inputs; the Pallas kernel (through
+Pallas' interpreter on the CPU) bitwise against the reference; its Triton lowering for an H200 at
+the benchmark's shapes; the Dion3 step at f = 1 and f = 1/4 with the kernel bitwise against the step
 with XLA. The kernel on a GPU is in ``tests/test_kernels_gpu.py``.
 """
 

@@ -92,8 +92,8 @@ def test_kernel_interpreted_matches_reference(row_axis, shape):
     narrower than the configured ones."""
     m, g, d = _inputs(np.random.randint(1 << 30), shape, row_axis, g_dtype=jnp.bfloat16)
     want = accumulate_rows_reference(m, g, d, row_axis=row_axis)
-    got = jax.jit(functools.partial(accumulate_rows, row_axis=row_axis, implementation="pallas_triton",
-                                    interpret=True))(m, g, d)
+    got = jax.jit(functools.partial(accumulate_rows, row_axis=row_axis,
+                                    implementation="pallas_triton", interpret=True))(m, g, d)
     _assert_within_one_rounding(got[0], m, g, d, row_axis, want[0])
     count = shape[3 - row_axis]
     for a, b in zip(got[1:], want[1:]):

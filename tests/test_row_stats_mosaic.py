@@ -15,9 +15,10 @@
 """The statistics pass's Mosaic GPU kernel (``pallas_kernels._row_stats_mosaic``).
 
 Through GPU interpret mode on the CPU against the jnp reference (fresh inputs; several strips,
-chunks and ring turns; non-finite and huge values; the race detector); its lowering for an H200 at the benchmark's
-shapes, with ``S`` written in place of the momentum; the block choice; which implementation
-``"auto"`` and a named one resolve to. The kernel on a GPU is in ``tests/test_kernels_gpu.py``.
+chunks and ring turns; non-finite and huge values; the race detector); its lowering for an H200 at
+the benchmark's shapes, with ``S`` written in place of the momentum; the block choice; which
+implementation ``"auto"`` and a named one resolve to. The kernel on a GPU is in
+``tests/test_kernels_gpu.py``.
 """
 
 import functools
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import _dispatch, _payload, _row_stats, _row_stats_mosaic, accumulate_rows_reference
+from pallas_kernels import (_dispatch, _payload, _row_stats, _row_stats_mosaic,
+                            accumulate_rows_reference)
 from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig, accumulate_rows_mosaic
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")

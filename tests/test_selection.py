@@ -106,10 +106,10 @@ def test_selected_norm_is_the_payload_frobenius_norm(scale):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["gram", "standard"])
 def test_payload_norms_from_row_statistics_same_update(method, monkeypatch):
-    """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected
-    payload's Frobenius norm from row statistics (selected_sq_sum, traced once per batch of
-    same-shape blocks); a plain callable doing the same polar normalizes the payload itself (no call),
-    and the update is the same to float32 rounding."""
+    """One device, f = 1/4: with the built-in orthogonalizer the step takes each selected payload's
+    Frobenius norm from row statistics (selected_sq_sum, traced once per batch of same-shape
+    blocks); a plain callable doing the same polar normalizes the payload itself (no call), and the
+    update is the same to float32 rounding."""
     import dion3_jax
     calls = []
     real = _selection.selected_sq_sum

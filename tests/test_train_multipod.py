@@ -12,8 +12,8 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""examples/train_multipod.py in a short configuration on 8 simulated CPU devices (2 × 4), and as two
-processes joined by jax.distributed (--distributed) against the single-process run."""
+"""examples/train_multipod.py in a short configuration on 8 simulated CPU devices (2 × 4), and as
+two processes joined by jax.distributed (--distributed) against the single-process run."""
 
 from __future__ import annotations
 
