@@ -54,6 +54,7 @@ def test_benchmark_script_runs(args):
     assert "ms" in out.stdout
 
 
+@pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
 def test_bench_compile_lower_for_h200_counts_kernels():
     """bench_compile.py --lower-for-h200 (no GPU): the default step lowers Mosaic GPU kernels
     (the passes at least), the step with every product and pass in XLA none."""
@@ -67,6 +68,7 @@ def test_bench_compile_lower_for_h200_counts_kernels():
     assert rows["dion3 f=1"] >= 2 and rows["dion3 f=1 no kernels"] == 0, out.stdout
 
 
+@pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
 def test_bench_compile_ops_table():
     """bench_compile.py --ops: one row per per-matrix pass, its compile milliseconds per
     instance and its fusions per instance (the passes are the step's: each compiles to at
