@@ -507,8 +507,8 @@ def gather_and_send(plan: Plan, acc: Accumulated, picks: tuple[Pick, ...], rows,
     sent = _sent_norms(plan, sq_sums, picks) if plan.send_normalized else {}
     local = _norms_by_batch(plan, sq_sums, "on_device")
     # Per-unit norms only where a group's parts are normalized one by one.
-    many = [i for key, uids in plan.groups if uids[0] not in acc.one_pass for i in uids]
-    local_units, sent_units = _per_unit(plan, local, many), _per_unit(plan, sent, many)
+    by_part = [i for key, uids in plan.groups if uids[0] not in acc.one_pass for i in uids]
+    local_units, sent_units = _per_unit(plan, local, by_part), _per_unit(plan, sent, by_part)
     batches = []
     for g, (key, uids) in enumerate(plan.groups):
         one_pass = uids[0] in acc.one_pass
