@@ -191,7 +191,7 @@ def _per_matrix_passes(d: int) -> dict:
     dirs = jax.ShapeDtypeStruct((1, d, k), jnp.float32)
     return {
         "S = d ⊙ M + G": (lambda m, g, s: pallas_kernels.scaled_sum(m, g, s), (m, m, row)),
-        "S's two row sums": (lambda m, g, s: pallas_kernels.accumulate_rows_reference(
+        "S and its two row sums": (lambda m, g, s: pallas_kernels.accumulate_rows_reference(
             m, g, s[:, 0], row_axis=2)[1:], (m, m, row)),
         "payload gather S[:, I] → f16": (lambda s, i: (_selection.gather_rows(s, i, 2) / 3.0
                                                        ).astype(jnp.float16), (m, idx)),

@@ -77,7 +77,7 @@ def test_bench_compile_ops_table():
                           "64"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.rsplit(None, 2) for line in out.stdout.splitlines()[2:]]
-    assert [r[0] for r in rows] == ["S = d ⊙ M + G", "S's two row sums",
+    assert [r[0] for r in rows] == ["S = d ⊙ M + G", "S and its two row sums",
                                     "payload gather S[:, I] → f16", "update gather + parameter",
                                     "AdamW's update", "slice of a per-group array"], out.stdout
     assert all(float(ms) > 0 and float(fusions) >= 1 for _, ms, fusions in rows), out.stdout
