@@ -69,12 +69,6 @@ def _positions(rows: jax.Array, n: int) -> jax.Array:
                                              unique_indices=True, mode="drop"))(pos, rows)
 
 
-def _member_positions(rows: jax.Array, sizes, n: int) -> list[jax.Array]:
-    """Per member (``sizes``: their batches), its :func:`_positions`: the index work runs once
-    for all members."""
-    return split(_positions(rows, n), sizes)
-
-
 def block_shape(rows: int, cols: int, config: PayloadConfig = PayloadConfig()
                 ) -> tuple[int, int] | None:
     """The kernel's ``(rows, cols)`` block for matrices of that shape (powers of two dividing
@@ -170,8 +164,9 @@ def stack_payloads_triton(sums, denoms, *, out_dtype, rows=None, row_axis: int =
     # Payload rows of padding indices are never written: the stack starts zeroed then.
     stack = (jnp.zeros if rows is not None and padded else empty_stack)((total, *part),
                                                                         out_dtype)
+    # The index work runs once for all members, on the stacked rows.
     pos = ([None] * len(sums) if rows is None
-           else _member_positions(rows, [s.shape[0] for s in sums], sums[0].shape[row_axis]))
+           else split(_positions(rows, sums[0].shape[row_axis]), [s.shape[0] for s in sums]))
     slot = 0
     for s, p in zip(sums, pos):
         stack = _write_member(stack, jnp.asarray([slot], jnp.int32), denoms, s, p,
