@@ -172,11 +172,12 @@ def _one_pass_groups(plan: Plan) -> frozenset[int]:
     return frozenset(out)
 
 
-def _row_stats(plan: Plan, momentum: Blocks, known: dict) -> tuple[dict, dict]:
+def _row_stats(plan: Plan, momentum: Blocks, known: dict, one_pass: frozenset[int]
+               ) -> tuple[dict, dict]:
     """Per (leaf, block): this device's row ℓ1 norms (the selection scores before their
     all-reduce; none under random selection), and :func:`_selection.row_sq_sums` of the blocks
-    whose payload norms come from them; ``known``: the blocks whose two sums the statistics
-    kernel gave (:func:`_accumulate`)."""
+    whose payload norms come from them (and of the ``one_pass`` units'); ``known``: the blocks
+    whose two sums the statistics kernel gave (:func:`_accumulate`)."""
     l1, sq = {}, {}
     for u in plan.units:
         key = (u.leaf, u.block)
@@ -185,7 +186,7 @@ def _row_stats(plan: Plan, momentum: Blocks, known: dict) -> tuple[dict, dict]:
             continue
         if not (u.full or plan.random_selection or key in l1):
             l1[key] = _selection.row_l1_norms(momentum[u.leaf][u.block], u.layout.row_axis)
-        if u.uid in plan.row_norm_uids and key not in sq:
+        if (u.uid in plan.row_norm_uids or u.uid in one_pass) and key not in sq:
             sq[key] = _selection.row_sq_sums(momentum[u.leaf][u.block], u.layout.row_axis)
     return l1, sq
 
@@ -198,13 +199,18 @@ def _accumulate(plan: Plan, grads, moms, scales):
     The one-pass units' blocks go through :func:`pallas_kernels.accumulate_rows`: one pass over
     ``M`` and ``G`` writes ``S`` in place of ``M`` with both row sums. Their payloads then read
     ``S`` alone, and their selected rows' decay is not written this step (:func:`error_feedback`).
-    The other blocks' ``S`` is left to XLA to fuse into its readers.
+    Where that pass would run in XLA, and for the other blocks, ``S`` is summed in the leaf's
+    own shape (which lets XLA write it in place of a donated momentum of any layout) and left
+    to XLA to fuse into its readers.
 
     Returns:
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
     """
     one_pass = _one_pass_groups(plan)
-    kernel = {(plan.units[i].leaf, plan.units[i].block): plan.units[i] for i in one_pass}
+    kernel = {(u.leaf, u.block): u for u in (plan.units[i] for i in one_pass)
+              if pallas_kernels.accumulate_rows_implementation(
+                  _local_shape(plan, u)[1:], u.layout.row_axis, plan.pass_implementation)
+              != "xla"}
     momentum = [p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d))
                 if any((i, b) not in kernel for b in range(len(p.local.blocks)))
                 else [None] * len(p.local.blocks)
@@ -220,7 +226,7 @@ def _accumulate(plan: Plan, grads, moms, scales):
     # (The kernel's full units take their sums from the row sums, once per batch.)
     full_sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
                for u in plan.units if _payload_decays(plan, u) and u.uid not in one_pass}
-    return momentum, full_sq, _row_stats(plan, momentum, known), one_pass
+    return momentum, full_sq, _row_stats(plan, momentum, known, one_pass), one_pass
 
 
 def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count) -> Accumulated:

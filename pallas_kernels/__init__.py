@@ -29,13 +29,14 @@ from pallas_kernels._api import (TILE_MULTIPLES, available_implementations, padd
                                  sym_matmul, syrk)
 from pallas_kernels._payload import stack_payloads
 from pallas_kernels._payload_reference import stack_payloads_reference
-from pallas_kernels._row_stats import accumulate_rows
+from pallas_kernels._row_stats import accumulate_rows, accumulate_rows_implementation
 from pallas_kernels._row_stats_reference import accumulate_rows_reference, scaled_sum
 from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 
 __all__ = (
     "TILE_MULTIPLES",
     "accumulate_rows",
+    "accumulate_rows_implementation",
     "accumulate_rows_reference",
     "available_implementations",
     "padding_multiples",

@@ -70,13 +70,24 @@ def _check(m, g, scale, row_axis) -> None:
             raise ValueError(f"{name} must be floating, got {x.dtype}")
 
 
-def implementation_for(shape: tuple[int, int], row_axis: int, implementation: str,
-                       interpret: bool = False) -> str:
+def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
+                                   implementation: RowStatsImplementation = "auto",
+                                   interpret: bool = False) -> str:
     """What :func:`accumulate_rows` runs for matrices of ``shape`` on the target device:
     ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
 
+    A caller that gets ``"xla"`` may compute the pass in its own array shape instead
+    (:func:`pallas_kernels.scaled_sum` is elementwise): XLA writes a result in place of a donated
+    operand only when both have one shape, so a momentum viewed as ``(batch, a, b)`` would
+    otherwise be summed into a new buffer and copied back.
+
     Raises:
       ValueError: for an unknown implementation or a kernel that cannot run this call.
+
+    Examples:
+      >>> from pallas_kernels import accumulate_rows_implementation
+      >>> accumulate_rows_implementation((64, 256), 1, "xla")
+      'xla'
     """
     fits = {"mosaic": _row_stats_mosaic.blocks(shape, row_axis) is not None,
             "pallas_triton": _row_stats_triton.blocks(shape, row_axis) is not None}
@@ -125,7 +136,8 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
-    chosen = implementation_for(m.shape[1:], row_axis, implementation, interpret)
+    chosen = accumulate_rows_implementation(m.shape[1:], row_axis, implementation,
+                                            interpret)
     if chosen == "xla":
         return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
     if chosen == "mosaic":

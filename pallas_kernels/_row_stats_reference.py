@@ -62,14 +62,6 @@ def row_sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int
                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation).
-
-    A single matrix (``batch`` 1) is summed as the 2-D array it usually is a view of: XLA
-    writes a result in place of a (donated) operand only if both have one shape, so a 2-D
-    momentum's ``S`` then takes the momentum's buffer instead of a new one and a copy back."""
-    if m.shape[0] == 1:   # scale (1, n) broadcasts as it is along the minor axis
-        d = scale if row_axis == 2 else scale.reshape(-1, 1)
-        s = scaled_sum(m[0], g[0], d)[None]
-    else:
-        s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis))
+    """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation)."""
+    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis))
     return (s, *row_sums(s, 3 - row_axis))

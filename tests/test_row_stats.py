@@ -193,6 +193,8 @@ def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
         return original(*args, **{**kwargs, "implementation": "pallas_triton", "interpret": True})
 
     monkeypatch.setattr(_step.pallas_kernels, "accumulate_rows", kernel)
+    monkeypatch.setattr(_step.pallas_kernels, "accumulate_rows_implementation",
+                        lambda *_: "pallas_triton")
     got = run()
     assert calls and len(calls) % 3 == 0, calls      # one launch per leaf and trace
     for a, b in zip(jax.tree.leaves(got[1].momentum), jax.tree.leaves(want[1].momentum)):
@@ -204,14 +206,20 @@ def test_step_with_the_kernel_matches_the_step_with_xla(monkeypatch, fraction):
 
 
 @pytest.mark.parametrize("fraction", [0.25, 1.0])
-def test_xla_statistics_pass_writes_s_in_place_of_a_donated_2d_momentum(fraction):
+def test_xla_statistics_pass_writes_s_in_place_of_a_donated_momentum(fraction):
     """With the XLA statistics pass (the CPU's), the compiled step (params and state donated)
-    writes each 2-D momentum's ``S`` into the momentum's own buffer: no copy of a
-    momentum-shaped array (the reference sums a single matrix as the 2-D array it is a view
-    of; a 3-D result would need its own buffer and a copy into the donated one)."""
-    shapes = {"a": (64, 256), "b": (64, 256), "c": (256, 64)}
+    writes each momentum's ``S`` into the momentum's own buffer, whatever the leaf's layout (2-D
+    matrices, a convolution kernel whose leading axes merge into one batch, a DenseGeneral
+    kernel): no copy of a momentum-shaped array. (``S`` is summed in the leaf's shape: summed
+    in its ``(batch, a, b)`` view it would need its own buffer and a copy into the donated
+    one.)"""
+    shapes = {"a": (64, 256), "b": (64, 256), "c": (256, 64), "conv": (3, 3, 16, 32),
+              "heads": (64, 4, 32)}
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
-    tx = dion3_jax.scale_by_dion3(fraction)
+    dims = dion3_jax.DimensionNumbers
+    tx = dion3_jax.scale_by_dion3(fraction, dimension_numbers={
+        "a": dims(0, 1), "b": dims(0, 1), "c": dims(0, 1), "conv": dims(-2, -1),
+        "heads": dims(0, (1, 2))})
     state = jax.eval_shape(tx.init, params)
 
     def step(p, s, g):
@@ -220,6 +228,7 @@ def test_xla_statistics_pass_writes_s_in_place_of_a_donated_2d_momentum(fraction
 
     text = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile().as_text()
     entry = text[text.index("ENTRY"):]
-    copies = re.findall(r"= f32\[(?:64,256|256,64)\]\S* copy\(", entry)
+    shaped = "|".join(",".join(map(str, s)) for s in shapes.values())
+    copies = re.findall(rf"= f32\[(?:{shaped})\]\S* copy\(", entry)
     assert not copies, copies
     assert "input_output_alias" in text

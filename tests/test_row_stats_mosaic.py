@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (_dispatch, _payload, _row_stats, _row_stats_mosaic,
-                            accumulate_rows_reference)
+from pallas_kernels import (_dispatch, _payload, _row_stats_mosaic,
+                            accumulate_rows_implementation, accumulate_rows_reference)
 from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig, accumulate_rows_mosaic
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
@@ -127,19 +127,19 @@ def test_auto_and_named_implementations_resolve():
     kernel for a shape it does not take, or on the CPU, raises."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
-        assert _row_stats.implementation_for((4096, 4096), 2, "auto") == "mosaic"
-        assert _row_stats.implementation_for((4096, 4096), 1, "auto") == "mosaic"
-        assert _row_stats.implementation_for((4096, 4096), 2, "mosaic") == "mosaic"
-        assert _row_stats.implementation_for((40, 20), 2, "auto") == "xla"
-        assert _row_stats.implementation_for((40, 64), 2, "auto") == "xla"
-        assert _row_stats.implementation_for((40, 64), 2, "pallas_triton") == "pallas_triton"
+        assert accumulate_rows_implementation((4096, 4096), 2, "auto") == "mosaic"
+        assert accumulate_rows_implementation((4096, 4096), 1, "auto") == "mosaic"
+        assert accumulate_rows_implementation((4096, 4096), 2, "mosaic") == "mosaic"
+        assert accumulate_rows_implementation((40, 20), 2, "auto") == "xla"
+        assert accumulate_rows_implementation((40, 64), 2, "auto") == "xla"
+        assert accumulate_rows_implementation((40, 64), 2, "pallas_triton") == "pallas_triton"
         with pytest.raises(ValueError, match=r"'mosaic' needs an extent along axis 1 that is a "
                                              r"multiple of 64.*got \(40, 64\)"):
-            _row_stats.implementation_for((40, 64), 2, "mosaic")
+            accumulate_rows_implementation((40, 64), 2, "mosaic")
     with pytest.raises(ValueError, match=r"'mosaic' needs a Hopper GPU \(sm_90\); the target "
                                          r"is 'cpu'"):
-        _row_stats.implementation_for((4096, 4096), 2, "mosaic")
-    assert _row_stats.implementation_for((4096, 4096), 2, "mosaic", interpret=True) == "mosaic"
+        accumulate_rows_implementation((4096, 4096), 2, "mosaic")
+    assert accumulate_rows_implementation((4096, 4096), 2, "mosaic", interpret=True) == "mosaic"
 
 
 def test_auto_takes_the_mosaic_kernel_on_a_jax_without_the_triton_lowering(monkeypatch):
@@ -150,7 +150,7 @@ def test_auto_takes_the_mosaic_kernel_on_a_jax_without_the_triton_lowering(monke
                         lambda device=None: tuple(n for n in real(device) if n != "pallas_triton"))
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
-        assert _row_stats.implementation_for((4096, 4096), 2, "auto") == "mosaic"
+        assert accumulate_rows_implementation((4096, 4096), 2, "auto") == "mosaic"
         assert _payload.implementation_for((4096, 4096), "auto", every_row=True) == "mosaic"
         assert _payload.implementation_for((4096, 4096), "auto") == "xla"
 

@@ -57,7 +57,7 @@ def _tpu_mesh(device=TPU) -> AbstractMesh:
 def test_auto_resolves_to_xla_on_a_tpu_target():
     with jax.sharding.use_abstract_mesh(_tpu_mesh()):
         assert pallas_kernels.available_implementations() == ("xla",)
-        assert _row_stats.implementation_for((4096, 4096), 2, "auto") == "xla"
+        assert pallas_kernels.accumulate_rows_implementation((4096, 4096), 2, "auto") == "xla"
         assert _payload.implementation_for((4096, 4096), "auto") == "xla"
 
 
@@ -66,7 +66,7 @@ def test_the_target_device_is_read_from_the_abstract_mesh():
     with jax.sharding.use_abstract_mesh(_tpu_mesh(H100)):
         assert _dispatch.target_device().platform == "gpu"
         assert "pallas_triton" in pallas_kernels.available_implementations()
-        assert _row_stats.implementation_for((4096, 4096), 2, "auto") != "xla"
+        assert pallas_kernels.accumulate_rows_implementation((4096, 4096), 2, "auto") != "xla"
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
