@@ -38,6 +38,11 @@ jitted function, compiled once (XLA:CPU compiles every instance's kernel on its 
 milliseconds per instance, with the fusions per instance. It shows which passes a deep model's
 compile pays for per matrix.
 
+With ``--cache-dir DIR`` every compile goes through JAX's persistent compilation cache in
+``DIR`` (every executable written, whatever its compile time and size). Run the same command
+twice: the first run fills the cache, the second one's compile stage is what a repeated run pays
+with a warm cache (it still traces and lowers).
+
 With ``--lower-for-h200`` the step is traced and lowered for an NVIDIA H200 (an abstract
 device: no GPU is needed, and nothing is compiled), as the first two stages of the GPU's cold
 start; the table then gives those two stages and the number of Mosaic GPU kernels in the
@@ -53,6 +58,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 --lower-for-h200
     python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
     python benchmarks/bench_compile.py --ops 40             # compile ms per per-matrix pass
+    python benchmarks/bench_compile.py --layers 8 --cache-dir /tmp/c   # twice: cold, then warm
 """
 
 from __future__ import annotations
@@ -89,6 +95,15 @@ def compile_seconds(tx: optax.GradientTransformation, params, options=None
     return tuple(compile_step(tx, params, params, options=options)[1])
 
 
+def use_persistent_cache(directory: str) -> None:
+    """Sends every later compile of this process through JAX's persistent compilation cache in
+    ``directory``: each executable is written there, and read back by a later process that
+    compiles the same program (docs/TRAINING.md)."""
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
 def h200_lowering(tx: optax.GradientTransformation, params) -> tuple[float, float, int]:
     """Seconds to trace and lower ``jit(update + apply_updates)`` for an abstract H200, and the
     Mosaic GPU kernels in the lowered module."""
@@ -118,9 +133,14 @@ def main(argv=None) -> None:
                     help="trace and lower for an abstract H200 only; count Mosaic GPU kernels")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="instead: compile ms per instance of each per-matrix pass (N of each)")
+    ap.add_argument("--cache-dir", metavar="DIR",
+                    help="compile through JAX's persistent compilation cache in DIR (run "
+                         "twice: the second run's compile stage is a warm cache's)")
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {a.repeats}")
+    if a.cache_dir:
+        use_persistent_cache(a.cache_dir)
     if a.ops:
         return _ops_table(a.ops, a.d)
     if a.lower_for_h200:

@@ -25,6 +25,7 @@
 #   bash scripts/gpu_bench.sh payload   # the payload kernel's launch parameters, per shape group
 #   bash scripts/gpu_bench.sh compile   # the step's GPU compile time against AdamW's (8 layers)
 #   bash scripts/gpu_bench.sh compile-autotune   # the same, also with GEMM autotuning off
+#   bash scripts/gpu_bench.sh cold-start   # the compile with a cold, then a warm persistent cache
 #   bash scripts/gpu_bench.sh polar-shapes   # Gram against standard NS on the step's payloads
 #   bash scripts/gpu_bench.sh step-gram profile kernels-table   # parts run in the given order
 #
@@ -147,12 +148,23 @@ case "$PART" in
     run bench_compile_autotune 300 python3 benchmarks/bench_compile.py --layers 8 \
       --fractions 1 0.25 --xla-option xla_gpu_autotune_level=0
     ;;
+  cold-start)  # The step's compile with JAX's persistent compilation cache: a first process
+               # fills an empty cache, a second one compiles the same steps from it (what a
+               # repeated run pays: its trace and lowering, and loading the executables).
+    cache=$(mktemp -d)
+    run cold_start_fill 300 python3 benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 \
+      --cache-dir "$cache"
+    run cold_start_warm 300 python3 benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 \
+      --cache-dir "$cache"
+    du -sh "$cache" | tee -a "$DEST/cold_start_warm.txt"
+    rm -rf "$cache"
+    ;;
   selection)  # Row write-back / gather formulations alone, then where the f = 1/4 step's time goes.
     run bench_selection 90 python3 benchmarks/bench_selection.py
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | compile-autotune | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | compile-autotune | cold-start | selection)"
      exit 2 ;;
 esac
 done

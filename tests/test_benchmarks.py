@@ -83,6 +83,22 @@ def test_bench_compile_ops_table():
     assert all(float(ms) > 0 and float(fusions) >= 1 for _, ms, fusions in rows), out.stdout
 
 
+@pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
+def test_bench_compile_cache_dir(tmp_path):
+    """bench_compile.py --cache-dir: the first run writes its executables into the persistent
+    cache, a second identical run finds every one there (it writes none)."""
+    cmd = [sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d", "64", "--ff",
+           "176", "--fractions", "1", "--cache-dir", str(tmp_path)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    entries = sorted(p.name for p in tmp_path.iterdir())
+    assert len([e for e in entries if e.startswith("jit_step")]) == 2, entries  # AdamW, Dion3
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == entries
+    assert [line.split()[1] for line in second.stdout.splitlines()[2:]] == ["adamw", "dion3"]
+
+
 @pytest.mark.slow
 def test_bench_compile_repeats():
     """bench_compile.py --repeats 2: two rounds of rows, then a median row per variant whose
