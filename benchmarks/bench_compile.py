@@ -38,6 +38,11 @@ jitted function, compiled once (XLA:CPU compiles every instance's kernel on its 
 milliseconds per instance, with the fusions per instance. It shows which passes a deep model's
 compile pays for per matrix.
 
+With ``--no-kernel-rows`` each Dion3 step is also compiled with no kernel (``no kernels``:
+the polar's products and both passes in XLA); on a GPU the difference of the two rows is what
+the Mosaic GPU kernels cost in each stage (their lowering, and their compile, which jaxlib
+does when XLA instantiates the executable).
+
 With ``--cache-dir DIR`` every compile goes through JAX's persistent compilation cache in
 ``DIR`` (every executable written, whatever its compile time and size). Run the same command
 twice: the first run fills the cache, the second one's compile stage is what a repeated run pays
@@ -59,6 +64,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
     python benchmarks/bench_compile.py --ops 40             # compile ms per per-matrix pass
     python benchmarks/bench_compile.py --layers 8 --cache-dir /tmp/c   # twice: cold, then warm
+    python benchmarks/bench_compile.py --layers 8 --fractions 0.25 --no-kernel-rows   # GPU
 """
 
 from __future__ import annotations
@@ -133,6 +139,9 @@ def main(argv=None) -> None:
                     help="trace and lower for an abstract H200 only; count Mosaic GPU kernels")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="instead: compile ms per instance of each per-matrix pass (N of each)")
+    ap.add_argument("--no-kernel-rows", action="store_true",
+                    help="also compile each Dion3 step with no kernel (its products and passes "
+                         "in XLA): the difference is the kernels' share of every stage")
     ap.add_argument("--cache-dir", metavar="DIR",
                     help="compile through JAX's persistent compilation cache in DIR (run "
                          "twice: the second run's compile stage is a warm cache's)")
@@ -155,8 +164,9 @@ def main(argv=None) -> None:
         # Each row's unit is AdamW compiled with the same options (the "adamw" of its tag).
         builds = [("", None)] + ([(" +opts", options)] if options else [])
         variants = [("adamw" + tag, tag, optax.adamw(a.lr), opts) for tag, opts in builds]
-        variants += [(f"dion3 f={f:g}" + tag, tag, dion3_jax.dion3(a.lr, f), opts)
-                     for tag, opts in builds for f in a.fractions]
+        kinds = _XLA_ONLY if a.no_kernel_rows else _XLA_ONLY[:1]
+        variants += [(f"dion3 f={f:g}{kind}" + tag, tag, dion3_jax.dion3(a.lr, f, **kw), opts)
+                     for tag, opts in builds for f in a.fractions for kind, kw in kinds]
         runs = {name: [] for name, *_ in variants}
         for _ in range(a.repeats):
             for name, tag, tx, opts in variants:

@@ -140,9 +140,10 @@ case "$PART" in
       --variants default b2048
     ;;
   compile)  # The step's GPU compile (trace, lowering, XLA compile) against AdamW's, 8 layers,
-            # f = 1 and 1/4, two interleaved rounds.
+            # f = 1 and 1/4, two interleaved rounds; each also with no kernel (the kernels'
+            # share of each stage).
     run bench_compile 300 python3 benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 \
-      --repeats 2
+      --repeats 2 --no-kernel-rows
     ;;
   compile-autotune)  # The same, also with XLA's GEMM autotuning off: the autotuner's share.
     run bench_compile_autotune 300 python3 benchmarks/bench_compile.py --layers 8 \

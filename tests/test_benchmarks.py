@@ -84,6 +84,19 @@ def test_bench_compile_ops_table():
 
 
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
+def test_bench_compile_no_kernel_rows():
+    """bench_compile.py --no-kernel-rows: each Dion3 step also compiled with no kernel, in a
+    row of its own, after AdamW's."""
+    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
+                          "64", "--ff", "176", "--fractions", "1", "0.5", "--no-kernel-rows"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = [" ".join(line.split()[1:-5]) for line in out.stdout.splitlines()[2:]]
+    assert names == ["adamw", "dion3 f=1", "dion3 f=1 no kernels", "dion3 f=0.5",
+                     "dion3 f=0.5 no kernels"], out.stdout
+
+
+@pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
 def test_bench_compile_cache_dir(tmp_path):
     """bench_compile.py --cache-dir: the first run writes its executables into the persistent
     cache, a second identical run finds every one there (it writes none)."""
