@@ -73,13 +73,21 @@ def _check(m, g, scale, row_axis) -> None:
 def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
                                    implementation: RowStatsImplementation = "auto",
                                    interpret: bool = False) -> str:
-    """What :func:`accumulate_rows` runs for matrices of ``shape`` on the target device:
-    ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
+    """What :func:`accumulate_rows` runs for matrices of ``shape`` on the target device.
 
     A caller that gets ``"xla"`` may compute the pass in its own array shape instead
     (:func:`pallas_kernels.scaled_sum` is elementwise): XLA writes a result in place of a donated
     operand only when both have one shape, so a momentum viewed as ``(batch, a, b)`` would
     otherwise be summed into a new buffer and copied back.
+
+    Args:
+      shape: ``(a, b)``, each matrix's shape (the call's ``m.shape[1:]``).
+      row_axis: the axis of the rows, 1 or 2, as in :func:`accumulate_rows`.
+      implementation: what the caller asks for, as in :func:`accumulate_rows`.
+      interpret: whether the kernel would run through an interpreter (CPU tests).
+
+    Returns:
+      ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
 
     Raises:
       ValueError: for an unknown implementation or a kernel that cannot run this call.
