@@ -81,8 +81,6 @@ SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
 
 MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default(): 4 stages for 16-bit outputs).
     "s3": _mosaic.MosaicConfig(max_concurrent_steps=3),
-    # 64 × 128 epilogue sub-tiles (half as many, a quarter less lowering), hence 3 stages.
-    "e128": _mosaic.MosaicConfig.get_default(epilogue_cols=128),
 }
 #: Variants also run on every shape (the others only on the two headline shapes).
 ALL_SHAPE_VARIANTS = ("mosaic[default]", "triton[default]")

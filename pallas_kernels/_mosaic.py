@@ -30,7 +30,7 @@ slots are released one step later, ``BlockSpec(delay_release=1)``).
   transposes the left one instead, so a tall matrix's Gram ``xᵀx`` needs no transposed copy.
 - ``sym_matmul``: ``out[r, c] = α · a[r, :] · b[:, c] + β · c[r, c]``.
 
-The epilogue goes through ``64 × epilogue_cols`` sub-tiles (64×64 by default): ``+ β·c`` (the ``c`` sub-tile comes in by TMA), one
+The epilogue goes through 64×64 sub-tiles: ``+ β·c`` (the ``c`` sub-tile comes in by TMA), one
 rounding to the output dtype, a TMA store to ``out[r, c]`` and, off the diagonal, a TMA store of
 its transpose (a register layout cast to ``WGMMA_TRANSPOSED`` and a transposed shared-memory view)
 to ``out[c, r]``. Diagonal tiles are written exactly once, as computed: ``syrk``'s are exactly
@@ -67,8 +67,7 @@ __all__ = ("MosaicConfig", "SMEM_LIMIT", "smem_bytes", "sym_matmul_mosaic", "syr
 _INTERPRET_NUM_SMS = 4
 #: Compute warpgroups per CTA: one per output tile of a work item.
 _COMPUTE_WGS = 2
-#: Rows of the epilogue sub-tiles staged in shared memory (their columns:
-#: ``MosaicConfig.epilogue_cols``).
+#: Side of the square epilogue sub-tiles staged in shared memory.
 _EPI = 64
 
 #: Shared memory a CTA may use on Hopper (227 KiB) less room for barriers and alignment.
@@ -86,28 +85,21 @@ class MosaicConfig:
       max_concurrent_steps: pipeline depth (operand panels in flight in shared memory); at least
         2, since one step's ``wgmma`` stays in flight.
       num_sms: persistent CTAs to launch; ``None`` takes the device's SM count.
-      epilogue_cols: columns of the epilogue's sub-tiles, 64 or 128 (a divisor of ``tile``).
-        128 halves the sub-tiles a warpgroup stores (and so the kernel's code: about a quarter
-        less lowering time) but doubles the staging buffers, which leaves room for one
-        pipeline stage less.
     """
 
     tile: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 4
     num_sms: int | None = None
-    epilogue_cols: int = 64
 
     @classmethod
-    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16, **fields
-                    ) -> "MosaicConfig":
-        """The field defaults (or ``fields``) with the pipeline as deep as shared memory allows
-        for these dtypes.
+    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
+        """The field defaults with the pipeline as deep as shared memory allows for these dtypes.
 
         4 stages for 16-bit outputs, 3 for float32 outputs (their epilogue staging is twice as
-        large); one fewer with ``epilogue_cols=128``.
+        large).
         """
-        config = cls(**fields)
+        config = cls()
         while (smem_bytes(config, in_dtype, out_dtype) > SMEM_LIMIT
                and config.max_concurrent_steps > 2):
             config = dataclasses.replace(config,
@@ -124,16 +116,13 @@ class MosaicConfig:
                              "in flight)")
         if self.num_sms is not None and self.num_sms <= 0:
             raise ValueError(f"{self.num_sms=} must be positive or None")
-        if self.epilogue_cols not in (64, 128) or self.tile % self.epilogue_cols:
-            raise ValueError(f"{self.epilogue_cols=} must be 64 or 128 and divide {self.tile=}")
 
 
 def smem_bytes(config: MosaicConfig, in_dtype, out_dtype) -> int:
     """Shared memory of the kernel's buffers: the operand ring and the epilogue staging."""
     in_size, out_size = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     panel = config.tile * config.tile_k * in_size
-    # A sub-tile and its mirror per warpgroup.
-    staging = 2 * _COMPUTE_WGS * _EPI * config.epilogue_cols * out_size
+    staging = 2 * _COMPUTE_WGS * _EPI * _EPI * out_size  # A sub-tile and its mirror per wg.
     return config.max_concurrent_steps * 3 * panel + staging
 
 
@@ -272,7 +261,7 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
       tiles_per_side: ``n / tile``.
     """
     out_dtype = out_gmem.dtype
-    tile, width = config.tile, config.epilogue_cols
+    tile = config.tile
     get_pipeline, pipeline_allocs, a_both = _pipeline(a_gmem, b_gmem, config=config, form=form)
     in_flight = _in_flight(config, _contraction(a_gmem, form))
 
@@ -280,9 +269,9 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
         pl.run_scoped,
         pipeline_allocs=pipeline_allocs,
         a_both=a_both,
-        out_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, width), out_dtype,
-                            transforms=_smem_transforms(width, out_dtype)),
-        out_t_smem=plgpu.SMEM((_COMPUTE_WGS, width, _EPI), out_dtype),
+        out_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, _EPI), out_dtype,
+                            transforms=_smem_transforms(_EPI, out_dtype)),
+        out_t_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, _EPI), out_dtype),
         c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=_COMPUTE_WGS),
         collective_axes="wg",
     )
@@ -302,8 +291,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
             bi, tc, tr1, tr2 = _schedule.batched_pair_tile_coords(lin_idx, tiles_per_side)
             tr = lax.select(wg == 0, tr1, tr2)  # This warpgroup's row panel.
             keep = jnp.logical_or(wg == 0, tr1 != tr2)  # A single's second copy is dropped.
-            subs = [(pl.ds(tr * tile + ei * _EPI, _EPI), pl.ds(tc * tile + ej * width, width))
-                    for ei in range(tile // _EPI) for ej in range(tile // width)]
+            subs = [(pl.ds(tr * tile + ei * _EPI, _EPI), pl.ds(tc * tile + ej * _EPI, _EPI))
+                    for ei in range(tile // _EPI) for ej in range(tile // _EPI)]
 
             def compute_context(eval_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile, tile), jnp.float32))
@@ -318,8 +307,8 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
                     @jax.named_scope("epilogue")
                     def _store():
                         for i, (rows, cols) in enumerate(subs):
-                            ei, ej = divmod(i, tile // width)
-                            sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * width:(ej + 1) * width]
+                            ei, ej = divmod(i, tile // _EPI)
+                            sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * _EPI:(ej + 1) * _EPI]
                             _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
                                         wg, bi, rows, cols, tr != tc, beta=beta,
                                         out_dtype=out_dtype)
