@@ -44,6 +44,13 @@ Backend = Literal["auto", "xla", "mosaic", "jax_triton"]
 _METHODS = ("gram", "standard")
 _BACKENDS = ("auto", "xla", "mosaic", "jax_triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
+#: The aspect ratio (long side over short side) from which ``method="gram"`` runs Gram
+#: Newton-Schulz; closer to square it runs standard Newton-Schulz. Measured on an H200 with the
+#: Mosaic products (float16, 5 steps; docs/BENCHMARKS.md, "Gram or standard Newton-Schulz per
+#: shape"): standard NS 4–5% faster and more accurate at aspect 1.125 and 1.25, Gram NS 6–9%
+#: faster from aspect 1.45 and more so beyond, although by FLOPs Gram NS does less work at
+#: every aspect above 1.
+GRAM_MIN_ASPECT = 4 / 3
 
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -278,7 +285,7 @@ def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence
         rows, cols = _padded_shape(n, m, multiples)
         if (rows, cols) != (n, m):
             y = jnp.pad(y, ((0, 0), (0, rows - n), (0, cols - m)))
-    if method == "gram" and n != m:
+    if method == "gram" and max(n, m) >= GRAM_MIN_ASPECT * min(n, m):
         y = gram_newton_schulz(y, coeffs, restarts, backend=backend)
     else:
         y = standard_newton_schulz(y, coeffs, backend=backend)
@@ -314,8 +321,9 @@ def polar(x: jax.Array, *, method: Method = "gram",
     The input is normalized in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``
     and iterated with the odd polynomials given by ``coefficients``, on the Gram matrix of its
     short side (``X Xᵀ`` of a wide matrix, ``Xᵀ X`` of a tall one; a tall input is never
-    transposed). Gram Newton-Schulz is used for non-square matrices; square matrices fall back to
-    standard Newton-Schulz (the Gram form saves nothing there).
+    transposed). Gram Newton-Schulz is used where the long side is at least 4/3 of the short
+    one; closer to square (square included) standard Newton-Schulz runs, which was measured
+    faster and more accurate there on an H200.
 
     Args:
       x: array of shape ``(..., n, m)`` of any floating dtype; leading axes are a batch.

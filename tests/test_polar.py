@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import dion3_jax
-from dion3_jax import newton_schulz, polar
+from dion3_jax import _polar, newton_schulz, polar
 from dion3_jax._polar_operator import BuiltinPolar
 import dion3_reference as ref
 
@@ -95,6 +95,28 @@ def test_user_coefficients_and_square_fallback():
                   compute_dtype=jnp.float64)
     np.testing.assert_array_equal(np.asarray(g), np.asarray(s))  # square → standard NS exactly
     np.testing.assert_allclose(np.asarray(g), ref.ns_polar(x, coeffs), atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,gram", [((80, 64), False), ((64, 80), False), ((96, 72), True),
+                                        ((72, 96), True), ((2, 96, 64), True)])
+def test_near_square_inputs_take_standard_newton_schulz(shape, gram):
+    """``method="gram"`` runs Gram Newton-Schulz from aspect 4/3 (the measured crossover) and
+    standard Newton-Schulz below it: at aspect 1.25 its float16 result is bitwise standard NS's,
+    from 4/3 on it is Gram NS's (``newton_schulz.gram_newton_schulz`` on the same normalized
+    input), which differs from standard NS's in float16."""
+    x = jnp.asarray(_rand(shape, 11))
+    got = np.asarray(polar(x, method="gram", compute_dtype=jnp.float16, out_dtype=jnp.float32))
+    std = np.asarray(polar(x, method="standard", compute_dtype=jnp.float16,
+                           out_dtype=jnp.float32))
+    y = _polar._normalized(x.reshape((-1, *shape[-2:])), 1e-7, jnp.float16).reshape(shape)
+    coeffs = newton_schulz.get_coefficients("polar_express")
+    gram_ns = np.asarray(newton_schulz.gram_newton_schulz(y, coeffs, (2,)), np.float32)
+    if gram:
+        np.testing.assert_array_equal(got, gram_ns)
+        assert not np.array_equal(got, std)
+    else:
+        np.testing.assert_array_equal(got, std)
+        assert not np.array_equal(got, gram_ns)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
