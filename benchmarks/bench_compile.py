@@ -63,7 +63,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 --lower-for-h200
     python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
     python benchmarks/bench_compile.py --ops 40             # compile ms per per-matrix pass
-    python benchmarks/bench_compile.py --layers 8 --cache-dir /tmp/c   # twice: cold, then warm
+    python benchmarks/bench_compile.py --layers 8 --cache-dir DIR   # twice: cold, then warm
     python benchmarks/bench_compile.py --layers 8 --fractions 0.25 --no-kernel-rows   # GPU
 """
 
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
         # Each row's unit is AdamW compiled with the same options (the "adamw" of its tag).
         builds = [("", None)] + ([(" +opts", options)] if options else [])
         variants = [("adamw" + tag, tag, optax.adamw(a.lr), opts) for tag, opts in builds]
-        kinds = _XLA_ONLY if a.no_kernel_rows else _XLA_ONLY[:1]
+        kinds = _KERNEL_VARIANTS if a.no_kernel_rows else _KERNEL_VARIANTS[:1]
         variants += [(f"dion3 f={f:g}{kind}" + tag, tag, dion3_jax.dion3(a.lr, f, **kw), opts)
                      for tag, opts in builds for f in a.fractions for kind, kw in kinds]
         runs = {name: [] for name, *_ in variants}
@@ -181,9 +181,10 @@ def main(argv=None) -> None:
                            totals["adamw" + tag])
 
 
-#: The ``--lower-for-h200`` variants: the defaults, and the step with no kernel (the polar's
-#: products and both passes in XLA), whose difference is the kernels' share of the lowering.
-_XLA_ONLY = (("", {}), (" no kernels", dict(
+#: Each Dion3 step's variants for ``--lower-for-h200`` and ``--no-kernel-rows``: the defaults,
+#: and the step with no kernel (the polar's products and both passes in XLA), whose difference
+#: is the kernels' share of each stage.
+_KERNEL_VARIANTS = (("", {}), (" no kernels", dict(
     pass_implementation="xla", orthogonalizer=dion3_jax.make_orthogonalizer(backend="xla"))))
 
 
@@ -197,7 +198,7 @@ def _h200_table(a) -> None:
         params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
                   for k, s in model_shapes(layers, a.d, a.ff).items()}
         variants = [(f"dion3 f={f:g}{tag}", dion3_jax.dion3(a.lr, f, **kw))
-                    for f in a.fractions for tag, kw in _XLA_ONLY]
+                    for f in a.fractions for tag, kw in _KERNEL_VARIANTS]
         runs = {name: [] for name, _ in variants}
         for _ in range(a.repeats):
             for name, tx in variants:
