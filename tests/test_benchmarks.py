@@ -38,6 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
      "--no-megabatch", "--cpu-devices", "2", "--fractions", "0.25", "--methods", "standard",
      "--backends", "xla"],
     ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
+    ["benchmarks/bench_layout.py", "--small", "--reps", "1", "--fractions", "0.25"],
     ["benchmarks/bench_payload.py", "--small", "--reps", "1", "--variants", "default", "w8",
      "--fractions", "0.25"],
     ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "2", "--queued",
