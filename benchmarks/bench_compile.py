@@ -48,6 +48,11 @@ With ``--cache-dir DIR`` every compile goes through JAX's persistent compilation
 twice: the first run fills the cache, the second one's compile stage is what a repeated run pays
 with a warm cache (it still traces and lowers).
 
+With ``--first-call`` the model is also allocated (random leaves) and each compiled step run
+twice: a line per variant gives the seconds of its first and second call. The first call is where
+jaxlib instantiates the executable, so with ``--cache-dir`` it shows whether a warm cache's
+executable still pays for its kernels on the way to the first step.
+
 With ``--lower-for-h200`` the step is traced and lowered for an NVIDIA H200 (an abstract
 device: no GPU is needed, and nothing is compiled), as the first two stages of the GPU's cold
 start; the table then gives those two stages and the number of Mosaic GPU kernels in the
@@ -64,6 +69,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
     python benchmarks/bench_compile.py --ops 40             # compile ms per per-matrix pass
     python benchmarks/bench_compile.py --layers 8 --cache-dir DIR   # twice: cold, then warm
+    python benchmarks/bench_compile.py --layers 8 --cache-dir DIR --first-call   # and run it
     python benchmarks/bench_compile.py --layers 8 --fractions 0.25 --no-kernel-rows   # GPU
 """
 
@@ -88,17 +94,22 @@ except ImportError:  # running from a source checkout
     import dion3_jax
 import pallas_kernels
 from dion3_jax import _selection
-from bench_step import compile_step, jitted_step, model_shapes, xla_options
+from bench_step import compile_step, jitted_step, make_tree, model_shapes, xla_options
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
 
 
-def compile_seconds(tx: optax.GradientTransformation, params, options=None
-                    ) -> tuple[float, float, float]:
-    """Seconds to trace, lower and compile ``jit(update + apply_updates)`` on abstract leaves
-    (``bench_step.compile_step``: the state's shapes from ``jax.eval_shape``), with the XLA
-    compiler ``options`` (a dict; None: XLA's defaults)."""
-    return tuple(compile_step(tx, params, params, options=options)[1])
+def first_calls(compiled, tx: optax.GradientTransformation, shapes) -> tuple[float, float]:
+    """Seconds of the first and of the second call of a compiled step (``bench_step.jitted_step``'s
+    signature) on random leaves of ``shapes``, each synchronized."""
+    params, grads = make_tree(shapes, 0), make_tree(shapes, 1, 0.01)
+    state = jax.block_until_ready(tx.init(params))
+    seconds = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        params, state = jax.block_until_ready(compiled(params, state, grads))
+        seconds.append(time.perf_counter() - t0)
+    return seconds[0], seconds[1]
 
 
 def use_persistent_cache(directory: str) -> None:
@@ -142,6 +153,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-kernel-rows", action="store_true",
                     help="also compile each Dion3 step with no kernel (its products and passes "
                          "in XLA): the difference is the kernels' share of every stage")
+    ap.add_argument("--first-call", action="store_true",
+                    help="also allocate the model and time each compiled step's first and "
+                         "second call")
     ap.add_argument("--cache-dir", metavar="DIR",
                     help="compile through JAX's persistent compilation cache in DIR (run "
                          "twice: the second run's compile stage is a warm cache's)")
@@ -170,9 +184,15 @@ def main(argv=None) -> None:
         runs = {name: [] for name, *_ in variants}
         for _ in range(a.repeats):
             for name, tag, tx, opts in variants:
-                runs[name].append(compile_seconds(tx, params, opts))
+                compiled, stages = compile_step(tx, params, params, options=opts)
+                runs[name].append(tuple(stages))
                 _print_row(layers, name, runs[name][-1], sum(runs[name][-1]),
                            sum(runs["adamw" + tag][-1]))
+                if a.first_call:
+                    first, second = first_calls(compiled, tx, model_shapes(layers, a.d, a.ff))
+                    print(f"{'':>6} {name:<29} first call {first:.3f} s, second {second:.3f} s",
+                          flush=True)
+                del compiled
         if a.repeats > 1:
             totals = {name: statistics.median(map(sum, r)) for name, r in runs.items()}
             for name, tag, *_ in variants:

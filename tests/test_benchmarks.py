@@ -18,6 +18,7 @@ no timing is asserted; timings are reported by the scripts, never by tests)."""
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -111,6 +112,21 @@ def test_bench_compile_cache_dir(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == entries
     assert [line.split()[1] for line in second.stdout.splitlines()[2:]] == ["adamw", "dion3"]
+
+
+@pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
+def test_bench_compile_first_call():
+    """bench_compile.py --first-call: under each variant's row, the seconds of its compiled
+    step's first and second call on allocated leaves."""
+    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
+                          "64", "--ff", "176", "--fractions", "1", "--first-call"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()[2:]
+    assert [line.split()[:2] for line in lines[1::2]] == [["adamw", "first"], ["dion3", "f=1"]]
+    for line in lines[1::2]:
+        first, second = map(float, re.search(r"first call (\S+) s, second (\S+) s", line).groups())
+        assert first > 0 and second > 0, line
 
 
 @pytest.mark.slow
