@@ -57,7 +57,9 @@ With ``--lower-for-h200`` the step is traced and lowered for an NVIDIA H200 (an 
 device: no GPU is needed, and nothing is compiled), as the first two stages of the GPU's cold
 start; the table then gives those two stages and the number of Mosaic GPU kernels in the
 lowered module (each adds its own lowering), for the default step and for the step with every
-product and pass in XLA (``no kernels``): the difference is the kernels' lowering.
+product and pass in XLA (``no kernels``): the difference is the kernels' lowering. With
+``--list-kernels`` each variant's kernels follow the table, one line each: the jitted wrapper
+that holds it, and its operand and result types.
 
 Usage::
 
@@ -66,6 +68,7 @@ Usage::
     python benchmarks/bench_compile.py --layers 96 --fractions 0.25 --repeats 3
     python benchmarks/bench_compile.py --layers 2 --d 64 --ff 176   # a small smoke run
     python benchmarks/bench_compile.py --layers 8 --fractions 1 0.25 --lower-for-h200
+    python benchmarks/bench_compile.py --layers 8 --fractions 0.25 --lower-for-h200 --list-kernels
     python benchmarks/bench_compile.py --layers 8 --xla-option xla_gpu_autotune_level=0  # GPU
     python benchmarks/bench_compile.py --ops 40             # compile ms per per-matrix pass
     python benchmarks/bench_compile.py --layers 8 --cache-dir DIR   # twice: cold, then warm
@@ -77,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
@@ -121,9 +125,10 @@ def use_persistent_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def h200_lowering(tx: optax.GradientTransformation, params) -> tuple[float, float, int]:
+def h200_lowering(tx: optax.GradientTransformation, params
+                  ) -> tuple[float, float, list[str]]:
     """Seconds to trace and lower ``jit(update + apply_updates)`` for an abstract H200, and the
-    Mosaic GPU kernels in the lowered module."""
+    Mosaic GPU kernels in the lowered module (:func:`mosaic_kernels`)."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         state = jax.eval_shape(tx.init, params)
@@ -132,7 +137,20 @@ def h200_lowering(tx: optax.GradientTransformation, params) -> tuple[float, floa
         t1 = time.perf_counter()
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, text.count("custom_call @mosaic_gpu")
+    return t1 - t0, t2 - t1, mosaic_kernels(text)
+
+
+def mosaic_kernels(text: str) -> list[str]:
+    """Per Mosaic GPU call of a lowered module's text: the name of the function that holds it
+    (the kernel's jitted wrapper) and its operand and result types. Each is lowered once, however
+    many times the step calls its wrapper."""
+    out, func = [], "?"
+    for line in text.splitlines():
+        if m := re.match(r"\s*func\.func (?:private |public )?@([\w.$-]+)", line):
+            func = m.group(1)
+        elif "custom_call @mosaic_gpu" in line:
+            out.append(f"{func} {line.rsplit(' : ', 1)[-1].strip()}")
+    return out
 
 
 def main(argv=None) -> None:
@@ -148,6 +166,9 @@ def main(argv=None) -> None:
                          "e.g. xla_gpu_autotune_level=0 for the autotuner's share")
     ap.add_argument("--lower-for-h200", action="store_true",
                     help="trace and lower for an abstract H200 only; count Mosaic GPU kernels")
+    ap.add_argument("--list-kernels", action="store_true",
+                    help="with --lower-for-h200: also list each variant's Mosaic GPU kernels "
+                         "(wrapper name, operand and result types)")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="instead: compile ms per instance of each per-matrix pass (N of each)")
     ap.add_argument("--no-kernel-rows", action="store_true",
@@ -224,12 +245,16 @@ def _h200_table(a) -> None:
             for name, tx in variants:
                 runs[name].append(h200_lowering(tx, params))
                 trace, lower, kernels = runs[name][-1]
-                print(f"{layers:>6} {name:<34} {trace:7.2f} {lower:7.2f} {kernels:>8}",
+                print(f"{layers:>6} {name:<34} {trace:7.2f} {lower:7.2f} {len(kernels):>8}",
                       flush=True)
         for name, r in runs.items() if a.repeats > 1 else ():
             trace, lower = (statistics.median(x[i] for x in r) for i in (0, 1))
             print(f"{layers:>6} {name + ' (median)':<34} {trace:7.2f} {lower:7.2f} "
-                  f"{r[0][2]:>8}", flush=True)
+                  f"{len(r[0][2]):>8}", flush=True)
+        for name, r in runs.items() if a.list_kernels else ():
+            print(f"\n{layers} layers, {name}: {len(r[0][2])} Mosaic GPU kernels")
+            for kernel in r[0][2]:
+                print(f"  {kernel}")
 
 
 def _per_matrix_passes(d: int) -> dict:

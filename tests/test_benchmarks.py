@@ -61,13 +61,20 @@ def test_bench_compile_lower_for_h200_counts_kernels():
     """bench_compile.py --lower-for-h200 (no GPU): the default step lowers Mosaic GPU kernels
     (the passes at least), the step with every product and pass in XLA none."""
     out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
-                          "256", "--ff", "512", "--fractions", "1", "--lower-for-h200"],
+                          "256", "--ff", "512", "--fractions", "1", "--lower-for-h200",
+                          "--list-kernels"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
+    table, listing = out.stdout.split("\n\n", 1)
     rows = {" ".join(line.split()[1:-3]): int(line.split()[-1])
-            for line in out.stdout.splitlines()[2:]}
+            for line in table.splitlines()[2:]}
     assert set(rows) == {"dion3 f=1", "dion3 f=1 no kernels"}, out.stdout
     assert rows["dion3 f=1"] >= 2 and rows["dion3 f=1 no kernels"] == 0, out.stdout
+    # --list-kernels: one line per counted kernel, its wrapper and its types.
+    kernels = [line.split()[0] for line in listing.splitlines() if line.startswith("  ")]
+    assert len(kernels) == rows["dion3 f=1"], out.stdout
+    assert any(k.startswith("accumulate_rows_mosaic") for k in kernels), out.stdout
+    assert all("tensor<" in line for line in listing.splitlines() if line.startswith("  "))
 
 
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
