@@ -194,8 +194,8 @@ def main(argv=None) -> None:
     print(f"{'layers':>6} {'optimizer':<29} {'trace':>7} {'lower':>7} {'compile':>8} "
           f"{'total':>8} {'× AdamW':>8}")
     for layers in a.layers:
-        params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
-                  for k, s in model_shapes(layers, a.d, a.ff).items()}
+        shapes = model_shapes(layers, a.d, a.ff)
+        params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
         # Each row's unit is AdamW compiled with the same options (the "adamw" of its tag).
         builds = [("", None)] + ([(" +opts", options)] if options else [])
         variants = [("adamw" + tag, tag, optax.adamw(a.lr), opts) for tag, opts in builds]
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
                 _print_row(layers, name, runs[name][-1], sum(runs[name][-1]),
                            sum(runs["adamw" + tag][-1]))
                 if a.first_call:
-                    first, second = first_calls(compiled, tx, model_shapes(layers, a.d, a.ff))
+                    first, second = first_calls(compiled, tx, shapes)
                     print(f"{'':>6} {name:<29} first call {first:.3f} s, second {second:.3f} s",
                           flush=True)
                 del compiled
