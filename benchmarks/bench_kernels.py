@@ -31,8 +31,9 @@ Usage (GPU machine; repository root on PYTHONPATH):
   python benchmarks/bench_kernels.py --variants     # also pipeline-depth variants of the kernels
   python benchmarks/bench_kernels.py --variants s3 w8s3   # only these variants
   python benchmarks/bench_kernels.py --polar        # also dion3_jax.polar per backend
-  python benchmarks/bench_kernels.py --no-kernels --peers   # n³ GEMMs: cuBLAS, jax's Mosaic
+  python benchmarks/bench_kernels.py --no-kernels --peers   # 4096³ GEMMs: cuBLAS, jax's Mosaic
                                                              # matmul, sym_matmul, per tile
+  python benchmarks/bench_kernels.py --no-kernels --peers --peer-shapes 32x1024x1024 32x1024x4096
   python benchmarks/bench_kernels.py --shapes 8x1024x1024 2048x2048   # only these cases
   python benchmarks/bench_kernels.py --json out.jsonl
 """
@@ -72,6 +73,15 @@ CASES = [
     ("sym_matmul", "sym", (), 2048, 2048, jnp.float16),
     ("sym_matmul", "sym", (32,), 512, 512, jnp.float16),  # f = 1/8: q/k/v/o
     ("sym_matmul", "sym", (), 1024, 1024, jnp.float16),
+    # The rest of the 8-layer 7B-shapes step's Gram shapes (f = 1/4 and 1/8 payloads, padded).
+    ("sym_matmul", "sym", (16,), 2816, 2816, jnp.float16),  # f = 1/4: gate/up
+    ("sym_matmul", "sym", (16,), 1408, 1408, jnp.float16),  # f = 1/8: gate/up
+    ("sym_matmul", "sym", (8,), 512, 512, jnp.float16),  # f = 1/8: the down projections
+    ("syrk", "syrk", (16,), 2816, 4096, jnp.float16),
+    ("syrk", "syrk", (8,), 1024, 11008, jnp.float16),
+    ("syrk", "syrk", (16,), 1408, 4096, jnp.float16),
+    ("syrk", "syrk", (32,), 512, 4096, jnp.float16),
+    ("syrk", "syrk", (8,), 512, 11008, jnp.float16),
 ]
 
 SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
@@ -346,34 +356,61 @@ def diagnose(args, log):
                 f"{bad[:12]}")
 
 
-def bench_peers(args, log):
-    """``sym_matmul`` of ``(n, n)·(n, n)`` against full GEMMs of the same size: XLA's (cuBLAS on a
-    GPU) and jax's own Mosaic GPU matmul (``hopper_matmul_mgpu``: 128×128 tiles per warpgroup,
-    64-deep panels, 4 stages; Hopper only). ``µs/tile`` is the time per computed 128×128
-    output tile (``sym_matmul`` computes the lower ones); TFLOP/s counts the full product's
-    FLOPs for the GEMMs and the useful half for ``sym_matmul``."""
-    n = 256 if args.smoke else 4096
-    a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float16) for i in (0, 1))
-    runs = [("XLA GEMM", lambda x, y: jnp.einsum("ik,kj->ij", x, y,
+def _peer_runs(batch: int, n: int, k: int):
+    """(label, fn, operands, FLOPs, computed 128×128 tiles) for one peer shape: the full
+    ``(batch, n, k)·(batch, k, n)`` GEMM in XLA (cuBLAS on a GPU); jax's Mosaic GPU matmul
+    (``hopper_matmul_mgpu``: 128×128 tiles per warpgroup, 64-deep panels, 4 stages; unbatched
+    shapes on Hopper only); and this package's kernel computing the lower tiles of the same
+    product: ``sym_matmul`` of ``(n, n)·(n, n)`` where ``k == n``, else ``syrk`` of ``(n, k)``."""
+    lead = (batch,) if batch > 1 else ()
+    a = jax.random.normal(jax.random.key(0), (*lead, n, k), jnp.float16)
+    b = jax.random.normal(jax.random.key(1), (*lead, k, n), jnp.float16)
+    side = -(-n // 128)  # 128×128 tiles per side
+    full_tiles = batch * side ** 2
+    runs = [("XLA GEMM", lambda x, y: jnp.einsum("...ik,...kj->...ij", x, y,
                                                  preferred_element_type=jnp.float16),
-             (a, b), 2 * n ** 3, (n // 128) ** 2)]
-    if "mosaic" in _product_implementations():
+             (a, b), 2 * batch * n * n * k, full_tiles)]
+    if "mosaic" not in _product_implementations():
+        return runs
+    if not lead:
         from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
         cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
-        runs += [("jax hopper_matmul_mgpu", lambda x, y: hm.matmul(x, y, None, config=cfg),
-                  (a, b), 2 * n ** 3, (n // 128) ** 2),
-                 ("sym_matmul (mosaic)", lambda x: _mosaic.sym_matmul_mosaic(x, x), (a,),
-                  n * (n + 1) * n, _schedule.num_lower_tiles(n // 128))]
-    log(f"\n{n}³ products, float16, {args.rotate} rotated input sets per call, median of "
-        f"{args.reps}; device: the kernels' own time in a trace of single calls")
-    log(f"{'product':<24} {'ms':>8} {'TFLOP/s':>8} {'tiles':>6} {'µs/tile':>8} "
-        f"{'device ms':>9} {'device µs/tile':>14}")
-    for name, fn, xs, flops, tiles in runs:
-        ms = median_ms_rotated(fn, rotated_sets(xs, args.rotate), reps=args.reps)
-        dev_ms = device_ms(jax.jit(fn), *xs, reps=min(args.reps, 10))
-        per_tile = None if dev_ms is None else dev_ms * 1e3 / tiles
-        log(f"{name:<24} {ms:8.4f} {flops / ms / 1e9:8.0f} {tiles:6d} {ms * 1e3 / tiles:8.4f} "
-            f"{_fmt(dev_ms, 9, 4)} {_fmt(per_tile, 14, 4)}")
+        runs.append(("jax hopper_matmul_mgpu", lambda x, y: hm.matmul(x, y, None, config=cfg),
+                     (a, b), 2 * n * n * k, full_tiles))
+    kernel = (("sym_matmul (mosaic)", lambda x: _mosaic.sym_matmul_mosaic(x, x)) if k == n
+              else ("syrk (mosaic)", _mosaic.syrk_mosaic))
+    lower_tiles = batch * _schedule.num_lower_tiles(side)
+    return runs + [(*kernel, (a,), batch * n * (n + 1) * k, lower_tiles)]
+
+
+def _peer_shape(text: str) -> tuple[int, int, int]:
+    """``"BxNxK"`` or ``"NxK"`` → ``(B, N, K)``."""
+    dims = [int(d) for d in text.split("x")]
+    if len(dims) not in (2, 3):
+        raise ValueError(f"--peer-shapes takes BxNxK or NxK, got {text!r}")
+    return tuple(dims) if len(dims) == 3 else (1, *dims)
+
+
+def bench_peers(args, log):
+    """This package's symmetric products against full GEMMs of the same size, per shape of
+    ``--peer-shapes`` (:func:`_peer_runs`). ``µs/tile`` is the time per computed 128×128
+    output tile (the symmetric kernels compute the lower ones); TFLOP/s counts the full
+    product's FLOPs for the GEMMs and the useful half for the symmetric kernels. Equal
+    ``device µs/tile`` means the kernel computes a tile as fast as cuBLAS does at that shape."""
+    shapes = [(1, 256, 256), (2, 128, 256)] if args.smoke else [_peer_shape(s) for s in args.peer_shapes]
+    log(f"\nproducts (B, n, k)·(B, k, n), float16, {args.rotate} rotated input sets per call, "
+        f"median of {args.reps}; device: the kernels' own time in a trace of single calls")
+    log(f"{'shape':<14} {'product':<24} {'ms':>8} {'TFLOP/s':>8} {'tiles':>6} {'µs/tile':>8} "
+        f"{'device ms':>9} {'dev TFLOP/s':>11} {'device µs/tile':>14}")
+    for batch, n, k in shapes:
+        for name, fn, xs, flops, tiles in _peer_runs(batch, n, k):
+            ms = median_ms_rotated(fn, rotated_sets(xs, args.rotate), reps=args.reps)
+            dev_ms = device_ms(jax.jit(fn), *xs, reps=min(args.reps, 10))
+            per_tile = None if dev_ms is None else dev_ms * 1e3 / tiles
+            dev_rate = None if dev_ms is None else flops / dev_ms / 1e9
+            log(f"{f'{batch}x{n}x{k}':<14} {name:<24} {ms:8.4f} {flops / ms / 1e9:8.0f} "
+                f"{tiles:6d} {ms * 1e3 / tiles:8.4f} {_fmt(dev_ms, 9, 4)} "
+                f"{_fmt(dev_rate, 11, 0)} {_fmt(per_tile, 14, 4)}")
 
 
 def _fmt(value: float | None, width: int, digits: int) -> str:
@@ -391,6 +428,9 @@ def main(argv=None):
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel table")
     parser.add_argument("--peers", action="store_true",
                         help="also sym_matmul against full GEMMs (XLA, jax's Mosaic matmul)")
+    parser.add_argument("--peer-shapes", nargs="+", default=["4096x4096"], metavar="BxNxK",
+                        help="--peers' products (B, n, k)·(B, k, n): sym_matmul where k == n, "
+                             "else syrk (default: 4096x4096)")
     parser.add_argument("--quick", action="store_true", help="skip the largest syrk shapes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="BxNxM",
