@@ -19,6 +19,7 @@
 # $DION3_WHEELS (see docs/KERNELS.md); it is installed into $DION3_SITE.
 #
 #   bash scripts/gpu_bench.sh kernels   # GPU kernel tests + kernel table with variants + polar
+#   bash scripts/gpu_bench.sh peers     # the symmetric kernels against cuBLAS at the step's shapes
 #   bash scripts/gpu_bench.sh step      # optimizer-step benchmark (7B shapes), all variants
 #   bash scripts/gpu_bench.sh commits   # the step of an older commit against the working tree
 #   bash scripts/gpu_bench.sh host      # device and host time per step, command buffers on/off
@@ -90,6 +91,18 @@ case "$PART" in
   kernels-table)  # The kernel table with the default configurations only, polar per backend.
     run bench_kernels 150 python3 benchmarks/bench_kernels.py --polar --reps 20 \
       --json "$DEST/bench_kernels.jsonl"
+    ;;
+  peers)  # The symmetric kernels against cuBLAS per computed tile at the 8-layer step's Gram and
+          # payload shapes (f = 1, 1/4, 1/8), then the kernel table at the same shapes (XLA
+          # against the kernels: device time, errors).
+    shapes="16x2816x2816 32x1024x1024 8x1024x1024 16x1408x1408 32x512x512 8x512x512"
+    payloads="16x2816x4096 32x1024x4096 8x1024x11008 16x1408x4096 32x512x4096 8x512x11008"
+    # shellcheck disable=SC2086  # the lists are split into their shapes on purpose
+    run bench_peers 290 python3 benchmarks/bench_kernels.py --no-kernels --peers --reps 20 \
+      --peer-shapes 4096x4096 8x4096x4096 $shapes $payloads
+    # shellcheck disable=SC2086
+    run bench_kernels_step_shapes 280 python3 benchmarks/bench_kernels.py --reps 20 \
+      --shapes $shapes $payloads --json "$DEST/bench_kernels_step_shapes.jsonl"
     ;;
   polar-test)  # Gram NS through the kernels against XLA's (the last GPU test, on its own).
     run polar_tests 90 python3 -m pytest -q -rs tests/test_kernels_gpu.py -k gram_ns
@@ -171,7 +184,7 @@ case "$PART" in
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | compile-autotune | cold-start | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | peers | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | compile-autotune | cold-start | selection)"
      exit 2 ;;
 esac
 done
