@@ -397,7 +397,7 @@ def bench_peers(args, log):
     output tile (the symmetric kernels compute the lower ones); TFLOP/s counts the full
     product's FLOPs for the GEMMs and the useful half for the symmetric kernels. Equal
     ``device µs/tile`` means the kernel computes a tile as fast as cuBLAS does at that shape."""
-    shapes = [(1, 256, 256), (2, 128, 256)] if args.smoke else [_peer_shape(s) for s in args.peer_shapes]
+    shapes = [(2, 128, 128)] if args.smoke else [_peer_shape(s) for s in args.peer_shapes]
     log(f"\nproducts (B, n, k)·(B, k, n), float16, {args.rotate} rotated input sets per call, "
         f"median of {args.reps}; device: the kernels' own time in a trace of single calls")
     log(f"{'shape':<14} {'product':<24} {'ms':>8} {'TFLOP/s':>8} {'tiles':>6} {'µs/tile':>8} "
