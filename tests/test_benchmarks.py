@@ -307,3 +307,29 @@ def test_bench_row_stats_reads_its_variants():
         "mosaic", MosaicRowStatsConfig(strip=64, step=64, chunk=512, stages=2))
     with pytest.raises(ValueError, match="unknown variant 'triton'"):
         bench_row_stats.parse_variant("triton")
+
+
+def test_kernel_model_reproduces_its_calibration_and_counts_the_polar():
+    """model_kernels.py: the 4096² ``sym_matmul`` it is calibrated on comes back at 96.3 µs (264
+    items, two per CTA on 132 SMs); the step's products follow the default polar (f = 1/4's
+    attention payloads: 2 Gram products, 14 symmetric ones, padded 1024 × 4096), and products
+    under ``AUTO_MIN_WORK`` are left to XLA."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import model_kernels as mk
+    finally:
+        sys.path.pop(0)
+    t = mk.timing(mk.Product("sym_matmul", 1, 4096, 4096, 1), 132, 0.664, 5.67)
+    assert (t.items, t.waves, t.fill) == (264, 2, 1.0)
+    assert t.us == pytest.approx(96.3, abs=0.1)
+    assert t.hidden_us == pytest.approx(t.us - 2 * 5.67)
+    attention = mk.payload_products(32, 4096, 4096, 0.25)
+    assert attention == [mk.Product("syrk", 32, 1024, 4096, 2),
+                         mk.Product("sym_matmul", 32, 1024, 1024, 14)]
+    # f = 1/8's MLP payloads: 1376 selected rows padded to 1408; square f = 1: standard NS.
+    assert mk.payload_products(16, 4096, 11008, 0.125)[1] == mk.Product(
+        "sym_matmul", 16, 1408, 1408, 14)
+    assert mk.payload_products(32, 4096, 4096, 1.0) == [
+        mk.Product("syrk", 32, 4096, 4096, 5), mk.Product("sym_matmul", 32, 4096, 4096, 5)]
+    assert mk.in_xla(mk.Product("sym_matmul", 32, 512, 512, 14))
+    assert not mk.in_xla(mk.Product("sym_matmul", 8, 1024, 1024, 14))
