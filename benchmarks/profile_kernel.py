@@ -29,6 +29,7 @@ Usage (a Hopper GPU)::
     python benchmarks/profile_kernel.py                       # sym_matmul 4096², K 4096, + β·c
     python benchmarks/profile_kernel.py --op syrk --k 16384   # syrk of 4096×16384
     python benchmarks/profile_kernel.py --sms 66              # half the SMs: is the L2 the limit?
+    python benchmarks/profile_kernel.py --batch 32 --n 1024 --k 1024   # f = 1/4's Gram matrices
 """
 
 from __future__ import annotations
@@ -95,14 +96,16 @@ def summary(events: list[dict]) -> list[str]:
     return lines
 
 
-def operands(op: str, n: int, k: int):
+def operands(op: str, n: int, k: int, batch: int = 1):
     """Gram-NS-like float16 operands: for ``sym_matmul`` a symmetric ``(n, k)`` and ``(k, n)``
-    pair (``k == n``: the same Gram matrix) and ``c``; for ``syrk`` an ``(n, k)`` matrix."""
-    x = jax.random.normal(jax.random.key(0), (n, k), jnp.float32) / np.sqrt(k)
+    pair (``k == n``: the same Gram matrix) and ``c``; for ``syrk`` an ``(n, k)`` matrix. With
+    ``batch`` > 1, ``batch`` of each, stacked on a leading axis."""
+    lead = (batch,) if batch > 1 else ()
+    x = jax.random.normal(jax.random.key(0), (*lead, n, k), jnp.float32) / np.sqrt(k)
     if op == "syrk":
         return (x.astype(jnp.float16),)
-    r = (x @ x.T).astype(jnp.float16)
-    b = r if k == n else jax.random.normal(jax.random.key(1), (k, n), jnp.float16)
+    r = (x @ jnp.swapaxes(x, -1, -2)).astype(jnp.float16)
+    b = r if k == n else jax.random.normal(jax.random.key(1), (*lead, k, n), jnp.float16)
     return (r if k == n else x.astype(jnp.float16)), b, r
 
 
@@ -111,6 +114,8 @@ def main(argv=None) -> None:
     p.add_argument("--op", choices=("sym_matmul", "syrk"), default="sym_matmul")
     p.add_argument("--n", type=int, default=4096, help="output side")
     p.add_argument("--k", type=int, default=4096, help="contraction length")
+    p.add_argument("--batch", type=int, default=1, help="matrices per call (e.g. 32 for f = 1/4's "
+                   "attention Gram matrices: --batch 32 --n 1024 --k 1024)")
     p.add_argument("--no-c", action="store_true", help="sym_matmul without the β·c addend")
     p.add_argument("--stages", type=int, default=3, help="pipeline stages (shared memory)")
     p.add_argument("--space", type=int, default=64, help="profiler ranges per warpgroup")
@@ -120,7 +125,7 @@ def main(argv=None) -> None:
     if jax.devices()[0].platform != "gpu":
         sys.exit("profile_kernel.py needs a Hopper GPU (Mosaic GPU's profiler runs on device)")
     config = _mosaic.MosaicConfig(max_concurrent_steps=a.stages, num_sms=a.sms)
-    args = operands(a.op, a.n, a.k)
+    args = operands(a.op, a.n, a.k, a.batch)
     if a.op == "syrk":
         fn = functools.partial(_mosaic.syrk_mosaic, config=config)
     elif a.no_c:
@@ -140,7 +145,8 @@ def main(argv=None) -> None:
             events = json.load(f)["traceEvents"]
     c = "" if a.op == "syrk" or a.no_c else " + β·c"
     sms = a.sms or jax.devices()[0].core_count
-    print(f"# {jax.devices()[0].device_kind}: {a.op} n={a.n} k={a.k}{c}, {a.stages} stages, "
+    print(f"# {jax.devices()[0].device_kind}: {a.op} batch={a.batch} n={a.n} k={a.k}{c}, "
+          f"{a.stages} stages, "
           f"{config.tile}-tiles, {sms} CTAs, warpgroups 0-1 compute, 2 memory")
     print("\n".join(summary(events)))
 

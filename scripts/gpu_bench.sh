@@ -20,6 +20,7 @@
 #
 #   bash scripts/gpu_bench.sh kernels   # GPU kernel tests + kernel table with variants + polar
 #   bash scripts/gpu_bench.sh peers     # the symmetric kernels against cuBLAS at the step's shapes
+#   bash scripts/gpu_bench.sh phases    # main loop against epilogue per item at the step's shapes
 #   bash scripts/gpu_bench.sh step      # optimizer-step benchmark (7B shapes), all variants
 #   bash scripts/gpu_bench.sh commits   # the step of an older commit against the working tree
 #   bash scripts/gpu_bench.sh host      # device and host time per step, command buffers on/off
@@ -104,6 +105,16 @@ case "$PART" in
     run bench_kernels_step_shapes 280 python3 benchmarks/bench_kernels.py --reps 20 \
       --shapes $shapes $payloads --json "$DEST/bench_kernels_step_shapes.jsonl"
     ;;
+  phases)  # Main loop against epilogue per work item (Mosaic GPU's in-kernel profiler), for
+           # sym_matmul with β·c at the step's Gram sizes and at 4096², and for syrk at 1024.
+    for shape in "1 4096" "16 2816" "16 1408" "32 1024"; do
+      read -r batch n <<< "$shape"
+      run "phases_sym_$n" 120 python3 benchmarks/profile_kernel.py --batch "$batch" --n "$n" \
+        --k "$n"
+    done
+    run phases_syrk_1024 120 python3 benchmarks/profile_kernel.py --op syrk --batch 32 --n 1024 \
+      --k 4096
+    ;;
   polar-test)  # Gram NS through the kernels against XLA's (the last GPU test, on its own).
     run polar_tests 90 python3 -m pytest -q -rs tests/test_kernels_gpu.py -k gram_ns
     ;;
@@ -184,7 +195,7 @@ case "$PART" in
     run profile_step 120 python3 benchmarks/profile_step.py --fraction 0.25 --top 12 \
       --show-hlo loop_gather_fusion loop_add_select_fusion input_reduce_fusion
     ;;
-  *) echo "unknown part $PART (kernels | kernels-table | peers | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | compile-autotune | cold-start | selection)"
+  *) echo "unknown part $PART (kernels | kernels-table | peers | phases | polar-test | step | step-all | commits | step-gram | profile | polar-shapes | host | payload | compile | compile-autotune | cold-start | selection)"
      exit 2 ;;
 esac
 done
