@@ -64,3 +64,15 @@ def test_summary_reports_each_scope_and_the_kernel_span():
         assert abs(float(rows[key][3]) - np.mean(values)) < 0.006
     ts = [e["ts"] for e in events]
     assert lines[-1].endswith(f"{max(ts) - min(ts):.1f} µs")
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_operands_are_gram_like_and_batched(batch):
+    """``operands``: ``sym_matmul``'s operands are one symmetric Gram matrix (``k == n``) and
+    ``syrk``'s an ``(n, k)`` matrix, with a leading axis of ``batch`` when it is above 1."""
+    lead = (batch,) if batch > 1 else ()
+    r, b, c = profile_kernel.operands("sym_matmul", 64, 64, batch)
+    assert r.shape == b.shape == c.shape == (*lead, 64, 64) and r.dtype == np.float16
+    np.testing.assert_array_equal(np.asarray(r), np.swapaxes(np.asarray(r), -1, -2))
+    (x,) = profile_kernel.operands("syrk", 32, 96, batch)
+    assert x.shape == (*lead, 32, 96)
