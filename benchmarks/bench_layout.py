@@ -12,7 +12,7 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Would the momentum pay for being stored output-axis-major? The step's passes in both layouts.
+"""Would the momentum pay for another layout? The step's passes with the momentum in each.
 
 A Flax kernel is ``(in, out)``: the rows Dion3 selects (output neurons) lie along its minor axis,
 so gathering a fraction of them reads nearly every 32-byte sector of ``S``. A momentum stored
@@ -27,6 +27,9 @@ step), the table times:
   - ``(in, out), mosaic`` / ``(in, out), xla``: the library's layout, the Mosaic GPU kernel or XLA;
   - ``(out, in), xla``: XLA fuses the transposed read of ``G`` into the pass;
   - ``(out, in), mosaic``: ``G`` transposed by XLA, then the Mosaic GPU kernel;
+  - ``(in/8, out, 8), xla``: the momentum "blocked": each 32-byte sector holds 8 input rows of
+    one output column, so the gather of selected columns reads whole sectors, and XLA reads
+    ``G`` transposed only within 8-row blocks;
 - ``parameter pass``: ``W ← 0.999·W − 0.01·U`` with ``U`` the selected rows' update placed from
   ``(in, k)`` (the library) or transposed from ``(k, in)``.
 
@@ -59,30 +62,62 @@ import pallas_kernels
 from _timing import median_ms_interleaved
 from bench_step import model_shapes
 
-#: (label, momentum stored (out, in), statistics implementation)
-STATS = (("(in, out), mosaic", False, "mosaic"), ("(in, out), xla", False, "xla"),
-         ("(out, in), xla", True, "xla"), ("(out, in), mosaic", True, "mosaic"))
+#: Float32 entries per 32-byte sector: the "blocked" momentum keeps this many input rows of
+#: one output column together.
+SECTOR = 8
+
+#: (label, momentum layout, statistics implementation). Layouts of a ``(1, in, out)`` leaf's
+#: momentum: "in_out" as the leaf; "out_in" transposed; "blocked" ``(1, in / 8, out, 8)``, so
+#: that one selected output column reads whole sectors while ``G`` is read transposed only
+#: within 8-row blocks.
+STATS = (("(in, out), mosaic", "in_out", "mosaic"), ("(in, out), xla", "in_out", "xla"),
+         ("(out, in), xla", "out_in", "xla"), ("(out, in), mosaic", "out_in", "mosaic"),
+         ("(in/8, out, 8), xla", "blocked", "xla"))
 
 
-def _inputs(shapes, transposed: bool, seed: int = 0):
-    """Per leaf: momentum (``(1, out, in)`` when ``transposed``), ``(1, in, out)`` gradient and
-    per-row factors."""
+def to_layout(x: jax.Array, layout: str) -> jax.Array:
+    """A ``(1, in, out)`` array in ``layout`` (:data:`STATS`)."""
+    if layout == "out_in":
+        return jnp.swapaxes(x, 1, 2)
+    if layout == "blocked":
+        _, a, b = x.shape
+        return jnp.swapaxes(x.reshape(1, a // SECTOR, SECTOR, b), 2, 3)
+    return x
+
+
+def _inputs(shapes, layout: str, seed: int = 0):
+    """Per leaf: momentum in ``layout``, ``(1, in, out)`` gradient and per-row factors."""
     out = []
     for i, (a, b) in enumerate(shapes):
         km, kg = jax.random.split(jax.random.fold_in(jax.random.key(seed), i))
-        m = jax.random.normal(km, (1, b, a) if transposed else (1, a, b), jnp.float32)
+        m = to_layout(jax.random.normal(km, (1, a, b), jnp.float32), layout)
         out.append((m, jax.random.normal(kg, (1, a, b), jnp.float32),
                     jnp.full((1, b), 0.9, jnp.float32)))
     return [list(x) for x in zip(*out)]
 
 
-def _stats_and_gather(fraction: float, transposed: bool, implementation: str):
+def _blocked_stats_and_gather(m, g, d, fraction: float):
+    """The blocked layout's pass in XLA: ``S`` with ``G`` read transposed within 8-row blocks,
+    its per-column sums, and the selected columns read as whole sectors into a ``(1, in, k)``
+    payload."""
+    s = pallas_kernels.scaled_sum(m, to_layout(g, "blocked"), d[:, None, :, None])
+    l1 = jnp.sum(jnp.abs(s), axis=(1, 3))
+    sq = jnp.sum(jnp.square(s * 2.0 ** -32), axis=(1, 3))
+    k = _selection.num_selected(fraction, l1.shape[1])
+    idx = jnp.sort(jax.lax.top_k(l1, k)[1], axis=1)
+    cols = jnp.swapaxes(jnp.take(s, idx[0], axis=2), 2, 3)  # (1, in / 8, 8, k)
+    pay = cols.reshape(1, -1, k) * jax.lax.rsqrt(jnp.sum(sq) + 1.0)
+    return s, pay.astype(jnp.float16)
+
+
+def _stats_and_gather(fraction: float, layout: str, implementation: str):
     """Jitted ``(M, G, d) → (S, payloads)`` over lists of leaves, ``M`` donated."""
-    ra = 1 if transposed else 2
+    ra = 1 if layout == "out_in" else 2
 
     def one(m, g, d):
-        g = jnp.swapaxes(g, 1, 2) if transposed else g
-        s, l1, sq = pallas_kernels.accumulate_rows(m, g, d, row_axis=ra,
+        if layout == "blocked":
+            return _blocked_stats_and_gather(m, g, d, fraction)
+        s, l1, sq = pallas_kernels.accumulate_rows(m, to_layout(g, layout), d, row_axis=ra,
                                                    implementation=implementation)
         k = _selection.num_selected(fraction, l1.shape[1])
         idx = jnp.sort(jax.lax.top_k(l1, k)[1], axis=1)
@@ -126,13 +161,13 @@ def _carried(fn, first, *rest):
 
 def check(shapes, fraction: float, variants) -> None:
     """Every variant's payloads equal the ``(in, out), xla`` ones (transposed where stored so)."""
-    ms, gs, ds = _inputs(shapes, False)
-    _, want = _stats_and_gather(fraction, False, "xla")([m.copy() for m in ms], gs, ds)
-    for label, transposed, impl in variants:
-        m0 = [jnp.swapaxes(m, 1, 2) for m in ms] if transposed else [m.copy() for m in ms]
-        _, got = _stats_and_gather(fraction, transposed, impl)(m0, gs, ds)
+    ms, gs, ds = _inputs(shapes, "in_out")
+    _, want = _stats_and_gather(fraction, "in_out", "xla")([m.copy() for m in ms], gs, ds)
+    for label, layout, impl in variants:
+        _, got = _stats_and_gather(fraction, layout, impl)(  # (M is donated: copies)
+            [to_layout(m.copy(), layout) for m in ms], gs, ds)
         for x, y in zip(want, got):
-            y = np.swapaxes(np.asarray(y, np.float32), 1, 2) if transposed else y
+            y = np.swapaxes(np.asarray(y, np.float32), 1, 2) if layout == "out_in" else y
             np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                        rtol=1e-3, atol=1e-4, err_msg=label)
 
@@ -140,10 +175,10 @@ def check(shapes, fraction: float, variants) -> None:
 def table(shapes, fraction: float, variants, reps: int) -> dict[str, float]:
     """Median ms per row (statistics + gather per variant, then the two parameter passes)."""
     calls = {}
-    for label, transposed, impl in variants:
-        ms, gs, ds = _inputs(shapes, transposed)
+    for label, layout, impl in variants:
+        ms, gs, ds = _inputs(shapes, layout)
         calls[f"statistics + gather, {label}"] = _carried(
-            _stats_and_gather(fraction, transposed, impl), ms, gs, ds)
+            _stats_and_gather(fraction, layout, impl), ms, gs, ds)
     out = median_ms_interleaved(calls, reps=reps)
     calls = {f"parameter pass, update from {'(k, in)' if t else '(in, k)'}": _carried(
         _parameter_pass(t), *_parameter_inputs(shapes, fraction, t)) for t in (False, True)}

@@ -25,7 +25,7 @@
 #   bash scripts/gpu_bench.sh commits   # the step of an older commit against the working tree
 #   bash scripts/gpu_bench.sh host      # device and host time per step, command buffers on/off
 #   bash scripts/gpu_bench.sh payload   # the payload kernel's launch parameters, per shape group
-#   bash scripts/gpu_bench.sh layout    # the passes with an (in, out) against an (out, in) momentum
+#   bash scripts/gpu_bench.sh layout    # the passes with the momentum in three layouts
 #   bash scripts/gpu_bench.sh compile   # the step's GPU compile time against AdamW's (8 layers)
 #   bash scripts/gpu_bench.sh compile-autotune   # the same, also with GEMM autotuning off
 #   bash scripts/gpu_bench.sh cold-start   # the compile with a cold, then a warm persistent cache
@@ -158,8 +158,9 @@ case "$PART" in
     run profile_host_adamw 60 python3 benchmarks/profile_step.py --optimizer adamw --host --top 12
     ;;
   layout)  # The statistics pass, payload gather and parameter pass over the 8-layer step's
-           # leaves, with the momentum in the leaf's (in, out) layout against (out, in).
-    run bench_layout 240 python3 benchmarks/bench_layout.py
+           # leaves, with the momentum in the leaf's (in, out) layout against (out, in) and
+           # against (in/8, out, 8) blocks (a selected column reads whole 32-byte sectors).
+    run bench_layout 300 python3 benchmarks/bench_layout.py
     ;;
   payload)  # The payload pass alone per shape group of the 7B-shapes step at f = 1/4 and 1:
             # the kernel's default tiles and 2048-element ones against XLA's pass that writes
