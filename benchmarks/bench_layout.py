@@ -59,6 +59,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from dion3_jax import _selection
 import pallas_kernels
+from pallas_kernels._row_stats_reference import DOWN
 from _timing import median_ms_interleaved
 from bench_step import model_shapes
 
@@ -96,32 +97,39 @@ def _inputs(shapes, layout: str, seed: int = 0):
     return [list(x) for x in zip(*out)]
 
 
-def _blocked_stats_and_gather(m, g, d, fraction: float):
-    """The blocked layout's pass in XLA: ``S`` with ``G`` read transposed within 8-row blocks,
-    its per-column sums, and the selected columns read as whole sectors into a ``(1, in, k)``
-    payload."""
-    s = pallas_kernels.scaled_sum(m, to_layout(g, "blocked"), d[:, None, :, None])
-    l1 = jnp.sum(jnp.abs(s), axis=(1, 3))
-    sq = jnp.sum(jnp.square(s * 2.0 ** -32), axis=(1, 3))
-    k = _selection.num_selected(fraction, l1.shape[1])
-    idx = jnp.sort(jax.lax.top_k(l1, k)[1], axis=1)
+def _statistics(m, g, d, layout: str, implementation: str):
+    """``(S, ℓ1, sq)``: ``S = d ⊙ M + G`` in ``layout`` and its per-output-row sums, as
+    ``pallas_kernels.accumulate_rows`` returns them; the blocked layout's in XLA, with ``G``
+    read transposed within 8-row blocks."""
+    if layout != "blocked":
+        return pallas_kernels.accumulate_rows(m, to_layout(g, layout), d,
+                                              row_axis=_row_axis(layout),
+                                              implementation=implementation)
+    s = pallas_kernels.scaled_sum(m, to_layout(g, layout), d[:, None, :, None])
+    return s, jnp.sum(jnp.abs(s), axis=(1, 3)), jnp.sum(jnp.square(s * DOWN), axis=(1, 3))
+
+
+def _gather(s, idx, layout: str):
+    """The selected output rows ``idx`` of ``S`` (stored in ``layout``), ``(1, in, k)`` or
+    ``(1, k, in)`` as the library's gather gives them; in the blocked layout each selected
+    column is read as whole sectors."""
+    if layout != "blocked":
+        return _selection.gather_rows(s, idx, _row_axis(layout))
     cols = jnp.swapaxes(jnp.take(s, idx[0], axis=2), 2, 3)  # (1, in / 8, 8, k)
-    pay = cols.reshape(1, -1, k) * jax.lax.rsqrt(jnp.sum(sq) + 1.0)
-    return s, pay.astype(jnp.float16)
+    return cols.reshape(1, -1, idx.shape[1])
+
+
+def _row_axis(layout: str) -> int:
+    return 1 if layout == "out_in" else 2
 
 
 def _stats_and_gather(fraction: float, layout: str, implementation: str):
     """Jitted ``(M, G, d) → (S, payloads)`` over lists of leaves, ``M`` donated."""
-    ra = 1 if layout == "out_in" else 2
-
     def one(m, g, d):
-        if layout == "blocked":
-            return _blocked_stats_and_gather(m, g, d, fraction)
-        s, l1, sq = pallas_kernels.accumulate_rows(m, to_layout(g, layout), d, row_axis=ra,
-                                                   implementation=implementation)
+        s, l1, sq = _statistics(m, g, d, layout, implementation)
         k = _selection.num_selected(fraction, l1.shape[1])
         idx = jnp.sort(jax.lax.top_k(l1, k)[1], axis=1)
-        pay = _selection.gather_rows(s, idx, ra) * jax.lax.rsqrt(jnp.sum(sq) + 1.0)
+        pay = _gather(s, idx, layout) * jax.lax.rsqrt(jnp.sum(sq) + 1.0)
         return s, pay.astype(jnp.float16)
 
     return jax.jit(lambda ms, gs, ds: tuple(zip(*map(one, ms, gs, ds))), donate_argnums=(0,))
