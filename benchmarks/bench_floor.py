@@ -108,12 +108,22 @@ def symmetric_products(steps: int, restarts) -> int:
     return count
 
 
+def gram_starts(steps: int, restarts) -> int:
+    """Gram Newton-Schulz's (re)starts: ``1 + r``, each one Gram product and one ``Q·X``."""
+    return 1 + len([r for r in restarts if 0 < r < steps])
+
+
+def default_iteration():
+    """``(orthogonalizer, steps)``: Dion3's default orthogonalizer and its number of steps."""
+    orth = dion3_jax.make_orthogonalizer()
+    return orth, len(get_coefficients(orth.coefficients, orth.steps))
+
+
 def polar_flops(rows: int, cols: int, steps: int, restarts, method: str = "gram") -> int:
     """FLOPs of one polar of a ``rows × cols`` payload (module docstring)."""
     s, long = min(rows, cols), max(rows, cols)
     if method == "gram" and rows != cols:
-        starts = 1 + len([r for r in restarts if 0 < r < steps])
-        return (starts * (_sym(s, long) + 2 * s * s * long)
+        return (gram_starts(steps, restarts) * (_sym(s, long) + 2 * s * s * long)
                 + symmetric_products(steps, restarts) * _sym(s, s))
     return steps * (_sym(s, long) + _sym(s, s) + 2 * s * s * long)
 
@@ -128,8 +138,7 @@ class Work(NamedTuple):
 def dion3_work(shapes: dict[str, tuple[int, int]], fraction: float) -> Work:
     """Dion3's work at ``fraction`` on a Flax-layout ``(fan_in, fan_out)`` shape list, with the
     default orthogonalizer's method, steps and restarts."""
-    orth = dion3_jax.make_orthogonalizer()
-    steps = len(get_coefficients(orth.coefficients, orth.steps))
+    orth, steps = default_iteration()
     total_bytes = flops = 0
     for fan_in, fan_out in shapes.values():
         k = num_selected(fraction, fan_out)

@@ -57,9 +57,8 @@ except ImportError:  # running from a source checkout
     import dion3_jax
 from dion3_jax import _polar
 from dion3_jax._selection import num_selected
-from dion3_jax.newton_schulz import get_coefficients
 from pallas_kernels import _api, _schedule
-from bench_floor import FRACTIONS, symmetric_products
+from bench_floor import FRACTIONS, default_iteration, gram_starts, symmetric_products
 from bench_step import FULL, SMALL, model_shapes
 
 TILE, TILE_K = 128, 64
@@ -89,14 +88,12 @@ def payload_products(batch: int, rows: int, cols: int, fraction: float) -> list[
     """The symmetric products of one shape group's polar: ``batch`` payloads of ``k × fan_in``
     (``k`` selected rows of a ``(fan_in, fan_out) = (rows, cols)`` leaf), padded to the kernels'
     tiles."""
-    orth = dion3_jax.make_orthogonalizer()
-    steps = len(get_coefficients(orth.coefficients, orth.steps))
+    orth, steps = default_iteration()
     k = num_selected(fraction, cols)
     short, long = min(k, rows), max(k, rows)
     n, depth = _polar._padded_shape(short, long, (TILE, TILE_K))
     if orth.method == "gram" and long >= _polar.GRAM_MIN_ASPECT * short:
-        starts = 1 + len([r for r in orth.restarts if 0 < r < steps])
-        return [Product("syrk", batch, n, depth, starts),
+        return [Product("syrk", batch, n, depth, gram_starts(steps, orth.restarts)),
                 Product("sym_matmul", batch, n, n, symmetric_products(steps, orth.restarts))]
     return [Product("syrk", batch, n, depth, steps), Product("sym_matmul", batch, n, n, steps)]
 
@@ -120,7 +117,7 @@ def timing(p: Product, sms: int, step_us: float, epilogue_us: float) -> Timing:
 
 def in_xla(p: Product) -> bool:
     """Whether ``"auto"`` leaves ``p`` to XLA (``pallas_kernels._api.AUTO_MIN_WORK``)."""
-    return p.batch * p.n * p.n * p.k < _api.AUTO_MIN_WORK
+    return _api._work((p.batch, p.n, p.k)) < _api.AUTO_MIN_WORK
 
 
 def table(products: list[Product], sms: int, step_us: float, epilogue_us: float) -> list[str]:
