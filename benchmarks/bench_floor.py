@@ -29,12 +29,14 @@ AdamW step, in ms::
   read, parameters and both moments written (7 × 4 bytes per parameter). Per-row vectors (the
   row factors, NorMuon's second moments) are left out: under 0.1% of the bytes.
 - **FLOPs.** Dion3's default orthogonalizer on each selected ``k × fan_in`` payload, short side
-  ``s``, long side ``L``. Gram Newton-Schulz (``s < L``): ``1 + r`` Gram products (``syrk``,
+  ``s``, long side ``L``. Gram Newton-Schulz (``L ≥ 4/3 · s``, as ``dion3_jax.polar`` picks
+  it): ``1 + r`` Gram products (``syrk``,
   ``s(s+1)·L`` FLOPs: the lower triangle, 2 FLOPs per multiply-add), the symmetric products of
   the iteration (``s(s+1)·s`` each; 14 for the 5-step Polar Express schedule with one restart)
-  and ``1 + r`` products ``Q·X`` (``2s²L``), ``r`` the number of restarts. Square payloads
-  (``f = 1`` on the d×d matrices) run standard Newton-Schulz: per step one Gram product, one
-  symmetric product and one ``Z·X`` (``s(s+1)·s + s(s+1)·s + 2s³``). AdamW: none.
+  and ``1 + r`` products ``Q·X`` (``2s²L``), ``r`` the number of restarts. Payloads closer to
+  square (``f = 1`` on the d×d matrices) run standard Newton-Schulz: per step one Gram
+  product, one symmetric product and one ``Z·X`` (``s(s+1)·L + s(s+1)·s + 2s²L``). AdamW:
+  none.
 
 The floor is what the step would take if it moved only those bytes at the copy bandwidth and ran
 only those products at the GEMM rate, one after the other: no elementwise work, no overlap.
@@ -60,6 +62,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
+from dion3_jax import _polar
 from dion3_jax.newton_schulz import get_coefficients
 from dion3_jax._selection import num_selected
 from _timing import best_ms_rotated
@@ -119,6 +122,15 @@ def default_iteration():
     return orth, len(get_coefficients(orth.coefficients, orth.steps))
 
 
+def iteration_method(orth, rows: int, cols: int) -> str:
+    """The Newton-Schulz form ``orth`` runs on a ``rows × cols`` payload: Gram NS where its
+    method is Gram NS and the long side is at least ``GRAM_MIN_ASPECT`` times the short one
+    (as ``dion3_jax.polar`` decides), else standard NS."""
+    short, long = min(rows, cols), max(rows, cols)
+    gram = orth.method == "gram" and long >= _polar.GRAM_MIN_ASPECT * short
+    return "gram" if gram else "standard"
+
+
 def polar_flops(rows: int, cols: int, steps: int, restarts, method: str = "gram") -> int:
     """FLOPs of one polar of a ``rows × cols`` payload (module docstring)."""
     s, long = min(rows, cols), max(rows, cols)
@@ -144,7 +156,8 @@ def dion3_work(shapes: dict[str, tuple[int, int]], fraction: float) -> Work:
         k = num_selected(fraction, fan_out)
         total_bytes += DION3_BYTES_PER_PARAM * fan_in * fan_out
         total_bytes += PAYLOAD_BYTES_PER_ELEMENT * k * fan_in
-        flops += polar_flops(k, fan_in, steps, orth.restarts, orth.method)
+        flops += polar_flops(k, fan_in, steps, orth.restarts,
+                             iteration_method(orth, k, fan_in))
     return Work(total_bytes, flops)
 
 

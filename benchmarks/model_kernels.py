@@ -58,7 +58,8 @@ except ImportError:  # running from a source checkout
 from dion3_jax import _polar
 from dion3_jax._selection import num_selected
 from pallas_kernels import _api, _schedule
-from bench_floor import FRACTIONS, default_iteration, gram_starts, symmetric_products
+from bench_floor import (FRACTIONS, default_iteration, gram_starts, iteration_method,
+                         symmetric_products)
 from bench_step import FULL, SMALL, model_shapes
 
 TILE, TILE_K = 128, 64
@@ -92,7 +93,7 @@ def payload_products(batch: int, rows: int, cols: int, fraction: float) -> list[
     k = num_selected(fraction, cols)
     short, long = min(k, rows), max(k, rows)
     n, depth = _polar._padded_shape(short, long, (TILE, TILE_K))
-    if orth.method == "gram" and long >= _polar.GRAM_MIN_ASPECT * short:
+    if iteration_method(orth, k, rows) == "gram":
         return [Product("syrk", batch, n, depth, gram_starts(steps, orth.restarts)),
                 Product("sym_matmul", batch, n, n, symmetric_products(steps, orth.restarts))]
     return [Product("syrk", batch, n, depth, steps), Product("sym_matmul", batch, n, n, steps)]

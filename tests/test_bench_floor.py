@@ -30,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import bench_floor  # noqa: E402
 import bench_step  # noqa: E402
 
+import dion3_jax  # noqa: E402
 from dion3_jax import newton_schulz  # noqa: E402
 from dion3_jax._coefficients import get_coefficients  # noqa: E402
 
@@ -116,3 +117,15 @@ def test_runs_on_the_cpu_at_tiny_sizes(capsys):
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[5]) > 0, line
+
+
+def test_the_floor_counts_the_method_the_polar_runs():
+    """A payload closer to square than ``GRAM_MIN_ASPECT`` is counted as standard NS, as
+    ``dion3_jax.polar`` runs it; from that aspect on, and only for a Gram-NS orthogonalizer,
+    as Gram NS."""
+    gram, _ = bench_floor.default_iteration()
+    standard = dion3_jax.make_orthogonalizer(method="standard")
+    assert bench_floor.iteration_method(gram, 1024, 1152) == "standard"   # aspect 1.125
+    assert bench_floor.iteration_method(gram, 1536, 1152) == "gram"       # aspect 4/3
+    assert bench_floor.iteration_method(gram, 512, 512) == "standard"
+    assert bench_floor.iteration_method(standard, 512, 4096) == "standard"
