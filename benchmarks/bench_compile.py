@@ -211,7 +211,7 @@ def main(argv=None) -> None:
                            sum(runs["adamw" + tag][-1]))
                 if a.first_call:
                     first, second = first_calls(compiled, tx, shapes)
-                    print(f"{'':>6} {name:<29} first call {first:.3f} s, second {second:.3f} s",
+                    print(f"{'':>6} {name:<29} first call {first:.6f} s, second {second:.6f} s",
                           flush=True)
                 del compiled
         if a.repeats > 1:
