@@ -17,13 +17,17 @@
 # version range, pinned exactly:
 #   bash scripts/setup_env.sh           # .venv: the lower end, requirements-ci.txt (jax 0.11.2)
 #   bash scripts/setup_env.sh latest    # .venv-latest: the upper end, requirements-ci-latest.txt
+#   bash scripts/setup_env.sh cuda-compile  # .venv-cuda-compile: the lower end and JAX's CUDA
+#                                           # plugin, to compile for a GPU without one
 # DION3_VENV overrides the environment's folder.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 case "${1:-lower}" in
   lower) REQS="$ROOT/requirements-ci.txt"; DEFAULT_VENV="$ROOT/.venv" ;;
   latest) REQS="$ROOT/requirements-ci-latest.txt"; DEFAULT_VENV="$ROOT/.venv-latest" ;;
-  *) echo "setup_env: unknown stack '$1' (lower or latest)" >&2; exit 2 ;;
+  cuda-compile) REQS="$ROOT/requirements-ci-cuda-compile.txt"
+                DEFAULT_VENV="$ROOT/.venv-cuda-compile" ;;
+  *) echo "setup_env: unknown stack '$1' (lower, latest or cuda-compile)" >&2; exit 2 ;;
 esac
 VENV="${DION3_VENV:-$DEFAULT_VENV}"
 
@@ -55,7 +59,8 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; sys.exit(
   "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.dion3_installed"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$REQS" -nt "$STAMP" ]; then
+if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$REQS" -nt "$STAMP" ] \
+    || [ "$ROOT/requirements-ci.txt" -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -r "$REQS"
   "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"

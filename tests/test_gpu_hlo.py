@@ -1,0 +1,87 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The step as XLA compiles it for an H200, checked on a machine with no GPU
+(``benchmarks/gpu_hlo.py``): no pass copies a momentum-sized array.
+
+At f = 1 every row of the momentum is selected and decayed; the statistics pass writes
+``S = d ⊙ M + G`` into the momentum's donated buffer and the parameter pass updates the
+parameters in place, so the GPU program holds no top-level ``copy`` of a matrix-sized array
+(the GPU profiles of docs/BENCHMARKS.md showed the same). The compile needs JAX's CUDA plugin
+(``bash scripts/setup_env.sh cuda-compile``) and skips without it, unless
+``DION3_REQUIRE_CUDA_COMPILE=1`` (``.ci/run`` sets it, so that its run cannot pass by skipping).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import dion3_jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu_hlo  # noqa: E402
+
+pytestmark = [pytest.mark.tooling, pytest.mark.usefixtures("default_xla_optimizations")]
+
+#: A small model of the 7B shapes' aspect ratios: per layer four d×d matrices, two d→ff, one
+#: ff→d, float32.
+SHAPES = gpu_hlo.model_shapes(2, 256, 704)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    try:
+        return gpu_hlo.h200_mesh()
+    except Exception as e:  # no CUDA plugin: no GPU compiler to ask
+        if os.environ.get("DION3_REQUIRE_CUDA_COMPILE") == "1":
+            raise
+        pytest.skip(f"JAX's CUDA plugin cannot compile for an H200 here: {e!r}"[:300])
+
+
+def _matrix_sized_copies(hlo: str) -> list[gpu_hlo.Pass]:
+    smallest = min(a * b for a, b in SHAPES.values()) * 4
+    return [p for p in gpu_hlo.passes(hlo) if p.group == "copy" and p.nbytes >= 2 * smallest]
+
+
+def test_census_sees_a_copy(mesh):
+    """The census finds the copy XLA must make to keep an input alive beside its updated
+    version (the pattern the step avoids)."""
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda m: (m, m.at[0].set(1.0))).trace(x).lower().compile().as_text()
+    assert [p.result for p in gpu_hlo.passes(hlo) if p.group == "copy"], hlo
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_no_pass_copies_a_matrix(mesh, fraction):
+    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, fraction), SHAPES, mesh)
+    found = gpu_hlo.passes(hlo)
+    assert sum(p.group == "custom-call mosaic_gpu_v2" for p in found) > 0  # the GPU's kernels
+    assert not _matrix_sized_copies(hlo), _matrix_sized_copies(hlo)
+
+
+def test_script_prints_a_census_per_variant(mesh, capsys):
+    gpu_hlo.main(["--layers", "1", "--d", "128", "--ff", "352", "--fractions", "0.25",
+                  "--top", "2"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("optax", "dion3"))]
+    assert [r[0] for r in rows] == ["optax.adamw", "dion3"], out
+    assert all(float(r[-3]) > 0 and int(r[-2]) > 0 and float(r[-1]) > 0 for r in rows), out
