@@ -19,8 +19,8 @@ JAX's CUDA plugin compiles for a GPU that it is told about instead of one that i
 :data:`H200_TARGET`). The executable cannot run, but its optimized HLO is the program the GPU
 would run, less two things: XLA's autotuning, which needs the device (each GEMM keeps XLA's
 untuned choice), and the Mosaic GPU kernels' compile, which jaxlib does when an executable is
-loaded. Install the plugin beside jax: ``pip install jax-cuda12-plugin==<jax's version>
-jax-cuda12-pjrt==<jax's version>`` (NVIDIA's libraries are not needed to compile), and run with
+loaded. Install the plugin beside jax: ``pip install jax-cuda13-plugin==<jax's version>
+jax-cuda13-pjrt==<jax's version>`` (NVIDIA's libraries are not needed to compile), and run with
 ``JAX_PLATFORMS=cpu``.
 
 Per variant (AdamW, then Dion3 at each ``--fractions`` value) the table gives the compile
