@@ -158,12 +158,12 @@ def passes(hlo: str) -> list[Pass]:
         group = _group(op, rest)
         if group in _ALLOCATIONS:
             continue
-        operands = [sizes.get(a.strip().lstrip("%"), 0) for a in args.split(",")]
+        operands = [sizes.get(a, 0) for a in re.findall(r"%([^\s,)]+)", args)]
         if any(word in group for word in _IN_PLACE):  # reads and writes its updates only
             nbytes = 2 * sum(operands[1:])
         else:
             nbytes = sum(operands) + sizes[name]
-        out.append(Pass(group, result.split("{")[0], nbytes))
+        out.append(Pass(group, re.sub(r"\{[^}]*\}", "", result), nbytes))
     return out
 
 

@@ -31,6 +31,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -68,6 +69,14 @@ def test_census_sees_a_copy(mesh):
     with jax.set_mesh(mesh):
         hlo = jax.jit(lambda m: (m, m.at[0].set(1.0))).trace(x).lower().compile().as_text()
     assert [p.result for p in gpu_hlo.passes(hlo) if p.group == "copy"], hlo
+
+
+def test_census_counts_adamw_s_bytes(mesh):
+    """AdamW's step reads ``W, G, m, v`` and writes ``W, m, v``: 28 bytes per float32 parameter
+    (and a few scalars), every operand of its fused updates counted once."""
+    hlo, _ = gpu_hlo.compile_for_h200(optax.adamw(1e-3), SHAPES, mesh)
+    params = sum(a * b for a, b in SHAPES.values())
+    assert 0 <= sum(p.nbytes for p in gpu_hlo.passes(hlo)) - 28 * params < 1024
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
