@@ -27,9 +27,11 @@ Per variant (AdamW, then Dion3 at each ``--fractions`` value) the table gives th
 seconds and a census of the entry computation's top-level operations, the passes the GPU runs
 one after another: how many there are and the bytes they read and write (each operation's
 operands and results, in full, except for updates of part of an array, a ``scatter`` or
-``dynamic-update-slice``, counted as done in place: their updates read and written). A pass
-that reads only part of an operand (a slice, a gather) is over-counted, so the bytes compare
-variants and find passes that a fusion could remove; they are not the step's traffic. Below each variant's line come its ``--top``
+``dynamic-update-slice``, counted as done in place: their updates read and written, and of an
+operand that a fusion only slices or gathers from, counted by what it reads). Rows that a
+gather reads whole count at their own size, though the GPU reads whole 32-byte sectors, so the
+bytes compare variants and find passes that a fusion could remove; they are not the step's
+traffic. Below each variant's line come its ``--top``
 largest groups (fusion kind and fused computation, custom-call target, or op).
 
 Usage::
@@ -96,6 +98,8 @@ _FREE = frozenset(("parameter", "get-tuple-element", "bitcast", "tuple", "consta
                    "optimization-barrier"))
 #: Custom calls that only reserve memory.
 _ALLOCATIONS = frozenset(("custom-call AllocateBuffer",))
+#: Reads of part of an operand, counted by what they read.
+_SLICES = frozenset(("slice", "dynamic-slice", "gather"))
 #: Updates of part of an array (its first operand), counted as done in place.
 _IN_PLACE = ("scatter", "dynamic_update_slice")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*?)\)(.*)$")
@@ -144,9 +148,29 @@ def _group(op: str, rest: str) -> str:
     return op
 
 
+def _partial_reads(hlo: str) -> dict[str, dict[int, int]]:
+    """Per fused computation, the parameters that it only slices (``slice``, ``dynamic-slice``,
+    ``gather``): parameter number → bytes of the slices read."""
+    out = {}
+    for name, body in re.findall(r"^%(\S+) \(.*?\{\n(.*?)^\}", hlo, flags=re.M | re.S):
+        params, users = {}, collections.defaultdict(list)
+        for line in body.splitlines():
+            if not (m := _INSTRUCTION.match(line)):
+                continue
+            inst, result, op, args, _ = m.groups()
+            if op == "parameter":
+                params[inst] = int(args)
+            for operand in re.findall(r"%([^\s,)]+)", args):
+                users[operand].append((op, _bytes(result)))
+        out[name] = {i: sum(b for _, b in users[p]) for p, i in params.items()
+                     if users[p] and all(op in _SLICES for op, _ in users[p])}
+    return out
+
+
 def passes(hlo: str) -> list[Pass]:
     """The top-level operations of ``hlo``'s entry computation that read or write memory."""
     entry = hlo[hlo.index("\nENTRY"):]
+    partial = _partial_reads(hlo[:hlo.index("\nENTRY")])
     sizes, out = {}, []
     for line in entry.splitlines():
         if not (m := _INSTRUCTION.match(line)):
@@ -158,7 +182,9 @@ def passes(hlo: str) -> list[Pass]:
         group = _group(op, rest)
         if group in _ALLOCATIONS:
             continue
-        operands = [sizes.get(a, 0) for a in re.findall(r"%([^\s,)]+)", args)]
+        sliced = partial.get(c.group(1), {}) if (c := re.search(r"calls=%(\S+?),", rest)) else {}
+        operands = [sliced.get(i, sizes.get(a, 0))
+                    for i, a in enumerate(re.findall(r"%([^\s,)]+)", args))]
         if any(word in group for word in _IN_PLACE):  # reads and writes its updates only
             nbytes = 2 * sum(operands[1:])
         else:
