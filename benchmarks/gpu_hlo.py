@@ -149,8 +149,8 @@ def _group(op: str, rest: str) -> str:
 
 
 def _partial_reads(hlo: str) -> dict[str, dict[int, int]]:
-    """Per fused computation, the parameters that it only slices (``slice``, ``dynamic-slice``,
-    ``gather``): parameter number → bytes of the slices read."""
+    """Per fused computation, the parameters that it only slices (the array operand of a
+    ``slice``, ``dynamic-slice`` or ``gather``): parameter number → bytes of the slices read."""
     out = {}
     for name, body in re.findall(r"^%(\S+) \(.*?\{\n(.*?)^\}", hlo, flags=re.M | re.S):
         params, users = {}, collections.defaultdict(list)
@@ -160,10 +160,10 @@ def _partial_reads(hlo: str) -> dict[str, dict[int, int]]:
             inst, result, op, args, _ = m.groups()
             if op == "parameter":
                 params[inst] = int(args)
-            for operand in re.findall(r"%([^\s,)]+)", args):
-                users[operand].append((op, _bytes(result)))
+            for j, operand in enumerate(re.findall(r"%([^\s,)]+)", args)):
+                users[operand].append((op in _SLICES and j == 0, _bytes(result)))
         out[name] = {i: sum(b for _, b in users[p]) for p, i in params.items()
-                     if users[p] and all(op in _SLICES for op, _ in users[p])}
+                     if users[p] and all(sliced for sliced, _ in users[p])}
     return out
 
 
