@@ -125,10 +125,8 @@ def default_iteration():
 def iteration_method(orth, rows: int, cols: int) -> str:
     """The Newton-Schulz form ``orth`` runs on a ``rows × cols`` payload: Gram NS where its
     method is Gram NS and the long side is at least ``GRAM_MIN_ASPECT`` times the short one
-    (as ``dion3_jax.polar`` decides), else standard NS."""
-    short, long = min(rows, cols), max(rows, cols)
-    gram = orth.method == "gram" and long >= _polar.GRAM_MIN_ASPECT * short
-    return "gram" if gram else "standard"
+    (``dion3_jax._polar.runs_gram``, the rule ``dion3_jax.polar`` follows), else standard NS."""
+    return "gram" if _polar.runs_gram(orth.method, rows, cols) else "standard"
 
 
 def polar_flops(rows: int, cols: int, steps: int, restarts, method: str = "gram") -> int:

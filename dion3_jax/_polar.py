@@ -270,6 +270,12 @@ def iteration_shape(shape: tuple[int, int, int], dtype, backend: Backend) -> tup
     return (n, m) if multiples is None else _padded_shape(n, m, multiples)
 
 
+def runs_gram(method: str, n: int, m: int) -> bool:
+    """Whether ``method`` iterates an ``n × m`` matrix with Gram Newton-Schulz: ``"gram"`` from
+    aspect ratio :data:`GRAM_MIN_ASPECT` on, standard Newton-Schulz closer to square."""
+    return method == "gram" and max(n, m) >= GRAM_MIN_ASPECT * min(n, m)
+
+
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
              backend: Backend, multiples: tuple[int, int] | None) -> jax.Array:
     """Newton-Schulz on the normalized batch ``y`` of shape ``(B, n, m)``, wide or tall.
@@ -285,7 +291,7 @@ def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence
         rows, cols = _padded_shape(n, m, multiples)
         if (rows, cols) != (n, m):
             y = jnp.pad(y, ((0, 0), (0, rows - n), (0, cols - m)))
-    if method == "gram" and max(n, m) >= GRAM_MIN_ASPECT * min(n, m):
+    if runs_gram(method, n, m):
         y = gram_newton_schulz(y, coeffs, restarts, backend=backend)
     else:
         y = standard_newton_schulz(y, coeffs, backend=backend)
