@@ -62,7 +62,7 @@ from bench_floor import (FRACTIONS, default_iteration, gram_starts, iteration_me
                          symmetric_products)
 from bench_step import FULL, SMALL, model_shapes
 
-TILE, TILE_K = 128, 64
+TILE, TILE_K = _api.TILE_MULTIPLES
 
 
 class Product(NamedTuple):
