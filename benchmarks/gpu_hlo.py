@@ -31,8 +31,8 @@ operands and results, in full, except for updates of part of an array, a ``scatt
 operand that a fusion only slices or gathers from, counted by what it reads). Rows that a
 gather reads whole count at their own size, though the GPU reads whole 32-byte sectors, so the
 bytes compare variants and find passes that a fusion could remove; they are not the step's
-traffic. Below each variant's line come its ``--top``
-largest groups (fusion kind and fused computation, custom-call target, or op).
+traffic. Below each variant's line come its ``--top`` largest groups (fusion kind and fused
+computation, custom-call target, or op).
 
 Usage::
 
@@ -103,6 +103,7 @@ _SLICES = frozenset(("slice", "dynamic-slice", "gather"))
 #: Updates of part of an array (its first operand), counted as done in place.
 _IN_PLACE = ("scatter", "dynamic_update_slice")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*?)\)(.*)$")
+_OPERAND = re.compile(r"%([^\s,)]+)")
 
 
 def h200_mesh() -> Mesh:
@@ -160,7 +161,7 @@ def _partial_reads(hlo: str) -> dict[str, dict[int, int]]:
             inst, result, op, args, _ = m.groups()
             if op == "parameter":
                 params[inst] = int(args)
-            for j, operand in enumerate(re.findall(r"%([^\s,)]+)", args)):
+            for j, operand in enumerate(_OPERAND.findall(args)):
                 users[operand].append((op in _SLICES and j == 0, _bytes(result)))
         out[name] = {i: sum(b for _, b in users[p]) for p, i in params.items()
                      if users[p] and all(sliced for sliced, _ in users[p])}
@@ -184,7 +185,7 @@ def passes(hlo: str) -> list[Pass]:
             continue
         sliced = partial.get(c.group(1), {}) if (c := re.search(r"calls=%(\S+?),", rest)) else {}
         operands = [sliced.get(i, sizes.get(a, 0))
-                    for i, a in enumerate(re.findall(r"%([^\s,)]+)", args))]
+                    for i, a in enumerate(_OPERAND.findall(args))]
         if any(word in group for word in _IN_PLACE):  # reads and writes its updates only
             nbytes = 2 * sum(operands[1:])
         else:
