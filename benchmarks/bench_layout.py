@@ -40,6 +40,8 @@ ones.
 Usage::
 
     python benchmarks/bench_layout.py                   # GPU: 8 layers, f = 1/4 and 1/8
+    python benchmarks/bench_layout.py --layers 4        # the same on a GPU of 80 GB (8 layers
+                                                        # of every variant's arrays do not fit)
     python benchmarks/bench_layout.py --small --reps 1  # CPU smoke run (XLA rows only)
 """
 
