@@ -99,35 +99,38 @@ def _restart(q: jax.Array, x: jax.Array, backend: Backend) -> tuple[jax.Array, j
 
 
 class _StepCoefficients(NamedTuple):
-    """One Newton-Schulz step's ``(a, b, c)`` as run-time operands: ``abc``, ``(a, b, c, 1)`` in
-    the products' accumulation dtype (the scales of :func:`pallas_kernels.sym_matmul`; every
-    scale of a step comes from it, so that its products, called with operands of one kind, share
-    one traced kernel), ``diag``
-    ``a`` in the compute dtype (what :func:`_add_to_diagonal` adds, rounded once from the
-    Python float, as a literal would be)."""
+    """One Newton-Schulz step's ``(a, b, c)`` as run-time operands: ``abc`` in the products'
+    accumulation dtype (the scales of :func:`pallas_kernels.sym_matmul`, passed as operands so
+    that the products of every step share one traced kernel), ``diag`` ``a`` in the compute
+    dtype (what :func:`_add_to_diagonal` adds, rounded once from the Python float, as a literal
+    would be)."""
 
     abc: jax.Array | np.ndarray
     diag: jax.Array | np.ndarray
 
 
 def _operands(coeffs: Coefficients, dtype) -> list[_StepCoefficients]:
-    """Every step's coefficients as arrays: the rows of one ``(steps, 4)`` array (NumPy: no
+    """Every step's coefficients as arrays: the rows of one ``(steps, 3)`` array (NumPy: no
     device work while tracing), passed to the step bodies as operands, so that steps of one
     structure share one traced and lowered body whatever their coefficients."""
     table = np.asarray(coeffs, np.float64)
-    abc = np.pad(table, ((0, 0), (0, 1)), constant_values=1.0).astype(
-        jnp.promote_types(dtype, jnp.float32))
+    abc = table.astype(jnp.promote_types(dtype, jnp.float32))
     diag = table[:, 0].astype(jnp.dtype(dtype))
     return [_StepCoefficients(abc[i], diag[i]) for i in range(len(coeffs))]
+
+
+def _step_polynomial(r: jax.Array, k: _StepCoefficients, backend: Backend) -> jax.Array:
+    """The step's polynomial ``W = a·I + b·R + c·R²`` of a Gram matrix ``R``: one symmetric
+    product with ``R`` as its addend, then ``a`` added to the diagonal in place."""
+    z = pallas_kernels.sym_matmul(r, r, r, alpha=k.abc[2], beta=k.abc[1],
+                                  implementation=backend)
+    return _add_to_diagonal(z, k.diag)
 
 
 @functools.partial(jax.jit, static_argnames="backend")
 def _standard_step(x: jax.Array, k: _StepCoefficients, backend: Backend) -> jax.Array:
     """One standard Newton-Schulz step: ``A = X Xᵀ; X ← (a·I + b·A + c·A²) X``."""
-    gram = _gram(x, backend)
-    poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=k.abc[2], beta=k.abc[1],
-                                     implementation=backend)
-    return _apply(_add_to_diagonal(poly, k.diag), x)
+    return _apply(_step_polynomial(_gram(x, backend), k, backend), x)
 
 
 def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backend = "auto"
@@ -160,37 +163,31 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backe
     return x
 
 
-def _next_gram(r: jax.Array, z: jax.Array, a, one, backend: Backend) -> jax.Array:
-    """``R``'s next value, ``Z (R Z + a·R) + a·(R Z + a·R)``: two symmetric products."""
-    rz = pallas_kernels.sym_matmul(r, z, r, alpha=one, beta=a, implementation=backend)
-    return pallas_kernels.sym_matmul(z, rz, rz, alpha=one, beta=a, implementation=backend)
+def _shifted_products(r: jax.Array, w: jax.Array, backend: Backend) -> jax.Array:
+    """``R``'s next value ``W R W``: two symmetric products (``W``, a polynomial in ``R``,
+    commutes with it). With ``W = Z + a·I`` this is ``Z (R Z + a·R) + a·(R Z + a·R)``, with no
+    addend for a product's epilogue to read."""
+    rw = pallas_kernels.sym_matmul(r, w, implementation=backend)
+    return pallas_kernels.sym_matmul(w, rw, implementation=backend)
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "update"))
 def _gram_first(r: jax.Array, k: _StepCoefficients, backend: Backend, update: bool
                 ) -> tuple[jax.Array, jax.Array]:
-    """The first Gram Newton-Schulz step after a (re)start: ``Z = b·R + c·R²``, ``Q = Z + a·I``;
-    with ``update``, also ``R``'s next value (:func:`_next_gram`)."""
-    a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
-    z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
-    if update:
-        r = _next_gram(r, z, a, one, backend)
-        # Z's last readers come first, so Q = Z + a·I can update Z in place.
-        z, r = jax.lax.optimization_barrier((z, r))
-    return r, _add_to_diagonal(z, k.diag)
+    """The first Gram Newton-Schulz step after a (re)start: ``Q = W = a·I + b·R + c·R²``;
+    with ``update``, also ``R``'s next value ``W R W``."""
+    w = _step_polynomial(r, k, backend)
+    return (_shifted_products(r, w, backend) if update else r), w
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "update"))
 def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: Backend, update: bool
                ) -> tuple[jax.Array, jax.Array]:
-    """A later Gram Newton-Schulz step: ``Z = b·R + c·R²``, ``Q ← Q Z + a·Q``; with
-    ``update``, also ``R``'s next value (:func:`_next_gram`)."""
-    a, b, c, one = k.abc[0], k.abc[1], k.abc[2], k.abc[3]
-    z = pallas_kernels.sym_matmul(r, r, r, alpha=c, beta=b, implementation=backend)
-    q = pallas_kernels.sym_matmul(q, z, q, alpha=one, beta=a, implementation=backend)
-    if update:
-        r = _next_gram(r, z, a, one, backend)
-    return r, q
+    """A later Gram Newton-Schulz step: ``W = a·I + b·R + c·R²``, ``Q ← Q W``; with
+    ``update``, also ``R``'s next value ``W R W``."""
+    w = _step_polynomial(r, k, backend)
+    q = pallas_kernels.sym_matmul(q, w, implementation=backend)
+    return (_shifted_products(r, w, backend) if update else r), q
 
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,

@@ -410,7 +410,6 @@ def syrk_mosaic(x: jax.Array, *, transpose: bool = False, out_dtype=None,
     return out[:, :n, :n].reshape(*lead, n, n)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *, alpha=1.0,
                       beta=0.0, out_dtype=None, config: MosaicConfig | None = None,
                       interpret: bool = False) -> jax.Array:
@@ -422,7 +421,9 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
 
     ``α`` and ``β`` reach the kernel at run time, as float32 scalars: every call of one shape and
     dtype runs one compiled kernel (a Gram Newton-Schulz polar makes about 14 products per shape
-    with a dozen distinct scales; static scales would compile a kernel for each).
+    with a dozen distinct scales; static scales would compile a kernel for each). A square
+    product without ``c`` (``k = n``, output in the operands' dtype) runs the same kernel as one
+    with ``c``, with ``c = a`` and ``β = 0``.
 
     Args:
       a: ``(..., n, k)`` float16 or bfloat16.
@@ -441,11 +442,23 @@ def sym_matmul_mosaic(a: jax.Array, b: jax.Array, c: jax.Array | None = None, *,
     """
     check_dtypes(a, b)
     out_dtype = jnp.dtype(a.dtype if out_dtype is None else out_dtype)
+    if c is None and a.shape[-1] == a.shape[-2] and out_dtype == a.dtype:
+        # ``α·a·b + 0·a`` is ``α·a·b`` for finite ``a`` (a non-finite ``a`` makes the product
+        # non-finite anyway); one call signature lets the square products of a shape share a
+        # kernel.
+        c, beta = a, 0.0
+    return _sym_matmul(a, b, c, scales(alpha, beta), out_dtype=out_dtype, config=config,
+                       interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def _sym_matmul(a, b, c, scale, *, out_dtype, config, interpret) -> jax.Array:
+    """:func:`sym_matmul_mosaic` with its scales as one ``(2,)`` float32 operand."""
     config = config or MosaicConfig.get_default(a.dtype, out_dtype)
     *lead, n, k = a.shape
     a3 = a.reshape(-1, n, k)
     b3 = jnp.broadcast_to(b, (*lead, k, n)).reshape(-1, k, n)
     c3 = None if c is None else jnp.broadcast_to(c, (*lead, n, n)).reshape(-1, n, n)
-    out = _padded_product(a3, b3, c3, scales(alpha, beta), out_dtype=out_dtype, config=config,
+    out = _padded_product(a3, b3, c3, scale, out_dtype=out_dtype, config=config,
                           form="nn", interpret=interpret, name="sym_matmul_mosaic")
     return out[:, :n, :n].reshape(*lead, n, n)

@@ -267,23 +267,24 @@ def test_auto_resolution(monkeypatch):
 
 
 def test_mosaic_products_of_one_shape_share_a_kernel():
-    """Products of one shape with different ``α, β`` lower to one Mosaic GPU kernel (the scales
-    are run-time operands), not one per pair: a Gram Newton-Schulz polar makes about 14 such
-    products per shape, and each kernel costs seconds of compile time. Lowered for sm_90 on the
-    CPU; ptxas is not run."""
+    """Products of one shape with different ``α, β``, with an addend or without, lower to one
+    Mosaic GPU kernel (the scales are run-time operands), not one per pair: a Gram
+    Newton-Schulz polar makes about 14 such products per shape, and each kernel costs seconds
+    of compile time. Lowered for sm_90 on the CPU; ptxas is not run."""
     from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic
 
     config = dataclasses.replace(MosaicConfig.get_default(), num_sms=132)
 
-    def three(a, b, c):
+    def four(a, b, c):
         x = sym_matmul_mosaic(a, b, c, alpha=2.0, beta=0.5, config=config)
         y = sym_matmul_mosaic(a, x, c, alpha=1.0, beta=-3.0, config=config)
-        return sym_matmul_mosaic(y, y, x, alpha=0.25, beta=1.5, config=config)
+        z = sym_matmul_mosaic(y, x, config=config)
+        return sym_matmul_mosaic(z, y, x, alpha=0.25, beta=1.5, config=config)
 
     f16 = jax.ShapeDtypeStruct((256, 256), jnp.float16)
-    text = jax.jit(three).trace(f16, f16, f16).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(four).trace(f16, f16, f16).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu") == 1
-    assert text.count("call @sym_matmul_mosaic(") == 3
+    assert text.count("call @_sym_matmul(") == 4
 
 
 def test_shape_errors():

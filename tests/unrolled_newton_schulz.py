@@ -69,15 +69,8 @@ def gram(x, coeffs, restarts):
         if i in restart_set and i != 0:
             x = _apply(q, x)
             r, q = _gram(x), None
-        z = _sym(r, r, r, c, b)
-        fresh = q is None
-        if not fresh:
-            q = _sym(q, z, q, 1.0, a)
+        w = _plus_diagonal(_sym(r, r, r, c, b), a)
+        q = w if q is None else _sym(q, w, None, 1.0, 0.0)
         if i != last and (i + 1) not in restart_set:
-            rz = _sym(r, z, r, 1.0, a)
-            r = _sym(z, rz, rz, 1.0, a)
-            if fresh:
-                z, r = jax.lax.optimization_barrier((z, r))
-        if fresh:
-            q = _plus_diagonal(z, a)
+            r = _sym(w, _sym(r, w, None, 1.0, 0.0), None, 1.0, 0.0)
     return _apply(q, x)
