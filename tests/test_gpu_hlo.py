@@ -25,8 +25,10 @@ parameters in place, so the GPU program holds no top-level ``copy`` of a matrix-
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
+import re
 import sys
 
 import jax
@@ -96,3 +98,17 @@ def test_script_prints_a_census_per_variant(mesh, capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith(("optax", "dion3"))]
     assert [r[0] for r in rows] == ["optax.adamw", "dion3"], out
     assert all(float(r[-3]) > 0 and int(r[-2]) > 0 and float(r[-1]) > 0 for r in rows), out
+
+
+def test_gram_products_without_an_addend_round_in_their_gemm(mesh):
+    """At f = 1/8 the small model's Gram iterations run in XLA. Each step's ``W = a·I + b·R +
+    c·R²`` has ``R`` as its addend, which XLA adds and rounds in a separate pass; the step's
+    other products (``Q W``, ``R W``, ``W (R W)``) have none and round inside their GEMM, so each
+    Gram shape has one conversion pass per step, not one per product (14 with 5 steps)."""
+    steps = len(dion3_jax.newton_schulz.get_coefficients("polar_express"))
+    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.125), SHAPES, mesh)
+    conversions = collections.Counter(p.result for p in gpu_hlo.passes(hlo)
+                                      if p.group == "kLoop fused_convert")
+    grams = [r for r in conversions if re.fullmatch(r"f16\[\d+,(\d+),\1\]", r)]
+    assert len(grams) == 3, conversions  # the three Gram shapes of the small model
+    assert all(conversions[r] == steps for r in grams), conversions
