@@ -91,6 +91,7 @@ SMOKE_CASES = [  # Tiny shapes to check the script itself (e.g. on CPU).
 
 MOSAIC_VARIANTS = {  # Besides "default" (MosaicConfig.get_default(): 4 stages for 16-bit outputs).
     "s3": _mosaic.MosaicConfig(max_concurrent_steps=3),
+    "pp3": _mosaic.MosaicConfig(schedule="pingpong", max_concurrent_steps=3),
 }
 #: Variants also run on every shape (the others only on the two headline shapes).
 ALL_SHAPE_VARIANTS = ("mosaic[default]", "triton[default]")
@@ -180,9 +181,10 @@ def bench_kernels(args, log):
         xla_ms = xla_dev = None
         xla_err = None
         for label, syrk_fn, sym_fn in impls:
-            # Variants only on the two headline shapes.
-            if "[" in label and label not in ALL_SHAPE_VARIANTS and (n, m, batch) not in (
-                    (4096, 16384, ()), (4096, 4096, ())):
+            # Variants only on the two headline shapes, unless named on the command line.
+            named = bool(args.variants) and label.split("[")[-1].rstrip("]") in args.variants
+            if "[" in label and label not in ALL_SHAPE_VARIANTS and not named and (
+                    n, m, batch) not in ((4096, 16384, ()), (4096, 4096, ())):
                 continue
             fn = syrk_fn if op == "syrk" else (lambda a, b, c, f=sym_fn: f(a, b, c, **kw))
             try:
@@ -377,10 +379,14 @@ def _peer_runs(batch: int, n: int, k: int):
         cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
         runs.append(("jax hopper_matmul_mgpu", lambda x, y: hm.matmul(x, y, None, config=cfg),
                      (a, b), 2 * n * n * k, full_tiles))
-    kernel = (("sym_matmul (mosaic)", lambda x: _mosaic.sym_matmul_mosaic(x, x)) if k == n
-              else ("syrk (mosaic)", _mosaic.syrk_mosaic))
     lower_tiles = batch * _schedule.num_lower_tiles(side)
-    return runs + [(*kernel, (a,), batch * n * (n + 1) * k, lower_tiles)]
+    for label, cfg in (("", None), (" pp", MOSAIC_VARIANTS["pp3"])):
+        kernel = ((f"sym_matmul (mosaic{label})",
+                   lambda x, cfg=cfg: _mosaic.sym_matmul_mosaic(x, x, config=cfg)) if k == n
+                  else (f"syrk (mosaic{label})",
+                        lambda x, cfg=cfg: _mosaic.syrk_mosaic(x, config=cfg)))
+        runs.append((*kernel, (a,), batch * n * (n + 1) * k, lower_tiles))
+    return runs
 
 
 def _peer_shape(text: str) -> tuple[int, int, int]:

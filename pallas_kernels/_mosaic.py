@@ -85,12 +85,17 @@ class MosaicConfig:
       max_concurrent_steps: pipeline depth (operand panels in flight in shared memory); at least
         2, since one step's ``wgmma`` stays in flight.
       num_sms: persistent CTAs to launch; ``None`` takes the device's SM count.
+      schedule: ``"pairs"``: both compute warpgroups work on one item of two tiles sharing a
+        column panel (:func:`_symmetric_kernel`); ``"pingpong"``: each warpgroup walks its own
+        tiles, the two taking turns, so that one's epilogue overlaps the other's main loop
+        (:func:`_pingpong_kernel`; each warpgroup has its own operand ring).
     """
 
     tile: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 4
     num_sms: int | None = None
+    schedule: str = "pairs"
 
     @classmethod
     def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
@@ -116,6 +121,8 @@ class MosaicConfig:
                              "in flight)")
         if self.num_sms is not None and self.num_sms <= 0:
             raise ValueError(f"{self.num_sms=} must be positive or None")
+        if self.schedule not in ("pairs", "pingpong"):
+            raise ValueError(f"{self.schedule=} must be 'pairs' or 'pingpong'")
 
 
 def smem_bytes(config: MosaicConfig, in_dtype, out_dtype) -> int:
@@ -123,7 +130,8 @@ def smem_bytes(config: MosaicConfig, in_dtype, out_dtype) -> int:
     in_size, out_size = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     panel = config.tile * config.tile_k * in_size
     staging = 2 * _COMPUTE_WGS * _EPI * _EPI * out_size  # A sub-tile and its mirror per wg.
-    return config.max_concurrent_steps * 3 * panel + staging
+    panels = 3 if config.schedule == "pairs" else 2 * _COMPUTE_WGS  # per pipeline stage
+    return config.max_concurrent_steps * panels * panel + staging
 
 
 def _num_sms(config: MosaicConfig, interpret: bool) -> int:
@@ -332,6 +340,131 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _pingpong_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: MosaicConfig,
+                     form: str, batch: int, tiles_per_side: int, num_ctas: int):
+    """Kernel body of the ``"pingpong"`` schedule: each compute warpgroup walks its own tiles.
+
+    The CTA's lower tiles (``t = sm + i · num_ctas`` over the batch) alternate between the two
+    compute warpgroups: tile ``i`` is warpgroup ``i % 2``'s. The memory warpgroup loads the
+    tiles' panels in ``i`` order into that warpgroup's own ring of ``(a, b)`` slots, so a
+    warpgroup's next main loop starts as the other's ends, and its epilogue runs while the
+    other's main loop keeps the tensor cores busy. Arguments as :func:`_symmetric_kernel`.
+    """
+    out_dtype = out_gmem.dtype
+    tile, tile_k, stages = config.tile, config.tile_k, config.max_concurrent_steps
+    steps = _contraction(a_gmem, form) // tile_k
+    in_flight = _in_flight(config, steps * tile_k)
+    a_block = (tile, tile_k) if form[0] == "n" else (tile_k, tile)
+    b_block = (tile, tile_k) if form[1] == "t" else (tile_k, tile)
+    per_matrix = _schedule.num_lower_tiles(tiles_per_side)
+    ring = lambda block, dtype: plgpu.SMEM((_COMPUTE_WGS, stages, *block), dtype,
+                                           transforms=_smem_transforms(block[1], dtype))
+
+    def panel(ref, bi, index, s, along_k_minor):
+        if along_k_minor:
+            return ref.at[bi, pl.ds(index * tile, tile), pl.ds(s * tile_k, tile_k)]
+        return ref.at[bi, pl.ds(s * tile_k, tile_k), pl.ds(index * tile, tile)]
+
+    @functools.partial(
+        pl.run_scoped,
+        a_ring=ring(a_block, a_gmem.dtype),
+        b_ring=ring(b_block, b_gmem.dtype),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS * stages),
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS * stages),
+        out_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, _EPI), out_dtype,
+                            transforms=_smem_transforms(_EPI, out_dtype)),
+        out_t_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, _EPI), out_dtype),
+        c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=_COMPUTE_WGS),
+        collective_axes="wg",
+    )
+    def _scope(a_ring, b_ring, produced, consumed, out_smem, out_t_smem, c_barrier):
+        wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
+        count = lax.div(batch * per_matrix - 1 - sm + num_ctas, num_ctas)  # this CTA's tiles
+
+        def coords(i):
+            bi, t = _schedule._divmod(sm + i * num_ctas, per_matrix)
+            return (bi, *_schedule.lower_tile_coords(t, tiles_per_side))
+
+        def slot_of(w, g):  # the barrier and ring slot of warpgroup w's g-th step
+            return w * stages + lax.rem(g, stages), lax.rem(g, stages)
+
+        @pl.when(wg == _COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            @pl.loop(0, count)
+            def _tile(i):
+                bi, r, c = coords(i)
+                w = lax.rem(i, 2)
+
+                @pl.loop(0, steps)
+                def _step(s):
+                    g = lax.div(i, 2) * steps + s
+                    bar, slot = slot_of(w, g)
+
+                    @pl.when(g >= stages)
+                    def _wait_free():
+                        plgpu.barrier_wait(consumed.at[bar])
+
+                    plgpu.copy_gmem_to_smem(panel(a_gmem, bi, r, s, form[0] == "n"),
+                                            a_ring.at[w, slot], produced.at[bar])
+                    plgpu.copy_gmem_to_smem(panel(b_gmem, bi, c, s, form[1] == "t"),
+                                            b_ring.at[w, slot], produced.at[bar])
+
+            # Observe each ring's last releases, so that no barrier is left mid-phase.
+            for w in range(_COMPUTE_WGS):
+                issued = lax.div(count - w + 1, 2) * steps
+
+                @pl.loop(lax.max(issued - stages, 0), issued)
+                def _drain(g):
+                    plgpu.barrier_wait(consumed.at[slot_of(w, g)[0]])
+
+        @pl.when(wg < _COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            alpha = None if scale_gmem is None else scale_gmem[0]
+            beta = None if c_gmem is None else scale_gmem[1]
+
+            @pl.loop(0, lax.div(count - wg + 1, 2))
+            def _tile(j):
+                bi, r, c = coords(2 * j + wg)
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile, tile), jnp.float32))
+                def _acc_scope(acc_ref):
+                    with jax.named_scope("mainloop"):  # Named for Mosaic GPU's profiler.
+                        @pl.loop(0, steps)
+                        def _step(s):
+                            g = j * steps + s
+                            bar, slot = slot_of(wg, g)
+                            plgpu.barrier_wait(produced.at[bar])
+                            a_op, b_op = a_ring.at[wg, slot], b_ring.at[wg, slot]
+                            plgpu.wgmma(acc_ref, a_op.transpose((1, 0)) if form[0] == "t" else a_op,
+                                        b_op.transpose((1, 0)) if form[1] == "t" else b_op)
+                            plgpu.wgmma_wait(in_flight)
+                            done = slot_of(wg, g - in_flight)[0]
+
+                            @pl.when(s >= in_flight)
+                            def _release():
+                                plgpu.barrier_arrive(consumed.at[done])
+
+                        if in_flight:
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(consumed.at[slot_of(wg, j * steps + steps - 1)[0]])
+                    acc = acc_ref[...]
+                    if alpha is not None:
+                        acc = acc * alpha
+                    with jax.named_scope("epilogue"):
+                        for ei in range(tile // _EPI):
+                            for ej in range(tile // _EPI):
+                                sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * _EPI:(ej + 1) * _EPI]
+                                _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
+                                            wg, bi, pl.ds(r * tile + ei * _EPI, _EPI),
+                                            pl.ds(c * tile + ej * _EPI, _EPI), r != c, beta=beta,
+                                            out_dtype=out_dtype)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _padded_product(a, b, c, scale, *, out_dtype, config, form: str, interpret, name: str):
     """Pads ``(batch, n, ·)`` operands to tile multiples and launches the kernel.
 
@@ -357,8 +490,13 @@ def _padded_product(a, b, c, scale, *, out_dtype, config, form: str, interpret, 
     b_p = pad_to(b, (tile, tile_k) if form[1] == "t" else (tile_k, tile))
     n_p = a_p.shape[1 if form[0] == "n" else 2]
     c_p = None if c is None else pad_to(c.astype(out_dtype), (tile, tile))
-    body = functools.partial(_symmetric_kernel, config=config, form=form, batch=batch,
-                             tiles_per_side=n_p // tile)
+    num_ctas = _num_sms(config, interpret)
+    if config.schedule == "pairs":
+        body = functools.partial(_symmetric_kernel, config=config, form=form, batch=batch,
+                                 tiles_per_side=n_p // tile)
+    else:
+        body = functools.partial(_pingpong_kernel, config=config, form=form, batch=batch,
+                                 tiles_per_side=n_p // tile, num_ctas=num_ctas)
 
     def body_fn(a_ref, b_ref, *refs):  # refs: [c], [scale], out
         c_ref = refs[0] if c_p is not None else None
@@ -368,7 +506,7 @@ def _padded_product(a, b, c, scale, *, out_dtype, config, form: str, interpret, 
     kernel = plgpu.kernel(
         body_fn,
         out_type=jax.ShapeDtypeStruct((batch, n_p, n_p), out_dtype),
-        grid=(_num_sms(config, interpret),),
+        grid=(num_ctas,),
         grid_names=("sm",),
         num_threads=_COMPUTE_WGS + 1,
         thread_name="wg",

@@ -340,7 +340,8 @@ class TestMosaicInterpret(KernelSuite):
 
         monkeypatch.setattr(gpu_callbacks, "np", _OrderedMatmulNumpy())
 
-    def test_every_element_written_and_no_races(self):
+    @pytest.mark.parametrize("schedule", ["pairs", "pingpong"])
+    def test_every_element_written_and_no_races(self, schedule):
         """Interpret mode fills fresh buffers with NaN: a tile-aligned output shows every write.
 
         Fewer CTAs than work items (each CTA walks several), tile grids with T = 2, 3, 5 (the
@@ -353,7 +354,8 @@ class TestMosaicInterpret(KernelSuite):
 
         from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic, syrk_mosaic
 
-        config = MosaicConfig(num_sms=3)
+        config = MosaicConfig(num_sms=3, schedule=schedule,
+                              max_concurrent_steps=4 if schedule == "pairs" else 3)
         params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
         for s, (shape, dtype) in enumerate([((384, 640), jnp.float16), ((520, 200), jnp.bfloat16),
                                             ((2, 256, 320), jnp.float16)]):
@@ -420,7 +422,8 @@ class TestMosaicInterpret(KernelSuite):
             np.testing.assert_allclose(np.asarray(run(jnp.float32(al), jnp.float32(be))), ref,
                                        rtol=0, atol=5e-4 * np.abs(ref).max())
 
-    def test_one_contraction_step_with_several_items_per_cta(self):
+    @pytest.mark.parametrize("schedule", ["pairs", "pingpong"])
+    def test_one_contraction_step_with_several_items_per_cta(self, schedule):
         """One contraction step per item (k <= tile_k) with one CTA walking every item: jax's
         pipeline then runs a single stage, so slots are released at once and each step waits
         for its wgmma (``_mosaic._in_flight``). With the one-step-late release kept there, the
@@ -435,13 +438,43 @@ class TestMosaicInterpret(KernelSuite):
         cases = [((384, 64), jnp.float16), ((2, 256, 40), jnp.bfloat16)]
         for s, (shape, dtype) in enumerate(cases):
             x, ref = gram_inputs(fresh_key(900 + s), shape, dtype)
-            out = np.asarray(syrk_mosaic(x, config=MosaicConfig(num_sms=1), interpret=params),
-                             np.float32)
+            config = MosaicConfig(num_sms=1, schedule=schedule,
+                                  max_concurrent_steps=4 if schedule == "pairs" else 3)
+            out = np.asarray(syrk_mosaic(x, config=config, interpret=params), np.float32)
             assert not np.isnan(out).any(), shape
             assert not interpret_pallas_call.get_races().races_found, shape
             np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
             err, ref_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
             assert err <= 2.0 * ref_err + 1e-6, (shape, err, ref_err)
+
+    def test_pingpong_with_idle_warpgroups_and_short_contractions(self):
+        """The ``"pingpong"`` schedule where CTAs own no tile or one (a warpgroup with no tile)
+        and where a warpgroup's steps are fewer than its ring's slots: every element written,
+        no race, exact ``syrk`` symmetry, mirrored ``sym_matmul`` tiles, accuracy as XLA's."""
+        from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        from pallas_kernels._mosaic import MosaicConfig, sym_matmul_mosaic, syrk_mosaic
+
+        params = InterpretGPUParams(detect_races=True, uninitialized_memory="nan")
+        config = MosaicConfig(num_sms=4, schedule="pingpong", max_concurrent_steps=3)
+        for s, (shape, dtype) in enumerate([((256, 128), jnp.float16), ((128, 64), jnp.bfloat16)]):
+            x, ref = gram_inputs(fresh_key(950 + s), shape, dtype)  # 3 tiles, 1 tile
+            out = np.asarray(syrk_mosaic(x, config=config, interpret=params), np.float32)
+            assert not np.isnan(out).any(), shape
+            assert not interpret_pallas_call.get_races().races_found, shape
+            np.testing.assert_array_equal(out, np.swapaxes(out, -1, -2))
+            err, ref_err = rel_error(out, ref), xla_error_syrk(x, ref, dtype)
+            assert err <= 2.0 * ref_err + 1e-6, (shape, err, ref_err)
+        a, b, c, ref = commuting_inputs(fresh_key(960), (), 256, jnp.float16, 1.5, -0.5)
+        out = np.asarray(sym_matmul_mosaic(a, b, c, alpha=1.5, beta=-0.5, config=config,
+                                           interpret=params), np.float32)
+        assert not np.isnan(out).any()
+        assert not interpret_pallas_call.get_races().races_found
+        assert_tiles_mirrored(out, jnp.float16)
+        err, ref_err = rel_error(out, ref), rel_error(
+            pallas_kernels.sym_matmul_reference(a, b, c, alpha=1.5, beta=-0.5), ref)
+        assert err <= 2.0 * ref_err + 1e-6, (err, ref_err)
 
     def test_shallowest_pipeline(self):
         """Two stages (the least that keeps one wgmma group in flight) and 16-deep panels."""
