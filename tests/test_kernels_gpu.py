@@ -122,6 +122,28 @@ class TestMosaicGpu(GpuSuite):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif("mosaic" not in _AVAILABLE, reason="needs a Hopper GPU")
+class TestMosaicPingpongGpu(TestMosaicGpu):
+    """The Mosaic kernels with the ``"pingpong"`` schedule (3 stages), every test of the suite."""
+
+    def config(self, out_dtype=None):
+        from pallas_kernels._mosaic import MosaicConfig
+
+        stages = 2 if jnp.dtype(out_dtype or jnp.float16).itemsize == 4 else 3
+        return MosaicConfig(schedule="pingpong", max_concurrent_steps=stages)
+
+    def syrk(self, x, **kw):
+        from pallas_kernels._mosaic import syrk_mosaic
+
+        return syrk_mosaic(x, config=self.config(kw.get("out_dtype")), **kw)
+
+    def sym_matmul(self, a, b, c=None, **kw):
+        from pallas_kernels._mosaic import sym_matmul_mosaic
+
+        return sym_matmul_mosaic(a, b, c, config=self.config(kw.get("out_dtype")), **kw)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif("jax_triton" not in _AVAILABLE, reason="needs an NVIDIA GPU and jax-triton")
 class TestTritonGpu(GpuSuite):
     IMPLEMENTATION = "jax_triton"
