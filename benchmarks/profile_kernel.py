@@ -117,14 +117,20 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=1, help="matrices per call (e.g. 32 for f = 1/4's "
                    "attention Gram matrices: --batch 32 --n 1024 --k 1024)")
     p.add_argument("--no-c", action="store_true", help="sym_matmul without the β·c addend")
-    p.add_argument("--stages", type=int, default=3, help="pipeline stages (shared memory)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="pipeline stages (default 3 for pairs, 2 for pingpong: the profiler's "
+                        "buffer takes shared memory)")
+    p.add_argument("--schedule", choices=("pairs", "pingpong"), default="pairs",
+                   help="the kernel's work schedule (MosaicConfig.schedule)")
     p.add_argument("--space", type=int, default=64, help="profiler ranges per warpgroup")
     p.add_argument("--sms", type=int, default=None,
                    help="persistent CTAs (default: every SM); fewer CTAs share the L2 with fewer")
     a = p.parse_args(argv)
     if jax.devices()[0].platform != "gpu":
         sys.exit("profile_kernel.py needs a Hopper GPU (Mosaic GPU's profiler runs on device)")
-    config = _mosaic.MosaicConfig(max_concurrent_steps=a.stages, num_sms=a.sms)
+    stages = a.stages or (3 if a.schedule == "pairs" else 2)
+    config = _mosaic.MosaicConfig(max_concurrent_steps=stages, num_sms=a.sms,
+                                  schedule=a.schedule)
     args = operands(a.op, a.n, a.k, a.batch)
     if a.op == "syrk":
         fn = functools.partial(_mosaic.syrk_mosaic, config=config)
@@ -146,7 +152,7 @@ def main(argv=None) -> None:
     c = "" if a.op == "syrk" or a.no_c else " + β·c"
     sms = a.sms or jax.devices()[0].core_count
     print(f"# {jax.devices()[0].device_kind}: {a.op} batch={a.batch} n={a.n} k={a.k}{c}, "
-          f"{a.stages} stages, "
+          f"{a.schedule} schedule, {stages} stages, "
           f"{config.tile}-tiles, {sms} CTAs, warpgroups 0-1 compute, 2 memory")
     print("\n".join(summary(events)))
 
