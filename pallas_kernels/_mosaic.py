@@ -30,6 +30,13 @@ slots are released one step later, ``BlockSpec(delay_release=1)``).
   transposes the left one instead, so a tall matrix's Gram ``xᵀx`` needs no transposed copy.
 - ``sym_matmul``: ``out[r, c] = α · a[r, :] · b[:, c] + β · c[r, c]``.
 
+That is the ``"pairs"`` schedule, the default. With ``MosaicConfig(schedule="pingpong")`` each
+compute warpgroup walks single tiles of its own instead: the CTA's tiles alternate between the
+two, and the memory warpgroup loads them in order into a ring per warpgroup, so one warpgroup's
+main loop starts as the other's ends and its epilogue runs while the other's main loop keeps the
+tensor cores busy. It loads two panels per tile instead of 1.5, and its two rings leave room for
+one pipeline stage less (3 for 16-bit outputs).
+
 The epilogue goes through 64×64 sub-tiles: ``+ β·c`` (the ``c`` sub-tile comes in by TMA), one
 rounding to the output dtype, a TMA store to ``out[r, c]`` and, off the diagonal, a TMA store of
 its transpose (a register layout cast to ``WGMMA_TRANSPOSED`` and a transposed shared-memory view)
@@ -98,13 +105,14 @@ class MosaicConfig:
     schedule: str = "pairs"
 
     @classmethod
-    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16) -> "MosaicConfig":
+    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16, schedule: str = "pairs"
+                    ) -> "MosaicConfig":
         """The field defaults with the pipeline as deep as shared memory allows for these dtypes.
 
-        4 stages for 16-bit outputs, 3 for float32 outputs (their epilogue staging is twice as
-        large).
+        ``"pairs"``: 4 stages for 16-bit outputs, 3 for float32 outputs (their epilogue staging
+        is twice as large). ``"pingpong"`` (a ring per compute warpgroup): 3 and 2.
         """
-        config = cls()
+        config = cls(schedule=schedule)
         while (smem_bytes(config, in_dtype, out_dtype) > SMEM_LIMIT
                and config.max_concurrent_steps > 2):
             config = dataclasses.replace(config,

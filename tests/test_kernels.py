@@ -496,14 +496,19 @@ class TestMosaicInterpret(KernelSuite):
             MosaicConfig(max_concurrent_steps=1)
         with pytest.raises(ValueError, match="num_sms=0"):
             MosaicConfig(num_sms=0)
+        with pytest.raises(ValueError, match="schedule='rows'"):
+            MosaicConfig(schedule="rows")
 
-    def test_default_config_fits_shared_memory(self):
-        """A float32 output gets a shallower pipeline than a 16-bit one."""
+    @pytest.mark.parametrize("schedule,deepest", [("pairs", 4), ("pingpong", 3)])
+    def test_default_config_fits_shared_memory(self, schedule, deepest):
+        """A float32 output gets a shallower pipeline than a 16-bit one; the pingpong schedule
+        (a ring per compute warpgroup) one stage less than pairs."""
         from pallas_kernels._mosaic import SMEM_LIMIT, MosaicConfig, smem_bytes
 
         for in_dtype in (jnp.float16, jnp.bfloat16):
-            for out_dtype, stages in ((in_dtype, 4), (jnp.float32, 3)):
-                config = MosaicConfig.get_default(in_dtype, out_dtype)
+            for out_dtype, stages in ((in_dtype, deepest), (jnp.float32, deepest - 1)):
+                config = MosaicConfig.get_default(in_dtype, out_dtype, schedule)
+                assert config.schedule == schedule
                 assert (config.tile, config.tile_k) == pallas_kernels.TILE_MULTIPLES
                 assert config.max_concurrent_steps == stages, (in_dtype, out_dtype, config)
                 assert smem_bytes(config, in_dtype, out_dtype) <= SMEM_LIMIT
