@@ -116,6 +116,18 @@ def timing(p: Product, sms: int, step_us: float, epilogue_us: float) -> Timing:
                   p.batch * p.n * (p.n + 1) * p.k / (us * 1e6))
 
 
+def pingpong_us(p: Product, sms: int, step_us: float, epilogue_us: float) -> float:
+    """The modeled time of one call of ``p`` with ``MosaicConfig(schedule="pingpong")``, if one
+    warpgroup alone runs a tile's main loop at the tensor cores' full rate (half a pair step
+    per step) and its panels arrive in time: the CTA's ``n`` tiles alternate between the two
+    warpgroups, so the main loops run back to back and each epilogue hides behind the other
+    warpgroup's main loop, unless the epilogue is the longer (then each warpgroup's turn is its
+    main loop plus its epilogue)."""
+    tiles = math.ceil(p.batch * _schedule.num_lower_tiles(p.n // TILE) / sms)
+    loop_us = p.k / TILE_K * step_us / 2
+    return max(tiles * loop_us + epilogue_us, math.ceil(tiles / 2) * (loop_us + epilogue_us))
+
+
 def in_xla(p: Product) -> bool:
     """Whether ``"auto"`` leaves ``p`` to XLA (``pallas_kernels._api.AUTO_MIN_WORK``)."""
     return _api._work((p.batch, p.n, p.k)) < _api.AUTO_MIN_WORK
@@ -124,21 +136,24 @@ def in_xla(p: Product) -> bool:
 def table(products: list[Product], sms: int, step_us: float, epilogue_us: float) -> list[str]:
     """One fraction's lines (markdown): a row per product kind, then the per-step sums."""
     lines = ["| product | calls | items | waves | fill | µs per call | TFLOP/s | ms per step "
-             "| hidden ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| hidden ms | pingpong ms |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     total = collections.Counter()
     for p in products:
         name = f"`{p.op}` {p.batch} × {p.n} × {p.k}"
         if in_xla(p):
-            lines.append(f"| {name} | {p.calls} | – | – | – | XLA | – | – | – |")
+            lines.append(f"| {name} | {p.calls} | – | – | – | XLA | – | – | – | – |")
             continue
         t = timing(p, sms, step_us, epilogue_us)
         total[p.op] += p.calls * t.us / 1e3
         total[p.op + " hidden"] += p.calls * t.hidden_us / 1e3
+        pp = p.calls * pingpong_us(p, sms, step_us, epilogue_us) / 1e3
+        total[p.op + " pingpong"] += pp
         lines.append(f"| {name} | {p.calls} | {t.items} | {t.waves} | {t.fill:.2f} | "
                      f"{t.us:.1f} | {t.tflops:.0f} | {p.calls * t.us / 1e3:.2f} | "
-                     f"{p.calls * t.hidden_us / 1e3:.2f} |")
+                     f"{p.calls * t.hidden_us / 1e3:.2f} | {pp:.2f} |")
     for op in ("syrk", "sym_matmul"):
-        lines.append(f"| all `{op}` | | | | | | | {total[op]:.2f} | {total[op + ' hidden']:.2f} |")
+        lines.append(f"| all `{op}` | | | | | | | {total[op]:.2f} | {total[op + ' hidden']:.2f} "
+                     f"| {total[op + ' pingpong']:.2f} |")
     return lines
 
 

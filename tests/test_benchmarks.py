@@ -323,6 +323,12 @@ def test_kernel_model_reproduces_its_calibration_and_counts_the_polar():
     assert (t.items, t.waves, t.fill) == (264, 2, 1.0)
     assert t.us == pytest.approx(96.3, abs=0.1)
     assert t.hidden_us == pytest.approx(t.us - 2 * 5.67)
+    # pingpong: 528 tiles, 4 per CTA, main loops of 64 half-steps back to back, one epilogue
+    # exposed; a 512² product (10 tiles, 8 steps) is epilogue-bound: 1 turn of loop + epilogue.
+    sym = mk.Product("sym_matmul", 1, 4096, 4096, 1)
+    assert mk.pingpong_us(sym, 132, 0.664, 5.67) == pytest.approx(4 * 64 * 0.332 + 5.67)
+    assert mk.pingpong_us(mk.Product("sym_matmul", 1, 512, 512, 1), 132, 0.664, 5.67) == (
+        pytest.approx(8 * 0.332 + 5.67))
     attention = mk.payload_products(32, 4096, 4096, 0.25)
     assert attention == [mk.Product("syrk", 32, 1024, 4096, 2),
                          mk.Product("sym_matmul", 32, 1024, 1024, 14)]
