@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -348,84 +350,143 @@ def _symmetric_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: M
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _pingpong_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: MosaicConfig,
-                     form: str, batch: int, tiles_per_side: int, num_ctas: int):
-    """Kernel body of the ``"pingpong"`` schedule: each compute warpgroup walks its own tiles.
+class _Walk(NamedTuple):
+    """A CTA's tiles in the ``"pingpong"`` schedule: the lower tiles ``t = sm + i · num_ctas``
+    over the batch; tile ``i`` belongs to compute warpgroup ``i % 2``, whose ``j``-th tile it is
+    for ``j = i // 2``, and each of its tiles takes ``steps`` slots of that warpgroup's ring."""
 
-    The CTA's lower tiles (``t = sm + i · num_ctas`` over the batch) alternate between the two
-    compute warpgroups: tile ``i`` is warpgroup ``i % 2``'s. The memory warpgroup loads the
-    tiles' panels in ``i`` order into that warpgroup's own ring of ``(a, b)`` slots, so a
-    warpgroup's next main loop starts as the other's ends, and its epilogue runs while the
-    other's main loop keeps the tensor cores busy. Arguments as :func:`_symmetric_kernel`.
-    """
-    out_dtype = out_gmem.dtype
-    tile, tile_k, stages = config.tile, config.tile_k, config.max_concurrent_steps
-    steps = _contraction(a_gmem, form) // tile_k
-    in_flight = _in_flight(config, steps * tile_k)
-    a_block = (tile, tile_k) if form[0] == "n" else (tile_k, tile)
-    b_block = (tile, tile_k) if form[1] == "t" else (tile_k, tile)
-    per_matrix = _schedule.num_lower_tiles(tiles_per_side)
-    ring = lambda block, dtype: plgpu.SMEM((_COMPUTE_WGS, stages, *block), dtype,
-                                           transforms=_smem_transforms(block[1], dtype))
+    batch: int
+    tiles_per_side: int
+    num_ctas: int
+    steps: int
+    stages: int
+
+    def count(self, sm, wg=None):
+        """The CTA's tiles, or those of compute warpgroup ``wg``."""
+        per_cta = lax.div(self.batch * _schedule.num_lower_tiles(self.tiles_per_side) - 1 - sm
+                          + self.num_ctas, self.num_ctas)
+        return per_cta if wg is None else lax.div(per_cta - wg + 1, 2)
+
+    def coords(self, sm, i):
+        """``(matrix, row tile, column tile)`` of the CTA's ``i``-th tile."""
+        bi, t = _schedule._divmod(sm + i * self.num_ctas,
+                                  _schedule.num_lower_tiles(self.tiles_per_side))
+        return (bi, *_schedule.lower_tile_coords(t, self.tiles_per_side))
+
+    def slot(self, wg, g):
+        """``(barrier, ring slot)`` of warpgroup ``wg``'s ``g``-th step."""
+        return wg * self.stages + lax.rem(g, self.stages), lax.rem(g, self.stages)
+
+
+class _Rings(NamedTuple):
+    """The ``"pingpong"`` schedule's shared memory: an ``(a, b)`` ring per compute warpgroup
+    with its ``produced`` (two TMA arrivals) and ``consumed`` (the owner's release) barriers."""
+
+    a: Any
+    b: Any
+    produced: Any
+    consumed: Any
+
+
+def _pingpong_loads(walk: _Walk, rings: _Rings, a_gmem, b_gmem, *, config: MosaicConfig,
+                    form: str):
+    """The memory warpgroup: every step's two panels of the CTA's tiles, in tile order, into
+    the owner's ring; then the last releases of each ring, so no barrier is left mid-phase."""
+    tile, tile_k = config.tile, config.tile_k
+    sm = lax.axis_index("sm")
 
     def panel(ref, bi, index, s, along_k_minor):
         if along_k_minor:
             return ref.at[bi, pl.ds(index * tile, tile), pl.ds(s * tile_k, tile_k)]
         return ref.at[bi, pl.ds(s * tile_k, tile_k), pl.ds(index * tile, tile)]
 
+    @pl.loop(0, walk.count(sm))
+    def _tile(i):
+        bi, r, c = walk.coords(sm, i)
+        w = lax.rem(i, 2)
+
+        @pl.loop(0, walk.steps)
+        def _step(s):
+            g = lax.div(i, 2) * walk.steps + s
+            bar, slot = walk.slot(w, g)
+
+            @pl.when(g >= walk.stages)
+            def _wait_free():
+                plgpu.barrier_wait(rings.consumed.at[bar])
+
+            plgpu.copy_gmem_to_smem(panel(a_gmem, bi, r, s, form[0] == "n"), rings.a.at[w, slot],
+                                    rings.produced.at[bar])
+            plgpu.copy_gmem_to_smem(panel(b_gmem, bi, c, s, form[1] == "t"), rings.b.at[w, slot],
+                                    rings.produced.at[bar])
+
+    for w in range(_COMPUTE_WGS):
+        issued = walk.count(sm, w) * walk.steps
+
+        @pl.loop(lax.max(issued - walk.stages, 0), issued)
+        def _drain(g):
+            plgpu.barrier_wait(rings.consumed.at[walk.slot(w, g)[0]])
+
+
+def _pingpong_mainloop(walk: _Walk, rings: _Rings, acc_ref, wg, j, *, form: str, in_flight: int):
+    """Compute warpgroup ``wg``'s ``j``-th tile's contraction into ``acc_ref``, each ring slot
+    released once its ``wgmma`` is done (one step late while a group stays in flight)."""
+
+    @pl.loop(0, walk.steps)
+    def _step(s):
+        g = j * walk.steps + s
+        bar, slot = walk.slot(wg, g)
+        plgpu.barrier_wait(rings.produced.at[bar])
+        a_op, b_op = rings.a.at[wg, slot], rings.b.at[wg, slot]
+        plgpu.wgmma(acc_ref, a_op.transpose((1, 0)) if form[0] == "t" else a_op,
+                    b_op.transpose((1, 0)) if form[1] == "t" else b_op)
+        plgpu.wgmma_wait(in_flight)
+        done = walk.slot(wg, g - in_flight)[0]
+
+        @pl.when(s >= in_flight)
+        def _release():
+            plgpu.barrier_arrive(rings.consumed.at[done])
+
+    if in_flight:
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(rings.consumed.at[walk.slot(wg, j * walk.steps + walk.steps - 1)[0]])
+
+
+def _pingpong_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: MosaicConfig,
+                     form: str, batch: int, tiles_per_side: int, num_ctas: int):
+    """Kernel body of the ``"pingpong"`` schedule: each compute warpgroup walks its own tiles.
+
+    The CTA's tiles alternate between the two compute warpgroups (:class:`_Walk`). The memory
+    warpgroup loads the tiles' panels in tile order into the owner's ring
+    (:func:`_pingpong_loads`), so a warpgroup's next main loop starts as the other's ends, and
+    its epilogue runs while the other's main loop keeps the tensor cores busy. Arguments as
+    :func:`_symmetric_kernel`.
+    """
+    out_dtype, tile = out_gmem.dtype, config.tile
+    steps = _contraction(a_gmem, form) // config.tile_k
+    walk = _Walk(batch, tiles_per_side, num_ctas, steps, config.max_concurrent_steps)
+    a_block = (tile, config.tile_k) if form[0] == "n" else (config.tile_k, tile)
+    b_block = (tile, config.tile_k) if form[1] == "t" else (config.tile_k, tile)
+    ring = lambda block, dtype: plgpu.SMEM((_COMPUTE_WGS, walk.stages, *block), dtype,
+                                           transforms=_smem_transforms(block[1], dtype))
+
     @functools.partial(
         pl.run_scoped,
-        a_ring=ring(a_block, a_gmem.dtype),
-        b_ring=ring(b_block, b_gmem.dtype),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS * stages),
-        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS * stages),
+        rings=_Rings(ring(a_block, a_gmem.dtype), ring(b_block, b_gmem.dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS * walk.stages),
+                     plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS * walk.stages)),
         out_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, _EPI), out_dtype,
                             transforms=_smem_transforms(_EPI, out_dtype)),
         out_t_smem=plgpu.SMEM((_COMPUTE_WGS, _EPI, _EPI), out_dtype),
         c_barrier=None if c_gmem is None else plgpu.Barrier(num_barriers=_COMPUTE_WGS),
         collective_axes="wg",
     )
-    def _scope(a_ring, b_ring, produced, consumed, out_smem, out_t_smem, c_barrier):
+    def _scope(rings, out_smem, out_t_smem, c_barrier):
         wg, sm = lax.axis_index("wg"), lax.axis_index("sm")
-        count = lax.div(batch * per_matrix - 1 - sm + num_ctas, num_ctas)  # this CTA's tiles
-
-        def coords(i):
-            bi, t = _schedule._divmod(sm + i * num_ctas, per_matrix)
-            return (bi, *_schedule.lower_tile_coords(t, tiles_per_side))
-
-        def slot_of(w, g):  # the barrier and ring slot of warpgroup w's g-th step
-            return w * stages + lax.rem(g, stages), lax.rem(g, stages)
 
         @pl.when(wg == _COMPUTE_WGS)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
-
-            @pl.loop(0, count)
-            def _tile(i):
-                bi, r, c = coords(i)
-                w = lax.rem(i, 2)
-
-                @pl.loop(0, steps)
-                def _step(s):
-                    g = lax.div(i, 2) * steps + s
-                    bar, slot = slot_of(w, g)
-
-                    @pl.when(g >= stages)
-                    def _wait_free():
-                        plgpu.barrier_wait(consumed.at[bar])
-
-                    plgpu.copy_gmem_to_smem(panel(a_gmem, bi, r, s, form[0] == "n"),
-                                            a_ring.at[w, slot], produced.at[bar])
-                    plgpu.copy_gmem_to_smem(panel(b_gmem, bi, c, s, form[1] == "t"),
-                                            b_ring.at[w, slot], produced.at[bar])
-
-            # Observe each ring's last releases, so that no barrier is left mid-phase.
-            for w in range(_COMPUTE_WGS):
-                issued = lax.div(count - w + 1, 2) * steps
-
-                @pl.loop(lax.max(issued - stages, 0), issued)
-                def _drain(g):
-                    plgpu.barrier_wait(consumed.at[slot_of(w, g)[0]])
+            _pingpong_loads(walk, rings, a_gmem, b_gmem, config=config, form=form)
 
         @pl.when(wg < _COMPUTE_WGS)
         def _compute():
@@ -433,42 +494,23 @@ def _pingpong_kernel(a_gmem, b_gmem, c_gmem, scale_gmem, out_gmem, *, config: Mo
             alpha = None if scale_gmem is None else scale_gmem[0]
             beta = None if c_gmem is None else scale_gmem[1]
 
-            @pl.loop(0, lax.div(count - wg + 1, 2))
+            @pl.loop(0, walk.count(sm, wg))
             def _tile(j):
-                bi, r, c = coords(2 * j + wg)
+                bi, r, c = walk.coords(sm, 2 * j + wg)
 
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile, tile), jnp.float32))
                 def _acc_scope(acc_ref):
                     with jax.named_scope("mainloop"):  # Named for Mosaic GPU's profiler.
-                        @pl.loop(0, steps)
-                        def _step(s):
-                            g = j * steps + s
-                            bar, slot = slot_of(wg, g)
-                            plgpu.barrier_wait(produced.at[bar])
-                            a_op, b_op = a_ring.at[wg, slot], b_ring.at[wg, slot]
-                            plgpu.wgmma(acc_ref, a_op.transpose((1, 0)) if form[0] == "t" else a_op,
-                                        b_op.transpose((1, 0)) if form[1] == "t" else b_op)
-                            plgpu.wgmma_wait(in_flight)
-                            done = slot_of(wg, g - in_flight)[0]
-
-                            @pl.when(s >= in_flight)
-                            def _release():
-                                plgpu.barrier_arrive(consumed.at[done])
-
-                        if in_flight:
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(consumed.at[slot_of(wg, j * steps + steps - 1)[0]])
-                    acc = acc_ref[...]
-                    if alpha is not None:
-                        acc = acc * alpha
+                        _pingpong_mainloop(walk, rings, acc_ref, wg, j, form=form,
+                                           in_flight=_in_flight(config, steps * config.tile_k))
+                    acc = acc_ref[...] if alpha is None else acc_ref[...] * alpha
                     with jax.named_scope("epilogue"):
-                        for ei in range(tile // _EPI):
-                            for ej in range(tile // _EPI):
-                                sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * _EPI:(ej + 1) * _EPI]
-                                _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
-                                            wg, bi, pl.ds(r * tile + ei * _EPI, _EPI),
-                                            pl.ds(c * tile + ej * _EPI, _EPI), r != c, beta=beta,
-                                            out_dtype=out_dtype)
+                        for ei, ej in itertools.product(range(tile // _EPI), repeat=2):
+                            sub = acc[ei * _EPI:(ei + 1) * _EPI, ej * _EPI:(ej + 1) * _EPI]
+                            _store_tile(sub, out_gmem, out_smem, out_t_smem, c_gmem, c_barrier,
+                                        wg, bi, pl.ds(r * tile + ei * _EPI, _EPI),
+                                        pl.ds(c * tile + ej * _EPI, _EPI), r != c, beta=beta,
+                                        out_dtype=out_dtype)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
