@@ -107,7 +107,7 @@ class MosaicConfig:
     schedule: str = "pairs"
 
     @classmethod
-    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16, schedule: str = "pairs"
+    def get_default(cls, in_dtype=jnp.float16, out_dtype=jnp.float16, schedule: str = "pingpong"
                     ) -> "MosaicConfig":
         """The field defaults with the pipeline as deep as shared memory allows for these dtypes.
 
