@@ -203,10 +203,29 @@ def unstack(x: jax.Array, sizes: Sequence[int], computed_once: bool = False
     """
     if len(sizes) == 1:
         return [x]
-    offsets = [np.int32(o) for o in itertools.accumulate(sizes, initial=0)][:-1]
     if computed_once:
-        xs, offsets = jax.lax.optimization_barrier(([x] * len(sizes), offsets))
-    else:
-        xs, offsets = [x] * len(sizes), jax.lax.optimization_barrier(offsets)
-    return [jax.lax.dynamic_slice_in_dim(piece, o, s, axis=0, allow_negative_indices=False)
-            for piece, o, s in zip(xs, offsets, sizes)]
+        return pieces(member_views(x, sizes), sizes)
+    return pieces(zip([x] * len(sizes), jax.lax.optimization_barrier(_offsets(sizes))), sizes)
+
+
+def pieces(views, sizes: Sequence[int]) -> list[jax.Array]:
+    """The pieces of ``sizes`` matrices at each ``(x, offset)`` of ``views`` (a fused dynamic
+    slice each)."""
+    return [jax.lax.dynamic_slice_in_dim(x, o, s, axis=0, allow_negative_indices=False)
+            for (x, o), s in zip(views, sizes)]
+
+
+def _offsets(sizes: Sequence[int]) -> list[np.int32]:
+    return [np.int32(o) for o in itertools.accumulate(sizes, initial=0)][:-1]
+
+
+def member_views(x: jax.Array, sizes: Sequence[int]) -> list[tuple[jax.Array, jax.Array]]:
+    """Per piece of :func:`unstack` with ``computed_once``: ``(x, offset)`` before the slice,
+    ``x`` as the piece's own output of the optimization barrier (the same buffer) and its
+    offset along axis 0 a run-time value.
+
+    For a consumer that reads only some rows of its piece (a gather): indexing the whole
+    buffer at ``offset`` reads those rows straight from ``x``, where XLA:GPU would first copy
+    the sliced piece out whole, not fusing a slice into a gather's operand.
+    """
+    return list(zip(*jax.lax.optimization_barrier(([x] * len(sizes), _offsets(sizes)))))

@@ -193,6 +193,36 @@ def place_rows(rows: jax.Array, sources: tuple[jax.Array, jax.Array], row_axis: 
     return jax.lax.select(keep, full, jnp.zeros_like(full) if base is None else base)
 
 
+def place_scaled_rows(stack: jax.Array, start, stack_row_axis: int, cols: int,
+                      scales: jax.Array, factor: float, sources: tuple[jax.Array, jax.Array],
+                      row_axis: int, base: jax.Array | None = None) -> jax.Array:
+    """:func:`place_rows` of ``factor · (rows · row factors)`` for rows held in a stack: the
+    float32 product of ``batch`` consecutive matrices of ``stack`` from ``start`` with their
+    row factors, read straight from the stack; ``scales`` (``(batch, n)``) holds each placed
+    row's factor (:func:`take_rows` of the ``(batch, k)`` factors at the sources).
+
+    Equal, bit for bit, to slicing the matrices out, transposing them to ``row_axis`` where
+    their rows lie along the stack's other axis (``stack_row_axis``), scaling their rows and
+    calling :func:`place_rows`; here one gather picks each placed row's ``cols`` entries from
+    the stack, so no sliced copy of the matrices is written.
+    """
+    src, keep = sources
+    batch = jnp.broadcast_to((start + jnp.arange(src.shape[0], dtype=src.dtype))[:, None],
+                             src.shape)
+    sizes = [1, 1, 1]
+    sizes[3 - stack_row_axis] = cols
+    dn = jax.lax.GatherDimensionNumbers(offset_dims=(3 - row_axis,),
+                                        collapsed_slice_dims=(0, stack_row_axis),
+                                        start_index_map=(0, stack_row_axis))
+    rows = jax.lax.gather(stack, jnp.stack([batch, src], axis=-1), dn, tuple(sizes),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    full = factor * (rows.astype(jnp.float32) * jnp.expand_dims(scales, 3 - row_axis))
+    if base is not None:
+        full = full.astype(base.dtype)
+    keep = jax.lax.broadcast_in_dim(keep, full.shape, (0, row_axis))
+    return jax.lax.select(keep, full, jnp.zeros_like(full) if base is None else base)
+
+
 def expand_rows(rows: jax.Array, pos: jax.Array, row_axis: int,
                 base: jax.Array | None = None) -> jax.Array:
     """The inverse of :func:`gather_rows` without a scatter: an ``n``-row block whose row ``r`` is

@@ -82,12 +82,30 @@ class Pick(NamedTuple):
                                      # per device (_selection.rows_per_device)
 
 
+class StackRows(NamedTuple):
+    """Where a unit's factors lie in its group's polar output, for readers of some of their
+    rows (:func:`_selection.place_scaled_rows`): no sliced copy of the factors is written."""
+
+    stack: jax.Array        # the group's output, this unit's view (_megabatch.member_views)
+    start: jax.Array        # the unit's first matrix in it
+    row_axis: int           # the factors' rows' axis in the stack's orientation
+    cols: int               # their extent along the other axis (the stack may be padded)
+
+
 class Polar(NamedTuple):
     """One unit's selected rows as orthogonalized (replica-averaged under compressed sync)."""
 
     selected: jax.Array | None  # S (mean over replicas), the block's orientation; None after
                                 # a one-pass payload (only compressed sync reads it)
     factors: jax.Array          # O = polar(S), this device's rows / columns
+    rows: StackRows             # the same factors in the group's output
+
+
+class ScaledRows(NamedTuple):
+    """A unit's NorMuon directions not yet written: its factors' rows times ``scales``."""
+
+    rows: StackRows
+    scales: jax.Array           # (batch, n) float32: each row's factor's, at its source row
 
 
 class BatchFactors(NamedTuple):
@@ -578,13 +596,16 @@ def megabatched_polar(plan: Plan, batches: list[GroupBatch]
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth,
                                                b.counts)
             selected = _megabatch.unstack(b.stacked, sizes)
-        pieces = _megabatch.unstack(o, sizes, True)
+        views = _megabatch.member_views(o, sizes)
+        pieces = _megabatch.pieces(views, sizes)
         if o.shape[1:] != b.key.shape:  # a padded stack (_pad_to): sliced after the barrier,
             rows, cols = b.key.shape    # so that no unpadded copy is written
             pieces, o = [f[:, :rows, :cols] for f in pieces], o[:, :rows, :cols]
-        for i, s, f in zip(b.uids, selected, pieces):
-            swap = plan.units[i].swap
-            out[i] = Polar(None if s is None else _orient(s, swap), _orient(f, swap))
+        for i, s, f, (x, start) in zip(b.uids, selected, pieces, views):
+            u = plan.units[i]
+            ra = 3 - u.layout.row_axis if u.swap else u.layout.row_axis
+            out[i] = Polar(None if s is None else _orient(s, u.swap), _orient(f, u.swap),
+                           StackRows(x, start, ra, b.key.shape[2 - ra]))
         per_batch.update(_batch_factors(plan, g, o))
     return tuple(out), tuple(per_batch[j] for j in range(len(plan.batches)))  # type: ignore
 
@@ -702,12 +723,14 @@ def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> list[jax.Array]:
 
 
 def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_src
-              ) -> tuple[tuple[jax.Array, ...], Blocks | None]:
+              ) -> tuple[tuple[jax.Array | ScaledRows, ...], Blocks | None]:
     """NorMuon (per whole matrix: partial sums all-reduced over the shards) or Muon directions;
-    returns the float32 directions and the new second-moment blocks. The factors' row sums run
-    once per batch (``factors``: :class:`BatchFactors`), the directions per unit (each leaf's
-    kernel reads its factors directly); the elementwise statistics, the variance gather and its
-    write-back once per batch (``batch_src``: :func:`row_sources`)."""
+    returns the float32 directions (NorMuon's of units that select rows as :class:`ScaledRows`,
+    which :func:`scatter_and_apply` reads straight from the polar's output) and the new
+    second-moment blocks. The factors' row sums run once per batch (``factors``:
+    :class:`BatchFactors`), the directions per unit (each leaf's kernel reads its factors
+    directly); the elementwise statistics, the variance gather and its write-back once per
+    batch (``batch_src``: :func:`row_sources`)."""
     if not plan.normuon:
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
     units = plan.units
@@ -720,13 +743,16 @@ def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_
     dirs: list[jax.Array | None] = [None] * len(units)
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
-        scales = _megabatch.unstack(_rules.normuon_row_scales(m.a, fro), sizes, True)
+        row_scales = _rules.normuon_row_scales(m.a, fro)
+        scales = _megabatch.unstack(row_scales if src is None else _selection.take_rows(
+            row_scales, src[0]), sizes, True)   # selecting units: per row of the block
         # The new variances' pieces share their operand (no barrier): only the state's small
         # outputs read them, and XLA writes a batch's pieces in one multi-output kernel.
         new = _megabatch.unstack(_new_variance(m, src, _stacked_variance(plan, b, variance)),
                                  sizes)
         for i, s, v in zip(b.uids, scales, new):
-            dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
+            dirs[i] = (_rules.scale_rows(polars[i].factors, s, ra) if src is None
+                       else ScaledRows(polars[i].rows, s))
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
     return tuple(dirs), variance
 
@@ -736,9 +762,14 @@ def scatter_and_apply(plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
     in :func:`_rules.update_dtype` of each gradient (float32 for 16-bit leaves)."""
     ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
-        d = u.lr_scale * dirs[u.uid]
-        ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
-            d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
+        d, base = dirs[u.uid], ublk[u.leaf][u.block]
+        if isinstance(d, ScaledRows):
+            ublk[u.leaf][u.block] = _selection.place_scaled_rows(
+                *d.rows, d.scales, u.lr_scale, row_src[u.uid], u.layout.row_axis, base=base)
+        else:
+            d = u.lr_scale * d
+            ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
+                d, row_src[u.uid], u.layout.row_axis, base=base)
     return _leaves(plan, ublk, [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
                                 for g in grads])
 

@@ -56,6 +56,36 @@ def test_expand_rows_equals_scatter_rows(row_axis, with_base):
     np.testing.assert_array_equal(np.asarray(got), ref)
 
 
+@pytest.mark.parametrize("row_axis", [1, 2])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("with_base", [False, True])
+def test_place_scaled_rows_equals_slicing_the_stack(row_axis, transposed, with_base):
+    """Rows read straight from a padded float16 stack at an offset (stored along the stack's
+    other axis when ``transposed``), scaled and placed: bit for bit the slice of the stack,
+    transposed, scaled by ``_rules.scale_rows`` and placed by ``place_rows``."""
+    from dion3_jax import _rules
+    rng = np.random.default_rng()
+    start, batch, total, n, c, k, pad = 2, 3, 7, 37, 5, 11, 2
+    stack_ra = 3 - row_axis if transposed else row_axis
+    padded = (total, k + 3, c + 2) if stack_ra == 1 else (total, c + 2, k + 3)
+    stack = jnp.asarray(rng.standard_normal(padded), jnp.float16)
+    scales = jnp.asarray(rng.uniform(0.5, 2.0, (batch, k)), jnp.float32)
+    idx = jnp.asarray(_random_picks(rng, batch, n, k, pad), jnp.int32)
+    sources = _selection.row_sources(_selection.row_positions(idx, n), k)
+    shape = (batch, n, c) if row_axis == 1 else (batch, c, n)
+    base = jnp.asarray(rng.standard_normal(shape), jnp.float32) if with_base else None
+    got = _selection.place_scaled_rows(stack, jnp.int32(start), stack_ra, c,
+                                       _selection.take_rows(scales, sources[0]), 0.3,
+                                       sources, row_axis, base=base)
+    piece = stack[start:start + batch, :k, :c] if stack_ra == 1 else stack[
+        start:start + batch, :c, :k]
+    piece = jnp.swapaxes(piece, 1, 2) if transposed else piece
+    want = _selection.place_rows(0.3 * _rules.scale_rows(piece, scales, row_axis), sources,
+                                 row_axis, base=base)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_row_positions():
     rng = np.random.default_rng()
     idx = _random_picks(rng, 2, 20, 7, 1)
