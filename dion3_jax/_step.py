@@ -98,7 +98,7 @@ class Polar(NamedTuple):
     selected: jax.Array | None  # S (mean over replicas), the block's orientation; None after
                                 # a one-pass payload (only compressed sync reads it)
     factors: jax.Array          # O = polar(S), this device's rows / columns
-    rows: StackRows             # the same factors in the group's output
+    rows: StackRows | None      # the same factors in the group's output (None: a padded one)
 
 
 class ScaledRows(NamedTuple):
@@ -598,14 +598,15 @@ def megabatched_polar(plan: Plan, batches: list[GroupBatch]
             selected = _megabatch.unstack(b.stacked, sizes)
         views = _megabatch.member_views(o, sizes)
         pieces = _megabatch.pieces(views, sizes)
-        if o.shape[1:] != b.key.shape:  # a padded stack (_pad_to): sliced after the barrier,
+        padded = o.shape[1:] != b.key.shape
+        if padded:                      # a padded stack (_pad_to): sliced after the barrier,
             rows, cols = b.key.shape    # so that no unpadded copy is written
             pieces, o = [f[:, :rows, :cols] for f in pieces], o[:, :rows, :cols]
         for i, s, f, (x, start) in zip(b.uids, selected, pieces, views):
             u = plan.units[i]
             ra = 3 - u.layout.row_axis if u.swap else u.layout.row_axis
             out[i] = Polar(None if s is None else _orient(s, u.swap), _orient(f, u.swap),
-                           StackRows(x, start, ra, b.key.shape[2 - ra]))
+                           None if padded else StackRows(x, start, ra, b.key.shape[2 - ra]))
         per_batch.update(_batch_factors(plan, g, o))
     return tuple(out), tuple(per_batch[j] for j in range(len(plan.batches)))  # type: ignore
 
@@ -744,15 +745,16 @@ def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
         row_scales = _rules.normuon_row_scales(m.a, fro)
-        scales = _megabatch.unstack(row_scales if src is None else _selection.take_rows(
-            row_scales, src[0]), sizes, True)   # selecting units: per row of the block
+        stacked = src is not None and all(polars[i].rows is not None for i in b.uids)
+        scales = _megabatch.unstack(_selection.take_rows(row_scales, src[0]) if stacked
+                                    else row_scales, sizes, True)  # stacked: per block row
         # The new variances' pieces share their operand (no barrier): only the state's small
         # outputs read them, and XLA writes a batch's pieces in one multi-output kernel.
         new = _megabatch.unstack(_new_variance(m, src, _stacked_variance(plan, b, variance)),
                                  sizes)
         for i, s, v in zip(b.uids, scales, new):
-            dirs[i] = (_rules.scale_rows(polars[i].factors, s, ra) if src is None
-                       else ScaledRows(polars[i].rows, s))
+            dirs[i] = (ScaledRows(polars[i].rows, s) if stacked
+                       else _rules.scale_rows(polars[i].factors, s, ra))
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
     return tuple(dirs), variance
 
