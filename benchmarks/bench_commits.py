@@ -28,12 +28,21 @@ moved one program's f = 1 step by 1.7% between two compilations). Prints a table
 old ms, new ms, new / old; with ``--adamw``, ``optax.adamw``'s step joins every set of rounds and
 the table gives both versions' ratios to it (the unit of the step targets).
 
+Several older versions can join the same rounds: export each once with its own package suffix
+(``--export-to DIR --suffix _b``; a machine with no git history gets the directories), then
+pass them all to ``--old-dir``. Each is named by its suffix (``b``), the table has a column of
+milliseconds per version and one ratio ``new / name`` per older one, and every version's step
+sees the same machine state, so the older ones compare with each other too.
+
 Usage (repository root; the old commit must be in this checkout's git history)::
 
     python benchmarks/bench_commits.py                        # b467ab5 against the working tree
     python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25
     python benchmarks/bench_commits.py --small --commit HEAD  # tiny model, CPU smoke run
     python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25 --adamw --reps 32
+    python benchmarks/bench_commits.py --commit HEAD~1 --export-to /tmp/a --suffix _a
+    python benchmarks/bench_commits.py --commit HEAD~2 --export-to /tmp/b --suffix _b
+    python benchmarks/bench_commits.py --old-dir /tmp/a /tmp/b --fractions 0.125
 """
 
 from __future__ import annotations
@@ -64,11 +73,13 @@ PACKAGES = ("dion3_jax", "pallas_kernels")
 SUFFIX = "_old"
 _FROM = re.compile(r"^(\s*)from\s+(" + "|".join(PACKAGES) + r")\b")
 _IMPORT = re.compile(r"^(\s*)import\s+(" + "|".join(PACKAGES) + r")((?:\.\w+)*)(\s+as\s+\w+)?\s*$")
-_ANY = re.compile(r"^\s*(import|from)\s[^#]*\b(" + "|".join(PACKAGES) + r")\b(?!" + SUFFIX + ")")
+_ANY = re.compile(r"^\s*(import|from)\s[^#]*\b(" + "|".join(PACKAGES) + r")\b")
+_SUFFIX = re.compile(r"_[A-Za-z0-9_]+")
 
 
-def rename_imports(source: str) -> str:
-    """Rewrites a module's imports of ``dion3_jax`` / ``pallas_kernels`` to the ``_old`` names.
+def rename_imports(source: str, suffix: str = SUFFIX) -> str:
+    """Rewrites a module's imports of ``dion3_jax`` / ``pallas_kernels`` to the names with
+    ``suffix`` (``_old`` by default).
 
     ``from pkg... import x`` becomes ``from pkg_old... import x``; ``import pkg`` becomes
     ``import pkg_old as pkg`` (the rest of the module keeps using the name ``pkg``).
@@ -80,20 +91,21 @@ def rename_imports(source: str) -> str:
     for line in source.splitlines(keepends=True):
         text = line.rstrip("\n")
         if m := _FROM.match(text):
-            text = f"{m[1]}from {m[2]}{SUFFIX}{text[m.end():]}"
+            text = f"{m[1]}from {m[2]}{suffix}{text[m.end():]}"
         elif m := _IMPORT.match(text):
             indent, pkg, sub, alias = m[1], m[2], m[3], m[4]
             if sub and not alias:
                 raise ValueError(f"cannot rename {text.strip()!r}: write it as 'from' or 'as'")
-            text = f"{indent}import {pkg}{SUFFIX}{sub}{alias or f' as {pkg}'}"
+            text = f"{indent}import {pkg}{suffix}{sub}{alias or f' as {pkg}'}"
         elif _ANY.match(text):
             raise ValueError(f"cannot rename the import {text.strip()!r}")
         out.append(text + line[len(line.rstrip("\n")):])
     return "".join(out)
 
 
-def export_old(commit: str, dest: pathlib.Path) -> str:
-    """Writes ``commit``'s packages to ``dest`` as ``dion3_jax_old`` / ``pallas_kernels_old``.
+def export_old(commit: str, dest: pathlib.Path, suffix: str = SUFFIX) -> str:
+    """Writes ``commit``'s packages to ``dest`` as ``dion3_jax{suffix}`` /
+    ``pallas_kernels{suffix}`` (``_old`` by default).
 
     Returns:
       The commit's short hash.
@@ -105,10 +117,37 @@ def export_old(commit: str, dest: pathlib.Path) -> str:
     with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
         archive.extractall(dest, filter="data")
     for pkg in PACKAGES:
-        (dest / pkg).rename(dest / f"{pkg}{SUFFIX}")
-        for path in (dest / f"{pkg}{SUFFIX}").rglob("*.py"):
-            path.write_text(rename_imports(path.read_text()))
+        (dest / pkg).rename(dest / f"{pkg}{suffix}")
+        for path in (dest / f"{pkg}{suffix}").rglob("*.py"):
+            path.write_text(rename_imports(path.read_text(), suffix))
     return short
+
+
+def export_dir(commit: str, dest: pathlib.Path, suffix: str) -> None:
+    """``--export-to``: a new directory ``dest`` with ``commit``'s renamed packages, its short
+    hash in ``COMMIT`` and the suffix in ``SUFFIX``, for ``--old-dir``."""
+    if not _SUFFIX.fullmatch(suffix):
+        raise ValueError(f"--suffix {suffix!r}: an underscore, then letters, digits or "
+                         "underscores")
+    dest.mkdir(parents=True, exist_ok=False)
+    (dest / "COMMIT").write_text(export_old(commit, dest, suffix))
+    (dest / "SUFFIX").write_text(suffix)
+
+
+def old_dirs(dirs: list[str]) -> dict[str, tuple[str, str, str]]:
+    """The older versions of ``--old-dir``: ``{name: (directory, suffix, commit)}``. One
+    directory is named ``old``; several are named by their suffixes, which must differ (a
+    directory without a ``SUFFIX`` file holds ``_old`` packages)."""
+    out = {}
+    for d in map(os.path.abspath, dirs):
+        suffix_file = pathlib.Path(d) / "SUFFIX"
+        suffix = suffix_file.read_text().strip() if suffix_file.exists() else SUFFIX
+        name = "old" if len(dirs) == 1 else suffix[1:]
+        if name in out or name == "new":
+            raise ValueError(f"--old-dir {d}: its packages' suffix {suffix!r} names another "
+                             "version too; export each with its own --suffix")
+        out[name] = (d, suffix, (pathlib.Path(d) / "COMMIT").read_text().strip())
+    return out
 
 
 def working_tree_version() -> str:
@@ -143,17 +182,37 @@ def stepper(dion3, fraction: float, params, grads, options=None, tx=None):
 
 def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
                   options=None, adamw=None) -> dict:
-    """Compiles both versions' steps at one fraction and times them in interleaved rounds
-    (``adamw``: AdamW's step function, timed in the same rounds)."""
+    """Compiles every version's step at one fraction and times them in interleaved rounds
+    (``adamw``: AdamW's step function, timed in the same rounds). Returns the fraction, each
+    version's milliseconds (``ms``) and AdamW's (``adamw_ms``, or None)."""
     runs = {} if adamw is None else {"adamw": adamw}
     for name, dion3 in versions.items():
         runs[name], cold = stepper(dion3, fraction, params, grads, options)
         print(f"  f={fraction:g} {name}: cold start {cold.total:.1f} s (trace {cold.trace:.1f}, "
               f"lower {cold.lower:.1f}, compile {cold.compile:.1f})", flush=True)
     ms = median_ms_interleaved(runs, reps=reps)
-    print(f"  f={fraction:g}: old {ms['old']:.2f} ms, new {ms['new']:.2f} ms", flush=True)
-    return {"fraction": fraction, "old_ms": ms["old"], "new_ms": ms["new"],
+    print(f"  f={fraction:g}: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in versions), flush=True)
+    return {"fraction": fraction, "ms": {n: ms[n] for n in versions},
             "adamw_ms": ms.get("adamw")}
+
+
+def print_table(rows: list[dict], names: list[str], adamw: bool) -> None:
+    """The markdown table: per fraction, [AdamW's ms,] each version's ms [and its ratio to
+    AdamW], then ``new / name`` for each older version."""
+    olds = [n for n in names if n != "new"]
+    head = ["fraction"] + (["AdamW ms"] if adamw else [])
+    for n in names:
+        head += [f"{n} ms"] + ([f"{n} × AdamW"] if adamw else [])
+    head += [f"new / {n}" for n in olds]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---:|" * len(head))
+    for r in rows:
+        ms = r["ms"]
+        cells = [f"{r['fraction']:g}"] + ([f"{r['adamw_ms']:.2f}"] if adamw else [])
+        for n in names:
+            cells += [f"{ms[n]:.2f}"] + ([f"{ms[n] / r['adamw_ms']:.3f}"] if adamw else [])
+        cells += [f"{ms['new'] / ms[n]:.3f}" for n in olds]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> list[dict]:
@@ -166,58 +225,48 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--export-to", default=None,
                    help="only export the old commit's renamed packages into this directory and "
                         "exit (for a machine whose copy of the repository has no git history)")
-    p.add_argument("--old-dir", default=None,
-                   help="import the old version from a directory made by --export-to instead of "
-                        "exporting --commit")
+    p.add_argument("--suffix", default=SUFFIX,
+                   help="with --export-to: the exported packages' suffix (default _old); give "
+                        "each directory that --old-dir takes together its own")
+    p.add_argument("--old-dir", nargs="+", default=None,
+                   help="import the older versions from directories made by --export-to "
+                        "instead of exporting --commit")
     a = p.parse_args(argv)
     if a.export_to:
-        dest = pathlib.Path(a.export_to)
-        dest.mkdir(parents=True, exist_ok=False)
-        (dest / "COMMIT").write_text(export_old(a.commit, dest))
+        export_dir(a.commit, pathlib.Path(a.export_to), a.suffix)
         return []
     cfg = bench_step.SMALL if a.small else bench_step.FULL
     reps = a.reps or (3 if a.small else 10)
     shapes = bench_step.model_shapes(**cfg)
     params = bench_step.make_tree(shapes, 0)
     grads = bench_step.make_tree(shapes, 1, 1e-3)
-    # The old version's modules are imported lazily too (at trace time): keep its files until
+    # The old versions' modules are imported lazily too (at trace time): keep their files until
     # the end.
     with (tempfile.TemporaryDirectory(prefix="dion3_old_") as tmp,
           tempfile.TemporaryDirectory(prefix="dion3_autotune_") as tmp_cache):
-        if a.old_dir:
-            tmp = os.path.abspath(a.old_dir)
-            old_commit = (pathlib.Path(tmp) / "COMMIT").read_text().strip()
-        else:
-            old_commit = export_old(a.commit, pathlib.Path(tmp))
-        sys.path.insert(0, tmp)
-        versions = {"old": importlib.import_module(f"dion3_jax{SUFFIX}"),
-                    "new": importlib.import_module("dion3_jax")}
+        olds = (old_dirs(a.old_dir) if a.old_dir
+                else {"old": (tmp, SUFFIX, export_old(a.commit, pathlib.Path(tmp)))})
+        versions = {}
+        for name, (d, suffix, _) in olds.items():
+            sys.path.insert(0, d)
+            versions[name] = importlib.import_module(f"dion3_jax{suffix}")
+        versions["new"] = importlib.import_module("dion3_jax")
         dev = jax.devices()[0]
         options = ({"xla_gpu_per_fusion_autotune_cache_dir": os.path.join(tmp_cache, "autotune")}
                    if dev.platform == "gpu" else None)
+        described = ", ".join(f"{n} = {c}" for n, (_, _, c) in olds.items())
         print(f"# device: {dev.device_kind} ({dev.platform}); jax {jax.__version__}; model "
-              f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; old = {old_commit} "
-              f"({a.commit}), new = the working tree at {working_tree_version()} "
-              f"({os.path.dirname(versions['new'].__file__)}); medians of {reps} interleaved "
-              f"rounds; autotuning cache shared: {options is not None}", flush=True)
+              f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; {described} "
+              f"({'--old-dir' if a.old_dir else a.commit}), new = the working tree at "
+              f"{working_tree_version()} ({os.path.dirname(versions['new'].__file__)}); medians "
+              f"of {reps} interleaved rounds; autotuning cache shared: {options is not None}",
+              flush=True)
         adamw = (stepper(None, 0, params, grads, options, tx=optax.adamw(1e-3))[0]
                  if a.adamw else None)
         rows = [time_fraction(versions, f, params, grads, reps, options, adamw)
                 for f in a.fractions]
     print()
-    if a.adamw:
-        print("| fraction | AdamW ms | old ms | old × AdamW | new ms | new × AdamW | new / old |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-    else:
-        print("| fraction | old ms | new ms | new / old |")
-        print("|---:|---:|---:|---:|")
-    for r in rows:
-        cells = ([f"{r['adamw_ms']:.2f}", f"{r['old_ms']:.2f}",
-                  f"{r['old_ms'] / r['adamw_ms']:.3f}", f"{r['new_ms']:.2f}",
-                  f"{r['new_ms'] / r['adamw_ms']:.3f}"] if a.adamw
-                 else [f"{r['old_ms']:.2f}", f"{r['new_ms']:.2f}"])
-        print(f"| {r['fraction']:g} | " + " | ".join(cells)
-              + f" | {r['new_ms'] / r['old_ms']:.3f} |")
+    print_table(rows, list(versions), a.adamw)
     return rows
 
 

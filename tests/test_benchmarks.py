@@ -161,6 +161,73 @@ def test_bench_compile_repeats():
     assert float(rows[5][-1]) == pytest.approx(median["dion3"] / median["adamw"], rel=0.05)
 
 
+def _bench_commits():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_commits
+    finally:
+        sys.path.pop(0)
+    return bench_commits
+
+
+def test_bench_commits_renames_imports_to_any_suffix():
+    rename = _bench_commits().rename_imports
+    source = ("from dion3_jax import _polar\nimport pallas_kernels\n"
+              "    from pallas_kernels._mosaic import f  # indented\nimport numpy\n")
+    assert rename(source, "_b") == (
+        "from dion3_jax_b import _polar\nimport pallas_kernels_b as pallas_kernels\n"
+        "    from pallas_kernels_b._mosaic import f  # indented\nimport numpy\n")
+    assert rename(source) == rename(source, "_old")  # the default
+    assert "from dion3_jax_old import _polar" in rename(source)
+    with pytest.raises(ValueError, match="dion3_jax._polar"):
+        rename("import dion3_jax._polar\n", "_b")
+
+
+def test_bench_commits_old_dirs_are_named_by_distinct_suffixes(tmp_path):
+    """One ``--old-dir`` is "old"; several are named by their packages' suffixes, which must
+    differ; a directory without a SUFFIX file holds "_old" packages."""
+    old_dirs = _bench_commits().old_dirs
+    made = {}
+    for name, suffix in [("a", "_a"), ("b", "_b"), ("c", "_a"), ("plain", None)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "COMMIT").write_text(f"c0mm1t{name}\n")
+        if suffix:
+            (d / "SUFFIX").write_text(suffix)
+        made[name] = str(d)
+    assert old_dirs([made["plain"]]) == {"old": (made["plain"], "_old", "c0mm1tplain")}
+    assert old_dirs([made["a"]]) == {"old": (made["a"], "_a", "c0mm1ta")}
+    assert old_dirs([made["a"], made["b"], made["plain"]]) == {
+        "a": (made["a"], "_a", "c0mm1ta"), "b": (made["b"], "_b", "c0mm1tb"),
+        "old": (made["plain"], "_old", "c0mm1tplain")}
+    with pytest.raises(ValueError, match=r"--old-dir .*/c: .*'_a'"):
+        old_dirs([made["a"], made["c"]])
+
+
+@pytest.mark.slow
+def test_bench_commits_times_several_exported_versions_in_one_table(tmp_path):
+    """Two exports of HEAD (suffixes _a and _b) and the working tree in the same rounds: one
+    ms column per version and one ``new / name`` ratio per older one."""
+    cmd = [sys.executable, "benchmarks/bench_commits.py", "--commit", "HEAD"]
+    for suffix in ("_a", "_b"):
+        out = subprocess.run([*cmd, "--export-to", str(tmp_path / suffix), "--suffix", suffix],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (tmp_path / suffix / f"dion3_jax{suffix}" / "__init__.py").exists()
+    out = subprocess.run([sys.executable, "benchmarks/bench_commits.py", "--small", "--reps", "1",
+                          "--fractions", "1", "--old-dir", str(tmp_path / "_a"),
+                          str(tmp_path / "_b")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    header = lines.index("| fraction | a ms | b ms | new ms | new / a | new / b |")
+    (row,) = [[float(v) for v in line.split("|")[1:-1]] for line in lines[header + 2:]]
+    f, a, b, new, new_a, new_b = row
+    assert f == 1.0 and min(a, b, new) > 0, out.stdout
+    assert new_a == pytest.approx(new / a, rel=0.02)
+    assert new_b == pytest.approx(new / b, rel=0.02)
+
+
 @pytest.mark.slow
 def test_bench_commits_against_head():
     """bench_commits.py imports HEAD's packages under other names next to the working tree's and
