@@ -136,16 +136,17 @@ def export_dir(commit: str, dest: pathlib.Path, suffix: str) -> None:
 
 def old_dirs(dirs: list[str]) -> dict[str, tuple[str, str, str]]:
     """The older versions of ``--old-dir``: ``{name: (directory, suffix, commit)}``. One
-    directory is named ``old``; several are named by their suffixes, which must differ (a
-    directory without a ``SUFFIX`` file holds ``_old`` packages)."""
+    directory is named ``old``; several are named by their suffixes, which must differ and
+    name neither ``new`` nor ``adamw`` (a directory without a ``SUFFIX`` file holds ``_old``
+    packages)."""
     out = {}
     for d in map(os.path.abspath, dirs):
         suffix_file = pathlib.Path(d) / "SUFFIX"
         suffix = suffix_file.read_text().strip() if suffix_file.exists() else SUFFIX
         name = "old" if len(dirs) == 1 else suffix[1:]
-        if name in out or name == "new":
+        if name in out or name in ("new", "adamw"):
             raise ValueError(f"--old-dir {d}: its packages' suffix {suffix!r} names another "
-                             "version too; export each with its own --suffix")
+                             "version or AdamW's row; export each with its own --suffix")
         out[name] = (d, suffix, (pathlib.Path(d) / "COMMIT").read_text().strip())
     return out
 

@@ -188,7 +188,8 @@ def test_bench_commits_old_dirs_are_named_by_distinct_suffixes(tmp_path):
     differ; a directory without a SUFFIX file holds "_old" packages."""
     old_dirs = _bench_commits().old_dirs
     made = {}
-    for name, suffix in [("a", "_a"), ("b", "_b"), ("c", "_a"), ("plain", None)]:
+    for name, suffix in [("a", "_a"), ("b", "_b"), ("c", "_a"), ("plain", None),
+                         ("w", "_adamw")]:
         d = tmp_path / name
         d.mkdir()
         (d / "COMMIT").write_text(f"c0mm1t{name}\n")
@@ -202,6 +203,8 @@ def test_bench_commits_old_dirs_are_named_by_distinct_suffixes(tmp_path):
         "old": (made["plain"], "_old", "c0mm1tplain")}
     with pytest.raises(ValueError, match=r"--old-dir .*/c: .*'_a'"):
         old_dirs([made["a"], made["c"]])
+    with pytest.raises(ValueError, match=r"--old-dir .*/w: .*'_adamw'.*AdamW's row"):
+        old_dirs([made["a"], made["w"]])
 
 
 @pytest.mark.slow
