@@ -20,7 +20,7 @@ commit's, exported with ``git archive`` into a temporary directory and imported 
 names). From each, ``scale_by_dion3(f)`` (the fraction only, every other argument at its
 default) followed by ``optax.scale(-1e-3)`` is compiled as ``jit(update + apply_updates)`` with
 donated buffers on ``bench_step.py``'s model, and the two steps are timed in interleaved rounds
-(``_timing.median_ms_interleaved``), so both see the same machine state. On a GPU both
+(``_timing.median_ms_interleaved``), so both see the same device state. On a GPU both
 compilations share one autotuning cache (``xla_gpu_per_fusion_autotune_cache_dir``, a fresh
 directory per run): a product both versions have gets the cuBLAS algorithm the first
 compilation picked, so the comparison does not also compare two draws of XLA's autotuner (which
@@ -29,10 +29,10 @@ old ms, new ms, new / old; with ``--adamw``, ``optax.adamw``'s step joins every 
 the table gives both versions' ratios to it (the unit of the step targets).
 
 Several older versions can join the same rounds: export each once with its own package suffix
-(``--export-to DIR --suffix _b``; a machine with no git history gets the directories), then
-pass them all to ``--old-dir``. Each is named by its suffix (``b``), the table has a column of
-milliseconds per version and one ratio ``new / name`` per older one, and every version's step
-sees the same machine state, so the older ones compare with each other too.
+(``--export-to DIR --suffix _b``; a copy of the repository without git history can take the
+directories), then pass them all to ``--old-dir``. Each is named by its suffix (``b``), the
+table has a column of milliseconds per version and one ratio ``new / name`` per older one, and
+every version's step sees the same device state, so the older ones compare with each other too.
 
 Usage (repository root; the old commit must be in this checkout's git history)::
 
@@ -40,9 +40,9 @@ Usage (repository root; the old commit must be in this checkout's git history)::
     python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25
     python benchmarks/bench_commits.py --small --commit HEAD  # tiny model, CPU smoke run
     python benchmarks/bench_commits.py --commit HEAD~3 --fractions 0.25 --adamw --reps 32
-    python benchmarks/bench_commits.py --commit HEAD~1 --export-to /tmp/a --suffix _a
-    python benchmarks/bench_commits.py --commit HEAD~2 --export-to /tmp/b --suffix _b
-    python benchmarks/bench_commits.py --old-dir /tmp/a /tmp/b --fractions 0.125
+    python benchmarks/bench_commits.py --commit HEAD~1 --export-to DIR_A --suffix _a
+    python benchmarks/bench_commits.py --commit HEAD~2 --export-to DIR_B --suffix _b
+    python benchmarks/bench_commits.py --old-dir DIR_A DIR_B --fractions 0.125
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ SUFFIX = "_old"
 _FROM = re.compile(r"^(\s*)from\s+(" + "|".join(PACKAGES) + r")\b")
 _IMPORT = re.compile(r"^(\s*)import\s+(" + "|".join(PACKAGES) + r")((?:\.\w+)*)(\s+as\s+\w+)?\s*$")
 _ANY = re.compile(r"^\s*(import|from)\s[^#]*\b(" + "|".join(PACKAGES) + r")\b")
-_SUFFIX = re.compile(r"_[A-Za-z0-9_]+")
+_SUFFIX_PATTERN = re.compile(r"_[A-Za-z0-9_]+")
 
 
 def rename_imports(source: str, suffix: str = SUFFIX) -> str:
@@ -126,7 +126,7 @@ def export_old(commit: str, dest: pathlib.Path, suffix: str = SUFFIX) -> str:
 def export_dir(commit: str, dest: pathlib.Path, suffix: str) -> None:
     """``--export-to``: a new directory ``dest`` with ``commit``'s renamed packages, its short
     hash in ``COMMIT`` and the suffix in ``SUFFIX``, for ``--old-dir``."""
-    if not _SUFFIX.fullmatch(suffix):
+    if not _SUFFIX_PATTERN.fullmatch(suffix):
         raise ValueError(f"--suffix {suffix!r}: an underscore, then letters, digits or "
                          "underscores")
     dest.mkdir(parents=True, exist_ok=False)
@@ -225,7 +225,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--adamw", action="store_true", help="time optax.adamw in the same rounds")
     p.add_argument("--export-to", default=None,
                    help="only export the old commit's renamed packages into this directory and "
-                        "exit (for a machine whose copy of the repository has no git history)")
+                        "exit (for a copy of the repository without git history)")
     p.add_argument("--suffix", default=SUFFIX,
                    help="with --export-to: the exported packages' suffix (default _old); give "
                         "each directory that --old-dir takes together its own")

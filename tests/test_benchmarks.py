@@ -17,6 +17,7 @@ no timing is asserted; timings are reported by the scripts, never by tests)."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import pathlib
 import re
@@ -28,6 +29,16 @@ import pytest
 pytestmark = pytest.mark.tooling
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _benchmark(name: str):
+    """The module ``benchmarks/<name>.py``, imported with ``benchmarks/`` on the path for the
+    import only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 @pytest.mark.slow
@@ -161,17 +172,8 @@ def test_bench_compile_repeats():
     assert float(rows[5][-1]) == pytest.approx(median["dion3"] / median["adamw"], rel=0.05)
 
 
-def _bench_commits():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_commits
-    finally:
-        sys.path.pop(0)
-    return bench_commits
-
-
 def test_bench_commits_renames_imports_to_any_suffix():
-    rename = _bench_commits().rename_imports
+    rename = _benchmark("bench_commits").rename_imports
     source = ("from dion3_jax import _polar\nimport pallas_kernels\n"
               "    from pallas_kernels._mosaic import f  # indented\nimport numpy\n")
     assert rename(source, "_b") == (
@@ -186,7 +188,7 @@ def test_bench_commits_renames_imports_to_any_suffix():
 def test_bench_commits_old_dirs_are_named_by_distinct_suffixes(tmp_path):
     """One ``--old-dir`` is "old"; several are named by their packages' suffixes, which must
     differ; a directory without a SUFFIX file holds "_old" packages."""
-    old_dirs = _bench_commits().old_dirs
+    old_dirs = _benchmark("bench_commits").old_dirs
     made = {}
     for name, suffix in [("a", "_a"), ("b", "_b"), ("c", "_a"), ("plain", None),
                          ("w", "_adamw")]:
@@ -295,11 +297,7 @@ def test_replica_sync_dtype_table():
 def test_bench_kernels_runs_only_the_shapes_asked_for(capsys, default_xla_optimizations):
     """``--shapes`` keeps the cases whose printed shape is listed, and no other (with XLA's
     default optimizations, under which this smoke run takes half the time)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_kernels
-    finally:
-        sys.path.pop(0)
+    bench_kernels = _benchmark("bench_kernels")
     bench_kernels.main(["--smoke", "--shapes", "2x128x128", "--warmup-s", "0", "--reps", "1",
                         "--rotate", "2"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
@@ -317,11 +315,7 @@ def test_bench_kernels_counts_the_products_of_gram_newton_schulz():
     import dion3_jax
     import pallas_kernels
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_kernels
-    finally:
-        sys.path.pop(0)
+    bench_kernels = _benchmark("bench_kernels")
 
     def one_of_each(x, g):
         gram = pallas_kernels.syrk(x, implementation="xla")
@@ -357,11 +351,7 @@ def test_bench_payload_reads_mosaic_blocks_and_skips_those_a_shape_refuses():
     choice the kernel does not take for a group's shape gives that group no row."""
     from pallas_kernels._payload_mosaic import MosaicPayloadConfig
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_payload
-    finally:
-        sys.path.pop(0)
+    bench_payload = _benchmark("bench_payload")
     config = bench_payload._mosaic_config("32,128,512,4")
     assert config == MosaicPayloadConfig(rows=32, cols=128, chunk=512, stages=4)
     # 8 columns: no power-of-two divisor of at least 16, so no block of this choice fits.
@@ -373,11 +363,7 @@ def test_bench_row_stats_reads_its_variants():
     pass through; anything else is refused."""
     from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_row_stats
-    finally:
-        sys.path.pop(0)
+    bench_row_stats = _benchmark("bench_row_stats")
     assert bench_row_stats.parse_variant("pallas_triton") == ("pallas_triton", None)
     assert bench_row_stats.parse_variant("mosaic:64,64,512,2") == (
         "mosaic", MosaicRowStatsConfig(strip=64, step=64, chunk=512, stages=2))
