@@ -73,9 +73,10 @@ def pass_fn(variant: str, row_axis: int, interpret: bool):
     impl, config = parse_variant(variant)
 
     def one(m, g, d):
-        if config is not None:
-            return _row_stats_mosaic.accumulate_rows_mosaic(m, g, d, row_axis=row_axis,
-                                                            config=config, interpret=interpret)
+        if config is not None:  # (the kernel's per-chunk row sums, added up)
+            s, l1, sq = _row_stats_mosaic.accumulate_rows_mosaic(
+                m, g, d, row_axis=row_axis, config=config, interpret=interpret)
+            return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
         return pallas_kernels.accumulate_rows(m, g, d, row_axis=row_axis, implementation=impl,
                                               interpret=interpret)
 

@@ -191,6 +191,26 @@ def _row_stats(plan: Plan, momentum: Blocks, known: dict, one_pass: frozenset[in
     return l1, sq
 
 
+def _summed_partials(partials: dict) -> dict:
+    """The statistics kernel's ``(batch, chunks, n)`` partial row sums per (leaf, block), added
+    over their chunks in one reduction per partials shape (the blocks of a shape group): XLA
+    fuses that reduction into the sums' readers, where one per block would be a launch of its
+    own, two per matrix."""
+    groups = {}
+    for key, pair in partials.items():
+        groups.setdefault(pair[0].shape[1:], []).append(key)
+    out = {}
+    for keys in groups.values():
+        sums = [jnp.sum(jnp.concatenate([partials[k][i] for k in keys]), axis=1)
+                for i in (0, 1)]
+        lo = 0
+        for k in keys:
+            hi = lo + partials[k][0].shape[0]
+            out[k] = (sums[0][lo:hi], sums[1][lo:hi])
+            lo = hi
+    return out
+
+
 def _accumulate(plan: Plan, grads, moms, scales):
     """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
     step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
@@ -215,14 +235,16 @@ def _accumulate(plan: Plan, grads, moms, scales):
                 if any((i, b) not in kernel for b in range(len(p.local.blocks)))
                 else [None] * len(p.local.blocks)
                 for i, (p, m, g, d) in enumerate(zip(plan.leaves, moms, grads, scales))]
-    known = {}
+    partials = {}
     for (leaf, block), u in kernel.items():
         local, ra = plan.leaves[leaf].local, u.layout.row_axis
         m, g, d = (local.to_blocks(x)[block] for x in (moms[leaf], grads[leaf], scales[leaf]))
         s, l1, sq = pallas_kernels.accumulate_rows(m, g, jnp.squeeze(d, 3 - ra), row_axis=ra,
-                                                   implementation=plan.pass_implementation)
+                                                   implementation=plan.pass_implementation,
+                                                   partial_sums=True)
         momentum[leaf][block] = s
-        known[(leaf, block)] = (l1, sq)
+        partials[(leaf, block)] = (l1, sq)
+    known = _summed_partials(partials)
     # (The kernel's full units take their sums from the row sums, once per batch.)
     full_sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
                for u in plan.units if _payload_decays(plan, u) and u.uid not in one_pass}

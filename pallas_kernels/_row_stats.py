@@ -110,8 +110,8 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
 
 
 def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
-                    implementation: RowStatsImplementation = "auto", interpret: bool = False
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    implementation: RowStatsImplementation = "auto", interpret: bool = False,
+                    partial_sums: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``S = d ⊙ M + G`` per row, and each row's ℓ1 norm and scaled sum of squares.
 
     Args:
@@ -125,10 +125,15 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         Triton lowering; NVIDIA GPUs, or ``interpret``), ``"xla"``, or ``"auto"``: the first of
         :data:`AUTO` that runs here and takes the shape, else XLA.
       interpret: run the kernel through an interpreter (CPU tests).
+      partial_sums: return each row sum as ``(batch, c, n)`` partial sums over ``c`` chunks of
+        the summed axis (``c = 1`` for XLA), to be added over axis 1 by the caller. A caller
+        with many calls concatenates their partials and adds them in one reduction, which XLA
+        fuses into the sums' readers, instead of one small reduction per call.
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
-      arrays of ``Σ_j |S_ij|`` and ``Σ_j (S_ij·2⁻³²)²`` per row ``i``.
+      arrays of ``Σ_j |S_ij|`` and ``Σ_j (S_ij·2⁻³²)²`` per row ``i`` (``(batch, c, n)``
+      partial sums with ``partial_sums``).
 
     Raises:
       ValueError: for mismatched shapes, an unknown implementation, or a kernel that cannot
@@ -147,9 +152,9 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
     chosen = accumulate_rows_implementation(m.shape[1:], row_axis, implementation,
                                             interpret)
     if chosen == "xla":
-        return accumulate_rows_reference(m, g, scale, row_axis=row_axis)
-    if chosen == "mosaic":
-        return _row_stats_mosaic.accumulate_rows_mosaic(m, g, scale, row_axis=row_axis,
-                                                        interpret=interpret)
-    return _row_stats_triton.accumulate_rows_triton(m, g, scale, row_axis=row_axis,
-                                                    interpret=interpret)
+        s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis)
+        return (s, l1[:, None], sq[:, None]) if partial_sums else (s, l1, sq)
+    kernel = (_row_stats_mosaic.accumulate_rows_mosaic if chosen == "mosaic"
+              else _row_stats_triton.accumulate_rows_triton)
+    s, l1, sq = kernel(m, g, scale, row_axis=row_axis, interpret=interpret)
+    return (s, l1, sq) if partial_sums else (s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1))

@@ -165,7 +165,8 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
       interpret: run through GPU interpret mode (CPU; slow; for tests).
 
     Returns:
-      ``(S, l1, sq)`` as :func:`pallas_kernels.accumulate_rows` returns them.
+      ``(S, l1, sq)`` as :func:`pallas_kernels.accumulate_rows` returns them with
+      ``partial_sums=True``: the row sums as ``(batch, chunks, n)`` per-chunk sums.
     """
     config = CONFIGS[row_axis] if config is None else config
     strip, step, chunk = blocks(m.shape[1:], row_axis, config)
@@ -187,4 +188,4 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
         interpret=mosaic_interpret_params(interpret), kernel_name="accumulate_rows")
     s = jax.new_ref(m)
     l1, sq = kernel(scale.astype(jnp.float32), s, g)
-    return s[...], jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
+    return s[...], l1, sq

@@ -114,8 +114,9 @@ def blocks(shape: tuple[int, int], row_axis: int,
 def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis: int,
                            interpret: bool = False, config: RowStatsConfig | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`pallas_kernels.accumulate_rows` through the Pallas-Triton kernel (checked
-    arguments; a shape :func:`blocks` takes; ``config`` default :data:`CONFIGS`)."""
+    """:func:`pallas_kernels.accumulate_rows` with ``partial_sums=True`` through the
+    Pallas-Triton kernel (checked arguments; a shape :func:`blocks` takes; ``config`` default
+    :data:`CONFIGS`): the row sums as ``(batch, chunks, n)`` per-chunk sums."""
     config = CONFIGS[row_axis] if config is None else config
     b, rows, cols = m.shape
     strip, step, chunk = blocks((rows, cols), row_axis, config)
@@ -137,4 +138,4 @@ def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis
         compiler_params=_dispatch.triton_params(config.num_warps, interpret),
         interpret=interpret, name="accumulate_rows",
     )(d.astype(jnp.float32), m, g)
-    return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
+    return s, l1, sq

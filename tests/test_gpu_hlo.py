@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 
 import jax
@@ -87,6 +88,21 @@ def test_no_pass_copies_a_matrix(mesh, fraction):
     assert sum(p.group == "custom-call mosaic_gpu_v2" for p in found) > 0  # the GPU's kernels
     copies = _matrix_sized_copies(found)
     assert not copies, copies
+
+
+def test_statistics_row_sums_are_finished_per_shape_group(mesh):
+    """The statistics kernel returns per-chunk partial row sums, and the step adds up each
+    shape group's in one reduction: no pass finishes one matrix's sums on its own (a loop
+    reduction to a single row vector; two per matrix before). One layer of the 7B shapes, whose
+    summed axes are long enough for several chunks (at the small SHAPES the chunks are too few
+    for XLA to keep any reduction on its own)."""
+    shapes = gpu_hlo.model_shapes(1, 4096, 11008)
+    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.25), shapes, mesh)
+    assert "accumulate_rows" in hlo, "no statistics kernel"
+    found = gpu_hlo.passes(hlo)
+    own = [p for p in found if p.group == "kLoop fused_reduce"
+           and re.fullmatch(r"f32\[\d+\]", p.result)]
+    assert not own, own
 
 
 def test_script_prints_a_census_per_variant(mesh, capsys):

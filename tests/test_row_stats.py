@@ -100,6 +100,27 @@ def test_kernel_interpreted_matches_reference(row_axis, shape):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=count * 2.0 ** -23)
 
 
+@pytest.mark.parametrize("implementation,row_axis,shape", [
+    ("xla", 1, (2, 24, 4096)), ("pallas_triton", 2, (2, 512, 96)),
+    ("pallas_triton", 1, (2, 24, 4096)), ("mosaic", 1, (1, 64, 1024))])
+def test_partial_sums_add_up_to_the_row_sums(implementation, row_axis, shape):
+    """``partial_sums=True``: the row sums as ``(batch, chunks, n)`` partials (one chunk for
+    XLA, several for the kernels at these shapes), whose sum over axis 1 is exactly what the
+    call returns without it; ``S`` is the same array."""
+    m, g, d = _inputs(np.random.randint(1 << 30), shape, row_axis)
+    call = functools.partial(accumulate_rows, row_axis=row_axis, implementation=implementation,
+                             interpret=implementation != "xla")
+    s, l1, sq = jax.jit(call)(m, g, d)
+    ps, pl1, psq = jax.jit(functools.partial(call, partial_sums=True))(m, g, d)
+    n = shape[row_axis]
+    chunks = 1 if implementation == "xla" else pl1.shape[1]
+    assert pl1.shape == psq.shape == (shape[0], chunks, n)
+    assert implementation == "xla" or chunks > 1, pl1.shape
+    np.testing.assert_array_equal(np.asarray(ps), np.asarray(s))
+    np.testing.assert_array_equal(np.asarray(jnp.sum(pl1, axis=1)), np.asarray(l1))
+    np.testing.assert_array_equal(np.asarray(jnp.sum(psq, axis=1)), np.asarray(sq))
+
+
 @pytest.mark.parametrize("row_axis", [1, 2])
 def test_reference_sums_are_the_steps_row_sums(row_axis):
     """The step takes a block's row sums from this pass or, for the blocks it does not send
