@@ -195,13 +195,15 @@ def _summed_partials(partials: dict) -> dict:
     """The statistics kernel's ``(batch, chunks, n)`` partial row sums per (leaf, block), added
     over their chunks in one reduction per partials shape (the blocks of a shape group): XLA
     fuses that reduction into the sums' readers, where one per block would be a launch of its
-    own, two per matrix."""
+    own, two per matrix. The sums are cut back into blocks by static slices: the run-time
+    offsets of :func:`_megabatch.unstack` left 4 more passes in the step compiled for an H200
+    (``benchmarks/gpu_hlo.py``, f = 1/4 and 1/8)."""
     groups = {}
     for key, pair in partials.items():
         groups.setdefault(pair[0].shape[1:], []).append(key)
     out = {}
     for keys in groups.values():
-        sums = [jnp.sum(jnp.concatenate([partials[k][i] for k in keys]), axis=1)
+        sums = [jnp.sum(_megabatch.stack([partials[k][i] for k in keys]), axis=1)
                 for i in (0, 1)]
         lo = 0
         for k in keys:
