@@ -42,8 +42,9 @@ from pallas_kernels._reference import sym_matmul_reference, syrk_reference
 #: "auto" uses a kernel only for ``batch · n² · k >= AUTO_MIN_WORK`` (``k``: the contraction
 #: length): below that the lower-triangle walk has too few tiles, or too short a main loop, to
 #: beat XLA, and a kernel's compile time and launch outweigh microseconds. The line sits at
-#: 8·1024³ = 2³³, the f = 1/4 step's down projections (docs/KERNELS.md has the measurements).
-AUTO_MIN_WORK = 8 * 1024 ** 3
+#: 4·1024³ = 2³², a batch of 32 products 512×512×512 (the f = 1/8 step's attention Gram
+#: iterations); docs/KERNELS.md has the measurements.
+AUTO_MIN_WORK = 4 * 1024 ** 3
 
 #: The symmetric products' kernels, and "auto"'s preference per GPU generation (first available
 #: wins; benchmarks/bench_kernels.py).

@@ -252,7 +252,8 @@ def test_auto_resolution(monkeypatch):
     f16 = (jnp.float16,)
     big = _api.AUTO_MIN_WORK
     assert _api._work((32, 1024, 4096)) == 32 * 1024 * 1024 * 4096
-    assert _api._work((8, 1024, 1024)) == big  # the f = 1/4 down projections (7B shapes)
+    assert _api._work((32, 512, 512)) == big  # the f = 1/8 step's 512² Gram iterations (7B shapes)
+    assert _api._work((8, 1024, 1024)) > big  # the f = 1/4 down projections
     assert _api._resolve("xla", dtypes=f16, size=big, interpret=False) == "xla"
     monkeypatch.setattr(_dispatch, "available_implementations", lambda: ("xla",))
     assert _api._resolve("auto", dtypes=f16, size=big, interpret=False) == "xla"
