@@ -34,17 +34,23 @@ bytes compare variants and find passes that a fusion could remove; they are not 
 traffic. Below each variant's line come its ``--top`` largest groups (fusion kind and fused
 computation, custom-call target, or op).
 
+``--old-dir`` adds the Dion3 step of older versions, exported by ``bench_commits.py
+--export-to``, compiled in the same process: a pass that a change removed shows in the old
+version's census and not in the new one's.
+
 Usage::
 
     JAX_PLATFORMS=cpu python benchmarks/gpu_hlo.py                      # 8 layers, 7B widths
     JAX_PLATFORMS=cpu python benchmarks/gpu_hlo.py --fractions 0.125 --top 12
     JAX_PLATFORMS=cpu python benchmarks/gpu_hlo.py --layers 2 --d 256 --ff 704   # small
+    JAX_PLATFORMS=cpu python benchmarks/gpu_hlo.py --fractions 1 --old-dir DIR   # old and new
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import os
 import re
 import sys
@@ -62,6 +68,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
+from bench_commits import old_dirs
 from bench_step import _shape_bytes_by_dtype, compile_step, model_shapes
 
 #: What XLA needs to know of an H200 to compile for it (an ``xla.GpuTargetConfigProto`` in text
@@ -213,14 +220,25 @@ def main(argv=None) -> None:
     ap.add_argument("--ff", type=int, default=11008, help="MLP width")
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25, 0.125])
     ap.add_argument("--top", type=int, default=8, help="largest groups listed per variant")
+    ap.add_argument("--old-dir", nargs="+", default=[], metavar="DIR",
+                    help="also the Dion3 step of these versions (bench_commits.py --export-to), "
+                         "each row named by the version (old, or its suffix)")
     a = ap.parse_args(argv)
     mesh = h200_mesh()
     shapes = model_shapes(a.layers, a.d, a.ff)
+    olds = old_dirs(a.old_dir) if a.old_dir else {}
+    versions = {}
+    for name, (d, suffix, _) in olds.items():
+        sys.path.insert(0, d)
+        versions[name] = importlib.import_module(f"dion3_jax{suffix}")
+    versions["dion3"] = dion3_jax
+    described = "".join(f"; {n} = {c}" for n, (_, _, c) in olds.items())
     print(f"compiled for an NVIDIA H200 (no device) on {os.cpu_count()} CPUs; {a.layers} "
-          f"layers, d={a.d}, ff={a.ff}; jax {jax.__version__}")
+          f"layers, d={a.d}, ff={a.ff}; jax {jax.__version__}{described}")
     print(f"{'step':<18} {'compile s':>8} {'passes':>6} {'GB moved':>9}")
     variants = [("optax.adamw", optax.adamw(1e-3))] + [
-        (f"dion3 f={f:g}", dion3_jax.dion3(1e-3, f)) for f in a.fractions]
+        (f"{name} f={f:g}", module.dion3(1e-3, f))
+        for f in a.fractions for name, module in versions.items()]
     for name, tx in variants:
         hlo, seconds = compile_for_h200(tx, shapes, mesh)
         print("\n".join(_census_lines(name, seconds, passes(hlo), a.top)), flush=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import subprocess
 import sys
 
 import jax
@@ -112,3 +113,22 @@ def test_script_prints_a_census_per_variant(mesh, capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith(("optax", "dion3"))]
     assert [r[0] for r in rows] == ["optax.adamw", "dion3"], out
     assert all(float(r[-3]) > 0 and int(r[-2]) > 0 and float(r[-1]) > 0 for r in rows), out
+
+
+def test_script_censuses_an_exported_version_in_the_same_process(mesh, tmp_path, capsys,
+                                                                  monkeypatch):
+    """``--old-dir``: HEAD's packages, exported by ``bench_commits.py`` under the suffix ``_h``,
+    compile beside the working tree's, each in its own row, from its own files."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "benchmarks/bench_commits.py", "--commit", "HEAD",
+                    "--export-to", str(tmp_path / "h"), "--suffix", "_h"],
+                   cwd=root, check=True, capture_output=True, timeout=120)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the export on the path
+    gpu_hlo.main(["--layers", "1", "--d", "128", "--ff", "352", "--fractions", "1",
+                  "--top", "1", "--old-dir", str(tmp_path / "h")])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("optax", "old", "dion3"))]
+    assert [r[0] for r in rows] == ["optax.adamw", "old", "dion3"], out
+    assert all(int(r[-2]) > 0 and float(r[-1]) > 0 for r in rows), out
+    assert "; old = " in out.splitlines()[0], out
+    assert sys.modules["dion3_jax_h"].__file__.startswith(str(tmp_path)), out
