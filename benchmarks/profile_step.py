@@ -35,6 +35,11 @@ planes that overlap those gaps, summed per name; nested events each count their 
 host's share of a synchronized step. ``--optimizer adamw`` profiles ``optax.adamw``'s step on the
 same model, the baseline the targets are stated against.
 
+With ``--old-dir`` the Dion3 step of older versions (exported by ``bench_commits.py
+--export-to``, each with its default options) is profiled first, in the same process on the
+same leaves, a set of tables each: a pass that a change removed shows in the old version's
+tables and not in the new one's.
+
 Usage::
 
     python benchmarks/profile_step.py --fraction 0.25            # 7B shapes, one device
@@ -42,6 +47,7 @@ Usage::
     python benchmarks/profile_step.py --fraction 0.25 --queued   # steps back to back
     python benchmarks/profile_step.py --optimizer adamw --host   # the baseline's step
     python benchmarks/profile_step.py --small --fraction 0.25    # CPU smoke run
+    python benchmarks/profile_step.py --fraction 1 --old-dir DIR  # an older version, then this
     python benchmarks/profile_step.py --fsdp --fraction 0.25 \
         --xla-option xla_gpu_enable_latency_hiding_scheduler=true   # several GPUs
 """
@@ -52,6 +58,7 @@ import argparse
 import collections
 import contextlib
 import gzip
+import importlib
 import json
 import os
 import re
@@ -65,6 +72,7 @@ from jax.profiler import ProfileData
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
+from bench_commits import old_dirs  # noqa: E402
 from _trace import SUMMARY_LINES, first_gpu, load_trace, op_lines  # noqa: E402
 
 
@@ -268,6 +276,9 @@ def main(argv=None):
                    help="compile the step with this XLA option (repeatable)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate this many CPU devices (CPU smoke runs)")
+    p.add_argument("--old-dir", nargs="+", default=[], metavar="DIR",
+                   help="first profile the Dion3 step of these versions (bench_commits.py "
+                        "--export-to), each with its default options")
     a = p.parse_args(argv)
     if a.cpu_devices:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
@@ -281,6 +292,31 @@ def main(argv=None):
     tx = (optax.adamw(1e-3) if a.optimizer == "adamw"
           else bench_step.dion3_step(a.fraction, a.method, a.backend,
                                      passes=a.pass_implementation))
+    what = ("optax.adamw" if a.optimizer == "adamw"
+            else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
+                 f"passes={a.pass_implementation}")
+    if a.old_dir and (a.optimizer == "adamw" or a.json or a.dump_hlo):
+        p.error("--old-dir profiles older versions of the Dion3 step beside it: not with "
+                "--optimizer adamw, --json or --dump-hlo (which write one step's results)")
+    olds = old_dirs(a.old_dir) if a.old_dir else {}
+    versions = [(f"{name} = {commit}: dion3 f={a.fraction:g} (its defaults)",
+                 _imported(d, suffix).dion3(1e-3, a.fraction))
+                for name, (d, suffix, commit) in olds.items()]
+    versions.append((what, tx))
+    for label, version_tx in versions:
+        params, step, data = profile(version_tx, params, grads, mesh, a)
+        report(data, step, a, f"{label}, {cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}")
+
+
+def _imported(directory: str, suffix: str):
+    """The ``dion3_jax`` of a ``bench_commits.py --export-to`` directory."""
+    sys.path.insert(0, directory)
+    return importlib.import_module(f"dion3_jax{suffix}")
+
+
+def profile(tx, params, grads, mesh, a):
+    """Compiles ``tx``'s step, warms it up and traces ``a.steps`` steps: returns the updated
+    parameters, the compiled step and the trace."""
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = tx.init(params)
         step, _ = bench_step.compile_step(tx, params, grads, mesh, state,
@@ -301,7 +337,11 @@ def main(argv=None):
                 if not a.queued:
                     params, state = jax.block_until_ready((params, state))
             jax.block_until_ready((params, state))
-    data = load_trace(trace_dir)
+    return params, step, load_trace(trace_dir)
+
+
+def report(data: ProfileData, step, a, what: str) -> None:
+    """Prints the tables of one traced step (``what`` names it)."""
     totals = op_times(data)
     per_step = {k: v / a.steps / 1e6 for k, v in totals.items()}
     total = sum(per_step.values())
@@ -309,14 +349,9 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump(per_step, f, indent=0, sort_keys=True)
     dev = jax.devices()[0]
-    what = ("optax.adamw" if a.optimizer == "adamw"
-            else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
-                 f"passes={a.pass_implementation}")
-    print(f"# {dev.device_kind}{' × %d, FSDP' % len(jax.devices()) if a.fsdp else ''}"
-          f"{' ' + ' '.join(a.xla_option) if a.xla_option else ''}: "
-          f"{what}, "
-          f"{cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}; device op time per step "
-          f"{total:.2f} ms (summed over {len(per_step)} ops)")
+    print(f"\n# {dev.device_kind}{' × %d, FSDP' % len(jax.devices()) if a.fsdp else ''}"
+          f"{' ' + ' '.join(a.xla_option) if a.xla_option else ''}: {what}; device op time "
+          f"per step {total:.2f} ms (summed over {len(per_step)} ops)")
     by_kind: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.Counter()
     for k, v in per_step.items():
