@@ -154,6 +154,13 @@ def old_dirs(dirs: list[str]) -> dict[str, tuple[str, str, str]]:
     return out
 
 
+def imported(directory: str, suffix: str):
+    """The ``dion3_jax`` of an ``--export-to`` directory, imported as ``dion3_jax{suffix}``.
+    The directory stays on ``sys.path``: the version's modules import lazily, at trace time."""
+    sys.path.insert(0, directory)
+    return importlib.import_module(f"dion3_jax{suffix}")
+
+
 def working_tree_version() -> str:
     """``HEAD``'s short hash, with ``+changes`` when the packages differ from it."""
     if not (ROOT / ".git").exists():
@@ -252,8 +259,7 @@ def main(argv=None) -> list[dict]:
                 else {"old": (tmp, SUFFIX, export_old(a.commit, pathlib.Path(tmp)))})
         versions = {}
         for name, (d, suffix, _) in olds.items():
-            sys.path.insert(0, d)
-            versions[name] = importlib.import_module(f"dion3_jax{suffix}")
+            versions[name] = imported(d, suffix)
         versions["new"] = importlib.import_module("dion3_jax")
         dev = jax.devices()[0]
         options = ({"xla_gpu_per_fusion_autotune_cache_dir": os.path.join(tmp_cache, "autotune")}

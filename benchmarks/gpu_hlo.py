@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import os
 import re
 import sys
@@ -68,7 +67,7 @@ try:
 except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
-from bench_commits import old_dirs
+from bench_commits import imported, old_dirs
 from bench_step import _shape_bytes_by_dtype, compile_step, model_shapes
 
 #: What XLA needs to know of an H200 to compile for it (an ``xla.GpuTargetConfigProto`` in text
@@ -227,10 +226,7 @@ def main(argv=None) -> None:
     mesh = h200_mesh()
     shapes = model_shapes(a.layers, a.d, a.ff)
     olds = old_dirs(a.old_dir) if a.old_dir else {}
-    versions = {}
-    for name, (d, suffix, _) in olds.items():
-        sys.path.insert(0, d)
-        versions[name] = importlib.import_module(f"dion3_jax{suffix}")
+    versions = {name: imported(d, suffix) for name, (d, suffix, _) in olds.items()}
     versions["dion3"] = dion3_jax
     described = "".join(f"; {n} = {c}" for n, (_, _, c) in olds.items())
     print(f"compiled for an NVIDIA H200 (no device) on {os.cpu_count()} CPUs; {a.layers} "

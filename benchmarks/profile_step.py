@@ -58,7 +58,6 @@ import argparse
 import collections
 import contextlib
 import gzip
-import importlib
 import json
 import os
 import re
@@ -72,7 +71,7 @@ from jax.profiler import ProfileData
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
-from bench_commits import old_dirs  # noqa: E402
+from bench_commits import imported, old_dirs  # noqa: E402
 from _trace import SUMMARY_LINES, first_gpu, load_trace, op_lines  # noqa: E402
 
 
@@ -300,18 +299,12 @@ def main(argv=None):
                 "--optimizer adamw, --json or --dump-hlo (which write one step's results)")
     olds = old_dirs(a.old_dir) if a.old_dir else {}
     versions = [(f"{name} = {commit}: dion3 f={a.fraction:g} (its defaults)",
-                 _imported(d, suffix).dion3(1e-3, a.fraction))
+                 imported(d, suffix).dion3(1e-3, a.fraction))
                 for name, (d, suffix, commit) in olds.items()]
     versions.append((what, tx))
     for label, version_tx in versions:
         params, step, data = profile(version_tx, params, grads, mesh, a)
         report(data, step, a, f"{label}, {cfg['layers']} layers d={cfg['d']} ff={cfg['ff']}")
-
-
-def _imported(directory: str, suffix: str):
-    """The ``dion3_jax`` of a ``bench_commits.py --export-to`` directory."""
-    sys.path.insert(0, directory)
-    return importlib.import_module(f"dion3_jax{suffix}")
 
 
 def profile(tx, params, grads, mesh, a):
