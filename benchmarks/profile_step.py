@@ -279,6 +279,10 @@ def main(argv=None):
                    help="first profile the Dion3 step of these versions (bench_commits.py "
                         "--export-to), each with its default options")
     a = p.parse_args(argv)
+    if a.old_dir and (a.optimizer == "adamw" or a.json or a.dump_hlo):
+        p.error("--old-dir profiles older versions of the Dion3 step beside it: not with "
+                "--optimizer adamw, --json or --dump-hlo (which write one step's results)")
+    olds = old_dirs(a.old_dir) if a.old_dir else {}
     if a.cpu_devices:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
     cfg = bench_step.SMALL if a.small else bench_step.FULL
@@ -294,10 +298,6 @@ def main(argv=None):
     what = ("optax.adamw" if a.optimizer == "adamw"
             else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
                  f"passes={a.pass_implementation}")
-    if a.old_dir and (a.optimizer == "adamw" or a.json or a.dump_hlo):
-        p.error("--old-dir profiles older versions of the Dion3 step beside it: not with "
-                "--optimizer adamw, --json or --dump-hlo (which write one step's results)")
-    olds = old_dirs(a.old_dir) if a.old_dir else {}
     versions = [(f"{name} = {commit}: dion3 f={a.fraction:g} (its defaults)",
                  imported(d, suffix).dion3(1e-3, a.fraction))
                 for name, (d, suffix, commit) in olds.items()]

@@ -256,16 +256,12 @@ def test_bench_commits_against_head():
         assert ratio == pytest.approx(new / old, rel=0.02)
 
 
-
 @pytest.mark.slow
 def test_profile_step_profiles_an_exported_version_first(tmp_path):
     """profile_step.py --old-dir: HEAD exported by bench_commits.py is profiled before the
     working tree, in one process, a set of tables each, the older one named by its commit; it
     refuses options that write one step's results."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_commits.py", "--commit", "HEAD",
-                          "--export-to", str(tmp_path / "h"), "--suffix", "_h"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _benchmark("bench_commits").export_dir("HEAD", tmp_path / "h", "_h")
     cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--fraction", "1",
            "--steps", "1", "--top", "2", "--old-dir", str(tmp_path / "h")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -280,6 +276,7 @@ def test_profile_step_profiles_an_exported_version_first(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "--old-dir" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "ops.json").exists()
+
 
 def test_polar_standalone_example():
     sys.path.insert(0, str(ROOT / "examples"))

@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
@@ -40,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import dion3_jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_commits  # noqa: E402
 import gpu_hlo  # noqa: E402
 
 pytestmark = [pytest.mark.tooling, pytest.mark.usefixtures("default_xla_optimizations")]
@@ -119,10 +119,7 @@ def test_script_censuses_an_exported_version_in_the_same_process(mesh, tmp_path,
                                                                   monkeypatch):
     """``--old-dir``: HEAD's packages, exported by ``bench_commits.py`` under the suffix ``_h``,
     compile beside the working tree's, each in its own row, from its own files."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "benchmarks/bench_commits.py", "--commit", "HEAD",
-                    "--export-to", str(tmp_path / "h"), "--suffix", "_h"],
-                   cwd=root, check=True, capture_output=True, timeout=120)
+    bench_commits.export_dir("HEAD", tmp_path / "h", "_h")
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the export on the path
     gpu_hlo.main(["--layers", "1", "--d", "128", "--ff", "352", "--fractions", "1",
                   "--top", "1", "--old-dir", str(tmp_path / "h")])
