@@ -34,6 +34,7 @@ import typing as _typing
 from dion3_jax._alias import dion3, muon, normuon, transfer_learning_rate
 from dion3_jax._config import momentum_for_fraction
 from dion3_jax._distributed import MeshOptions
+from dion3_jax._finite import apply_if_finite
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer, make_orthogonalizer
 from dion3_jax._polar import polar
@@ -52,6 +53,7 @@ __all__ = (
     "MeshOptions",
     "Orthogonalizer",
     "ScaleByDion3State",
+    "apply_if_finite",
     "default_param_labels",
     "dion3",
     "fold_momentum_scale",

@@ -172,6 +172,9 @@ def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
     hold the decay and the learning rate, both computed in float32; ``optax.apply_updates`` adds
     them to the parameter in float32 and rounds once: ``W_new`` is the 16-bit rounding of the
     float32 value ``(1 − lr·wd)·W − lr·scale·D``. Updates of float32 parameters are float32.
+    To skip steps with non-finite gradients, wrap it in :func:`dion3_jax.apply_if_finite`
+    (``optax.apply_if_finite`` answers with zeros of the gradients' dtype and, with 16-bit
+    parameters, fails to trace).
 
     .. warning::
       Embeddings and the LM head (unembedding) are 2-D but must not be orthogonalized. The

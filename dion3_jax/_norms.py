@@ -24,7 +24,7 @@ to its norm anyway. Norms up to about 7e28 are finite; beyond that the norm is N
 ``inf`` (never a silently zero quotient). The step does not get there: its summed momentum
 saturates at ``±2⁷⁹`` (``pallas_kernels.scaled_sum``), so the norm of any matrix of up to 2³⁴
 entries is below 2⁹⁶ and finite, and a finite gradient gives a finite update and state. (A NaN
-here would not be caught by ``optax.apply_if_finite``: it checks the gradients it is given.)
+here would not be caught by ``apply_if_finite``: it checks the gradients it is given.)
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ TOP_LEVEL = (
     "MeshOptions",
     "Orthogonalizer",
     "ScaleByDion3State",
+    "apply_if_finite",
     "default_param_labels",
     "dion3",
     "fold_momentum_scale",
