@@ -24,12 +24,12 @@ keeps optax's rule and state and answers with zeros in the dtypes of the inner u
 
 from __future__ import annotations
 
-import operator
-
 import jax
 from jax import lax
 import jax.numpy as jnp
 import optax
+
+from dion3_jax import _numbers
 
 
 def _all_finite(tree) -> jax.Array:
@@ -47,8 +47,7 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
     optax's; only the skipped step's zeros differ, which take the dtype of the inner update of
     each leaf (float32 for Dion3's 16-bit matrices) rather than the gradient's, so that the
     transformation traces with bfloat16 and float16 parameters too. For float32 parameters it
-    gives what ``optax.apply_if_finite`` gives. The inner update is traced twice, once for its
-    output types.
+    gives what ``optax.apply_if_finite`` gives.
 
     Args:
       inner: the transformation to guard, e.g. :func:`dion3_jax.dion3`.
@@ -72,13 +71,10 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
       >>> int(state.notfinite_count), u.dtype, float(jnp.abs(u).max())
       (1, dtype('float32'), 0.0)
     """
-    try:
-        limit = operator.index(max_consecutive_errors)
-    except TypeError:
-        limit = -1
-    if limit < 0 or isinstance(max_consecutive_errors, bool):
+    if not _numbers.is_int(max_consecutive_errors) or max_consecutive_errors < 0:
         raise ValueError("max_consecutive_errors must be a non-negative integer, got "
                          f"max_consecutive_errors={max_consecutive_errors!r}")
+    limit = int(max_consecutive_errors)
     inner = optax.with_extra_args_support(inner)
 
     def init(params):
@@ -91,13 +87,17 @@ def apply_if_finite(inner: optax.GradientTransformation, max_consecutive_errors:
         count = jnp.where(finite, jnp.zeros([], jnp.int32),
                           optax.safe_increment(state.notfinite_count))
 
-        def apply(_):
-            return inner.update(updates, state.inner_state, params, **extra_args)
+        dtypes = []   # the inner updates' dtypes, recorded when lax.cond traces `apply`
 
-        types = jax.eval_shape(apply, None)[0]
+        def apply(_):
+            out = inner.update(updates, state.inner_state, params, **extra_args)
+            dtypes.append(jax.tree.map(lambda u: u.dtype, out[0]))
+            return out
 
         def skip(_):
-            return (jax.tree.map(lambda g, t: jnp.zeros_like(g, dtype=t.dtype), updates, types),
+            if not dtypes:   # lax.cond traces `apply` first; if it did not, trace it here
+                jax.eval_shape(apply, None)
+            return (jax.tree.map(lambda g, d: jnp.zeros_like(g, dtype=d), updates, dtypes[0]),
                     state.inner_state)
 
         new_updates, inner_state = lax.cond(finite | (count > limit), apply, skip, None)

@@ -91,6 +91,22 @@ def test_float32_matches_optax_apply_if_finite_bitwise():
     assert int(s1.total_notfinite) == 4
 
 
+def test_traces_the_inner_update_once():
+    """The skipped step's dtypes come from the one trace of the inner update that ``lax.cond``
+    makes, not from a second trace."""
+    inner, calls = dion3_jax.dion3(0.02, 0.25), []
+
+    def update(updates, state, params=None):
+        calls.append(1)
+        return inner.update(updates, state, params)
+
+    rng = np.random.default_rng()
+    params = _params(rng, jnp.bfloat16)
+    tx = dion3_jax.apply_if_finite(optax.GradientTransformation(inner.init, update), 1)
+    u, _ = jax.jit(tx.update)(_grads(rng, jnp.bfloat16, np.nan), tx.init(params), params)
+    assert len(calls) == 1 and u["w"].dtype == jnp.float32
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3", None])
 def test_refuses_a_bad_max_consecutive_errors(bad):
     with pytest.raises(ValueError, match=f"max_consecutive_errors={bad!r}"):
