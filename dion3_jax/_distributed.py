@@ -31,6 +31,12 @@ matrices:
   sharded along its reduction axis: each device holds every row and a range of columns; row norms
   are all-reduced (n floats per matrix), so the selection is exact, and the selected rows' column
   shards travel.
+
+The modes combine: a leaf may be sharded along any of its batch axes as well (they only shrink
+each device's batch), and a ``"rows"`` leaf may be sharded along its reduction axis too, so that
+each device holds a tile (``col_comm``: FSDP × TP layouts). A tile's row norms are all-reduced
+over its column axes, every column tile of a row range then selects the same rows, and one
+all-to-all over the row and column axes together assembles whole ``k × C`` matrices.
 """
 
 from __future__ import annotations
@@ -88,9 +94,10 @@ class MeshOptions(NamedTuple):
         the replicas; the update equals the fully synchronized one exactly) or ``"norms"``
         (top-k of the row ℓ1 norms summed over replicas; only the norms are all-reduced).
       seed: int seed of the ``"random"`` replica selection.
-      param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable), needed
-        when mesh axes are Auto; default under Auto: each leaf sharded over ``shard_axis`` along
-        its first divisible axis. Under Explicit axes the shardings are read from the leaves.
+      param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable; under Auto
+        axes a leaf it does not cover is replicated), required when mesh axes are Auto (traced values carry
+        no sharding there; without it ``init`` and ``update`` raise rather than guess a layout).
+        Under Explicit axes the shardings are read from the leaves.
       replica_wire_dtype: under compressed sync, the dtype the selected rows' average crosses
         ``replica_axis`` in: None (the default: the momentum's dtype, float32 unless
         ``mu_dtype`` says otherwise; "random" selection then equals the fully synchronized
@@ -268,50 +275,51 @@ def _entries(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-def _spec_of(entries) -> P:
-    return P(*[None if not e else (e[0] if len(e) == 1 else e) for e in entries])
+def _spec_of(entries, auto: bool = False) -> P:
+    """The spec of per-dimension mesh axes, in the form jit gives its outputs: one entry per
+    dimension under Explicit axes, without trailing Nones under Auto axes (``auto``), so that a
+    state placed by ``init`` and one returned by ``update`` key the same compiled program."""
+    spec = [None if not e else (e[0] if len(e) == 1 else e) for e in entries]
+    while auto and spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
 
 
 def leaf_specs(ctx: Context, leaves, param_specs, tree) -> list[tuple[tuple[str, ...], ...]]:
-    """Per leaf, the mesh axes of each of its dimensions (restricted to the step's axes)."""
+    """Per leaf, the mesh axes of each of its dimensions (restricted to the step's axes).
+
+    Raises:
+      ValueError: under Auto axes of more than one device without ``param_specs``: traced
+        values carry no sharding there, and a guessed layout would move the user's.
+    """
     lookup = None
     if param_specs is not None:
         if isinstance(param_specs, P):
             lookup = lambda path: param_specs  # noqa: E731
         else:
             lookup = _layout.per_leaf(param_specs, tree)
+    elif ctx.auto() and ctx.size(ctx.axis_names) > 1:
+        raise ValueError(
+            f"the mesh axes {ctx.axis_names} are Auto: traced values carry no sharding, so Dion3 "
+            "cannot see how each leaf is laid out (and will not guess: that would move the "
+            "layout). Pass the specs the params are placed with, e.g. dion3_jax.MeshOptions("
+            "param_specs=jax.tree.map(lambda p: p.sharding.spec, params)), or make the mesh "
+            "axes Explicit (jax.make_mesh(..., axis_types=(AxisType.Explicit, ...)))")
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     out = []
-    auto = ctx.auto()
     for (path, _), x in zip(flat, leaves):
         ndim = len(x.shape)
-        spec = None
-        if lookup is not None:
-            spec = lookup(path)
-        if spec is None and not auto:
+        spec = None if lookup is None else lookup(path)
+        if spec is None and not ctx.auto():
             sh = getattr(jax.typeof(x), "sharding", None)
             spec = getattr(sh, "spec", None)
             if spec is None and isinstance(getattr(x, "sharding", None),
                                            jax.sharding.NamedSharding):
                 spec = x.sharding.spec
-        if spec is None and auto:
-            spec = _auto_spec(ctx, x.shape)
         ent = _entries(spec if spec is not None else P(), ndim)
         ent = tuple(tuple(a for a in e if a in ctx.axis_names) for e in ent)
         out.append(ent)
     return out
-
-
-def _auto_spec(ctx: Context, shape) -> P:
-    """Default spec under Auto axes: shard the first axis divisible by the shard-axis size."""
-    w = ctx.size(ctx.shard_axes)
-    if w <= 1:
-        return P()
-    for i, s in enumerate(shape):
-        if s % w == 0:
-            return P(*([None] * i + [ctx.shard_axes if len(ctx.shard_axes) > 1
-                                     else ctx.shard_axes[0]]))
-    return P()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +362,8 @@ class LeafPlan:
       layout: the global leaf layout (numbers of rows/columns for k, lr scale).
       local: the layout of the local shard (its blocks are what the device sees).
       segments: rows mode: the matrices of the local block (whole leaf, heads or split sizes).
+      col_comm: rows mode: mesh axes of the reduction axis as well (each device holds a tile:
+        a row range of a column range); else empty.
     """
 
     spec: P
@@ -364,50 +374,77 @@ class LeafPlan:
     layout: _layout.LeafLayout
     local: _layout.LeafLayout
     segments: tuple[Segment, ...] = ()
+    col_comm: tuple[str, ...] = ()
+
+
+def _sharded_axes(ctx: Context, entries, glob: _layout.LeafLayout, shape, name: str):
+    """The leaf's sharded batch axes, its one sharded reduction axis and its one sharded output
+    axis (None where unsharded), checked: no replica axis, even divisions."""
+    spec = _spec_of(entries)
+    if ctx.replica_axis is not None and any(ctx.replica_axis in e for e in entries):
+        raise ValueError(f"{name} ({shape=}, {spec}) is sharded over the replica axis "
+                         f"{ctx.replica_axis!r}; parameters must be replicated across replicas")
+    for i, e in enumerate(entries):
+        if e and shape[i] % ctx.size(e):
+            raise ValueError(f"{name} ({shape=}, {spec}): axis {i} of size {shape[i]} does not "
+                             f"divide evenly over mesh axes {e} ({ctx.size(e)} devices)")
+    sharded = [i for i, e in enumerate(entries) if e]
+    red = [i for i in sharded if i in glob.reduction_axes]
+    out = [i for i in sharded if i in glob.output_axes]
+    for what, axes in (("reduction", red), ("output", out)):
+        if len(axes) > 1:
+            raise ValueError(f"{name} ({shape=}, {spec}) is sharded along {len(axes)} of its "
+                             f"{what} axes {tuple(axes)}; Dion3 takes at most one sharded "
+                             f"{what} axis (shard one of them over a tuple of mesh axes, e.g. "
+                             "P(('a', 'b'), None))")
+    batch = [i for i in sharded if i not in red and i not in out]
+    return batch, red[0] if red else None, out[0] if out else None
 
 
 def make_plan(ctx: Context, entries, shape, dn, num_heads, split_sizes, name: str) -> LeafPlan:
-    """Builds the plan of one leaf from its dimension specs."""
+    """Builds the plan of one leaf from its dimension specs.
+
+    A leaf may be sharded along any of its batch axes, along one reduction axis and along one
+    output axis, each over one mesh axis or a tuple of them. Batch shards only divide the batch
+    (no communication); the output axis makes it ``"rows"``, the reduction axis ``"cols"``, and
+    both a ``"rows"`` leaf of column tiles (``col_comm``).
+    """
     glob = _layout.make_layout(shape, dn, num_heads, split_sizes, name=name)
-    spec = _spec_of(entries)
-    var_entries = tuple(() if i in glob.reduction_axes else e for i, e in enumerate(entries))
-    var_spec = _spec_of(var_entries)
-    sharded = [i for i, e in enumerate(entries) if e]
-    if ctx.replica_axis is not None and any(ctx.replica_axis in e for e in entries):
-        raise ValueError(f"{name} is sharded over the replica axis {ctx.replica_axis!r} "
-                         f"({spec}); parameters must be replicated across replicas")
-    if not sharded:
+    spec = _spec_of(entries, ctx.auto())
+    var_spec = _spec_of(tuple(() if i in glob.reduction_axes else e
+                              for i, e in enumerate(entries)), ctx.auto())
+    batch, red, out = _sharded_axes(ctx, entries, glob, shape, name)
+    if red is None and out is None and not batch:
         comm = tuple(a for a in ctx.shard_axes if ctx.sizes.get(a, 1) > 1)
         return LeafPlan(spec, var_spec, "whole", comm, bool(comm), glob, glob)
-    if len(sharded) > 1:
-        raise ValueError(f"{name} ({shape=}) is sharded along more than one axis ({spec}); Dion3 "
-                         "supports one sharded axis per leaf (merge mesh axes into one entry, "
-                         "e.g. P(('a', 'b'), None))")
-    axis = sharded[0]
-    comm = entries[axis]
-    w = ctx.size(comm)
-    local_shape = tuple(s // w if i == axis else s for i, s in enumerate(shape))
-    if axis in glob.reduction_axes:
-        local = _layout.make_layout(local_shape, dn, num_heads, split_sizes, name=name)
-        return LeafPlan(spec, var_spec, "cols", comm, False, glob, local)
-    if axis not in glob.output_axes:  # a batch axis: whole matrices on every device
-        local = _layout.make_layout(local_shape, dn, num_heads, split_sizes, name=name)
-        return LeafPlan(spec, var_spec, "whole", comm, False, glob, local)
-    # Output axis: rows.
-    n_total = math.prod(shape[i] for i in glob.output_axes)
-    n_loc = n_total // w
-    leading = axis == glob.output_axes[0]
-    blocks = glob.blocks
-    if glob.num_heads > 1 or len(glob.split_sizes) > 1:
-        if not leading:
+    local_shape = tuple(s // ctx.size(e) if e else s for s, e in zip(shape, entries))
+    cols = entries[red] if red is not None else ()
+    heads = glob.num_heads
+    if out is not None and (heads > 1 or len(glob.split_sizes) > 1):
+        if out != glob.output_axes[0]:
             raise ValueError(f"{name} ({shape=}, {spec}): with num_heads / split_sizes only the "
                              "leading output axis may be sharded")
-        hd = blocks[0].n
-        if glob.num_heads > 1 and n_loc % hd == 0:  # whole heads on each device: batch-like
-            local = _layout.make_layout(local_shape, dn, glob.num_heads // w, None, name=name)
-            return LeafPlan(spec, var_spec, "whole", comm, False, glob, local)
+        w = ctx.size(entries[out])
+        n_loc = math.prod(shape[i] for i in glob.output_axes) // w
+        if heads > 1 and n_loc % glob.blocks[0].n == 0:  # whole heads on each device: batch-like
+            batch, out, heads = batch + [out], None, heads // w
+    if out is None:
+        local = _layout.make_layout(local_shape, dn, heads, split_sizes, name=name)
+        if red is not None:
+            return LeafPlan(spec, var_spec, "cols", cols, False, glob, local)
+        comm = tuple(a for i in batch for a in entries[i])
+        return LeafPlan(spec, var_spec, "whole", comm, False, glob, local)
     local = _layout.make_layout(local_shape, dn, None, None, name=name)
-    # Row ranges of the matrices of this leaf, in the output axis (per batch element).
+    segments = _segments(glob, local, shape, ctx.size(entries[out]))
+    return LeafPlan(spec, var_spec, "rows", entries[out], False, glob, local, segments, cols)
+
+
+def _segments(glob: _layout.LeafLayout, local: _layout.LeafLayout, shape, w: int
+              ) -> tuple[Segment, ...]:
+    """The row segments (whole leaf, heads or split blocks) of a leaf whose output axis is
+    split into ``w`` contiguous ranges, as each device sees them."""
+    n_loc = math.prod(shape[i] for i in glob.output_axes) // w
+    blocks = glob.blocks
     if glob.num_heads > 1:
         ranges = [(h * blocks[0].n, blocks[0].n) for h in range(glob.num_heads)]
         per_block = [dataclasses.replace(blocks[0], batch=local.blocks[0].batch)] * len(ranges)
@@ -424,7 +461,7 @@ def make_plan(ctx: Context, entries, shape, dn, num_heads, split_sizes, name: st
             counts.append(c)
             starts.append(lo - d * n_loc if c else 0)
         segments.append(Segment(bl, tuple(starts), tuple(counts), max(counts)))
-    return LeafPlan(spec, var_spec, "rows", comm, False, glob, local, tuple(segments))
+    return tuple(segments)
 
 
 def shard_map(ctx: Context, fn: Callable, in_specs, out_specs) -> Callable:

@@ -61,6 +61,9 @@ class GroupKey(NamedTuple):
       kept: ``"all_to_all"`` of global-scope row shards: the rows of the assembled matrix that
         the orthogonalizer gets, the ``k`` selected ones in order (every device sends
         ``min(k, rows per device)``, the rest zero padding); 0: all of them.
+      col_pieces: ``"all_to_all"`` of row shards that are column tiles too: the number of
+        column pieces (the minor part of ``axes``); the assembled matrix takes the pieces of
+        ``axes`` as a grid, rows major. 1: pieces along ``concat_axis`` only.
     """
 
     route: Route
@@ -69,6 +72,7 @@ class GroupKey(NamedTuple):
     shape: tuple[int, int]
     dtype: jnp.dtype
     kept: int = 0
+    col_pieces: int = 1
 
 
 def _pad_count(x: jax.Array, multiple: int) -> jax.Array:
@@ -156,11 +160,8 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
     # The barrier keeps XLA:CPU from splitting the operand into per-peer pieces of different
     # provenance (its verifier then rejects the all-to-all when some pieces are padding).
     xp = jax.lax.optimization_barrier(xp)
-    recv = jax.lax.all_to_all(xp, key.axes, 0, 0, tiled=True).reshape((w, per, a, b))
-    if key.concat_axis == 1:
-        whole = jnp.moveaxis(recv, 0, 1).reshape((per, w * a, b))
-    else:
-        whole = jnp.moveaxis(recv, 0, 2).reshape((per, a, w * b))
+    recv = jax.lax.all_to_all(xp, key.axes, 0, 0, tiled=True)
+    whole = _assemble(recv.reshape((w, per, a, b)), key.concat_axis, key.col_pieces)
     if key.kept:
         mine = jax.lax.dynamic_slice_in_dim(_pad_count(counts, w),
                                             jax.lax.axis_index(key.axes) * per, per, axis=0)
@@ -171,12 +172,35 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
             o, _along(sources, key.concat_axis), axis=key.concat_axis), jnp.zeros((), o.dtype))
     else:
         o = checked(orthogonalizer, whole)
-    if key.concat_axis == 1:
-        pieces = jnp.moveaxis(o.reshape((per, w, a, b)), 1, 0)
-    else:
-        pieces = jnp.moveaxis(o.reshape((per, a, w, b)), 2, 0)
+    pieces = _disassemble(o, key.concat_axis, key.col_pieces, (a, b))
     back = jax.lax.all_to_all(pieces.reshape((w * per, a, b)), key.axes, 0, 0, tiled=True)
     return back[:n]
+
+
+def _assemble(recv: jax.Array, concat_axis: int, col_pieces: int) -> jax.Array:
+    """``(W, per, a, b)`` pieces (device-major) → ``(per, ·, ·)`` whole matrices: the pieces
+    of ``W / col_pieces`` row shards concatenated along ``concat_axis``, each made of
+    ``col_pieces`` column pieces concatenated along the other axis."""
+    w, per, a, b = recv.shape
+    wr, wc = w // col_pieces, col_pieces
+    grid = recv.reshape((wr, wc, per, a, b))
+    if concat_axis == 1:     # rows of a: (per, wr, a, wc, b)
+        return jnp.transpose(grid, (2, 0, 3, 1, 4)).reshape((per, wr * a, wc * b))
+    return jnp.transpose(grid, (2, 1, 3, 0, 4)).reshape((per, wc * a, wr * b))
+
+
+def _disassemble(o: jax.Array, concat_axis: int, col_pieces: int, piece: tuple[int, int]
+                 ) -> jax.Array:
+    """The inverse of :func:`_assemble`: ``(per, ·, ·)`` → ``(W, per, a, b)``."""
+    per, (a, b) = o.shape[0], piece
+    wc = col_pieces
+    if concat_axis == 1:
+        wr = o.shape[1] // a
+        return jnp.transpose(o.reshape((per, wr, a, wc, b)), (1, 3, 0, 2, 4)).reshape(
+            (wr * wc, per, a, b))
+    wr = o.shape[2] // b
+    return jnp.transpose(o.reshape((per, wc, a, wr, b)), (3, 1, 0, 2, 4)).reshape(
+        (wr * wc, per, a, b))
 
 
 def stack(payloads: Sequence[jax.Array]) -> jax.Array:

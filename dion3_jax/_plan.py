@@ -63,6 +63,8 @@ class Unit(NamedTuple):
         that takes only wide matrices).
       lr_scale: the update's shape factor, :func:`dion3_jax._rules.lr_scale` of the whole
         matrix under ``adjust_lr``.
+      col_comm: ``"rows"`` units of a leaf sharded along its reduction axis too: the mesh axes
+        of its column tiles (the row statistics are summed over them); else empty.
     """
 
     uid: int
@@ -80,6 +82,18 @@ class Unit(NamedTuple):
     group: _megabatch.GroupKey
     swap: bool
     lr_scale: float
+    col_comm: tuple[str, ...] = ()
+
+    @property
+    def col_axes(self) -> tuple[str, ...]:
+        """The mesh axes over which each matrix's columns are split (its row statistics are
+        partial sums over them)."""
+        return self.comm if self.shard == "cols" else self.col_comm
+
+    @property
+    def matrix_axes(self) -> tuple[str, ...]:
+        """Every mesh axis over which each matrix is split (none for whole matrices)."""
+        return () if self.shard == "whole" else self.comm + self.col_comm
 
 
 class Batch(NamedTuple):
@@ -144,9 +158,10 @@ class Plan(NamedTuple):
 
 
 def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx,
-           any_orientation: bool, kept: int | None = None):
+           any_orientation: bool, kept: int | None = None, col_comm: tuple[str, ...] = ()):
     """The unit's shape group and whether its payload is transposed to the group's shape
-    (``kept``: global-scope row shards, the selected rows of the assembled matrix)."""
+    (``kept``: global-scope row shards, the selected rows of the assembled matrix;
+    ``col_comm``: row shards that are column tiles too, the mesh axes of the columns)."""
     ra = layout.row_axis
     sent = pick * (ctx.size(comm) if shard == "rows" else 1)
     rows_assembled = sent if kept is None else kept
@@ -160,8 +175,9 @@ def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dt
         route = "split" if split else "on_device"
         return _megabatch.GroupKey(route, comm if split else (), 0, shape, dtype), swap
     concat = want if shard == "rows" else 3 - want
-    return _megabatch.GroupKey("all_to_all", comm, concat, shape, dtype,
-                               0 if rows_assembled == sent else rows_assembled), swap
+    return _megabatch.GroupKey("all_to_all", comm + col_comm, concat, shape, dtype,
+                               0 if rows_assembled == sent else rows_assembled,
+                               ctx.size(col_comm)), swap
 
 
 def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int,
@@ -191,17 +207,17 @@ def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str
         else:
             pick, every = min(k, seg.width), k == seg.layout.n
         group, swap = _group("rows", lp.comm, False, lay, lb.c, pick, dtype, ctx,
-                             any_orientation, None if scope == "local" else k)
+                             any_orientation, None if scope == "local" else k, lp.col_comm)
         units.append(Unit(start + len(units), leaf, 0, lay, lb.c, "rows", lp.comm, False, seg, k,
                           pick, seg.whole and every, group, swap,
-                          _rules.lr_scale(adjust_lr, lay.n, lay.c)))
+                          _rules.lr_scale(adjust_lr, lay.n, lay.c), lp.col_comm))
     return units
 
 
 def _batch_key(u: Unit, leaf: _distributed.LeafPlan) -> tuple:
     """What the step's per-matrix work depends on, besides the group (local rows included)."""
     return (u.layout.row_axis, u.swap, u.layout.n, u.layout.c, leaf.local.blocks[u.block].n,
-            u.shard, u.comm, u.split, u.k, u.pick, u.full, u.seg and u.seg.width)
+            u.shard, u.comm, u.col_comm, u.split, u.k, u.pick, u.full, u.seg and u.seg.width)
 
 
 def _batches(units: list[Unit], groups, leaves) -> tuple[Batch, ...]:
@@ -230,9 +246,19 @@ def _leaf_plans(cfg: Dion3Config, tree, leaves, ctx) -> list[_distributed.LeafPl
         specs = _distributed.leaf_specs(ctx, leaves, cfg.mesh_options.param_specs, tree)
     else:
         specs = [((),) * len(leaf.shape) for leaf in leaves]
-    return [_distributed.make_plan(ctx, spec, tuple(leaf.shape), dn(path), nh(path), ss(path),
-                                   _layout.path_str(path))
-            for (path, leaf), spec in zip(flat, specs)]
+    plans, errors = [], []
+    for (path, leaf), spec in zip(flat, specs):
+        try:
+            plans.append(_distributed.make_plan(ctx, spec, tuple(leaf.shape), dn(path), nh(path),
+                                                ss(path), _layout.path_str(path)))
+        except ValueError as e:
+            errors.append(str(e))
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError(f"{len(errors)} leaves cannot be orthogonalized as given:\n  - "
+                         + "\n  - ".join(errors))
+    return plans
 
 
 def leaf_plans(cfg: Dion3Config, tree) -> tuple[_distributed.Context, list]:

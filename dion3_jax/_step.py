@@ -112,7 +112,7 @@ def _l1_scores(plan: Plan, local: dict) -> dict[tuple[int, int], jax.Array]:
     units = {(u.leaf, u.block): u for u in reversed(plan.units)}
     keys = list(local)
     return dict(zip(keys, batched_psum([
-        (local[k], (units[k].comm if units[k].shard == "cols" else ()) + replica)
+        (local[k], units[k].col_axes + replica)
         for k in keys])))
 
 
@@ -481,11 +481,14 @@ def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
     sel = [j for j, b in enumerate(plan.batches) if _route(plan, b) == "all_to_all"]
     rows = [j for j in sel if sq_sums[j].ndim == 2]
     sel = [j for j in sel if sq_sums[j].ndim == 1]
-    comm = lambda j: plan.units[plan.batches[j].uids[0]].comm  # noqa: E731
+    unit = lambda j: plan.units[plan.batches[j].uids[0]]  # noqa: E731
     whole = [None] * len(plan.batches)
-    for j, t in zip(sel, batched_psum([(sq_sums[j], comm(j)) for j in sel])):
+    for j, t in zip(sel, batched_psum([(sq_sums[j], unit(j).matrix_axes) for j in sel])):
         whole[j] = t
-    for j, g in zip(rows, batched_all_gather([(sq_sums[j], comm(j)) for j in rows])):
+    # Column tiles: each picked row's sum over its column pieces first.
+    row_sums = batched_psum([(sq_sums[j], unit(j).col_comm) for j in rows])
+    for j, g in zip(rows, batched_all_gather([(r, unit(j).comm)
+                                              for j, r in zip(rows, row_sums)])):
         b = plan.batches[j]
         counts = _megabatch.stack([picks[i].counts for i in b.uids])
         g = jnp.moveaxis(g, 0, 1).reshape((g.shape[1], -1))          # (batch, W · pick)
@@ -720,8 +723,7 @@ def _row_sq(plan: Plan, factors: tuple[BatchFactors, ...]) -> list[jax.Array]:
     (:func:`_rules.row_sq_norms`, summed over column shards), one reduction per batch over the
     batch's factors as the polar wrote them."""
     return batched_psum([
-        (_rules.row_sq_norms(f.factors, f.row_axis),
-         plan.units[b.uids[0]].comm if plan.units[b.uids[0]].shard == "cols" else ())
+        (_rules.row_sq_norms(f.factors, f.row_axis), plan.units[b.uids[0]].col_axes)
         for b, f in zip(plan.batches, factors)])
 
 

@@ -39,6 +39,7 @@ import pytest
 
 import dion3_jax
 from dion3_jax import DimensionNumbers
+from hlo_census import count_op, op_result_sizes
 from platform_setup import DEVICES, PLATFORM
 
 N = len(DEVICES)
@@ -379,24 +380,6 @@ def test_global_scope_equals_one_device_and_polar_sees_its_payload(polar, tol):
 # Compiled HLO: collectives per step.
 
 
-def count_op(hlo: str, op: str) -> int:
-    """Number of ``op`` instructions (sync or async start) in compiled HLO text."""
-    return len(re.findall(rf" {op}(?:-start)?\(", hlo))
-
-
-def op_result_sizes(hlo: str, op: str) -> list[int]:
-    """Number of elements of each array an ``op`` instruction returns: one entry per element of
-    a tuple result (XLA's GPU collective combiners merge several gathers into one tuple-shaped
-    instruction)."""
-    sizes = []
-    for line in hlo.splitlines():
-        m = re.search(rf"= (.*) {op}(?:-start)?\(", line)
-        if m:
-            dims = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", m.group(1))
-            sizes += [int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims]
-    return sizes
-
-
 def fsdp_model(layers: int, mesh):
     s = fsdp(mesh)
     leaves = {}
@@ -546,9 +529,9 @@ def test_validation():
     with pytest.raises(TypeError, match="mesh_options"):
         dion3_jax.scale_by_dion3(mesh_options=mesh)
     with jax.set_mesh(mesh):
-        w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("a", "b")))
-        with pytest.raises(ValueError, match="more than one axis"):
-            dion3_jax.scale_by_dion3().init({"w": w})
+        w = jax.device_put(np.ones((8, 2, 4), np.float32), NamedSharding(mesh, P(None, "a", "b")))
+        with pytest.raises(ValueError, match="sharded along 2 of its output axes"):
+            dion3_jax.scale_by_dion3(dimension_numbers=DimensionNumbers(0, (1, 2))).init({"w": w})
         w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P(None, "a")))
         with pytest.raises(ValueError, match="replica"):
             dion3_jax.scale_by_dion3(mesh_options=MO(replica_axis="a")).init({"w": w})
