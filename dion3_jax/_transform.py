@@ -38,10 +38,8 @@ References:
   <https://arxiv.org/abs/2510.05491>`_, 2025.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -84,7 +82,7 @@ class ScaleByDion3State(NamedTuple):
         return jax.tree.map(lambda m, d: (m * d).astype(m.dtype), self.momentum,
                             self.momentum_scale)
 
-    def folded(self) -> ScaleByDion3State:
+    def folded(self) -> Self:
         """This state with ``momentum`` = :meth:`full_momentum` and ``momentum_scale`` ones."""
         return self._replace(momentum=self.full_momentum(),
                              momentum_scale=jax.tree.map(jnp.ones_like, self.momentum_scale))
