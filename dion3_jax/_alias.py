@@ -19,14 +19,14 @@ token embedding and the LM head, which are 2-D but are NOT matrices in this sens
 lookup tables / class scores, not a linear map between hidden spaces) — go to a scalar optimizer
 through ``optax.partition``.
 
-The three optimizers are made by :func:`_optimizer` from one builder, :func:`_build`, whose
-keyword-only parameters are their options: each option is defined once, there.
+Each of the three optimizers writes out its parameters in its own ``def`` (so that type checkers,
+IDEs and ``typing.get_type_hints`` see them; no ``from __future__ import annotations`` here, the
+annotations are objects) and passes every one to the one builder, :func:`_build`.
+``tests/test_signatures.py`` keeps their shared options the same (names, order, defaults,
+annotations) and checks that each is forwarded.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
-import inspect
 import math
 from typing import Literal
 
@@ -39,9 +39,7 @@ from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer
 from dion3_jax._routing import DION3_LABEL, SCALAR_LABEL, default_param_labels
 from dion3_jax._transform import any_committed, scale_by_dion3
-from dion3_jax._types import Label, Mask, PerLeaf
-
-Optimizer = optax.GradientTransformationExtraArgs
+from dion3_jax._types import Label, Mask, Params, PerLeaf, Tree
 
 
 def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fraction: float
@@ -75,25 +73,29 @@ def _build(
     weight_decay: optax.ScalarOrSchedule,
     weight_decay_mask: Mask | None,
     *,
-    flavor: Flavor = "normuon",
-    adjust_lr: AdjustLR = "spectral_norm",
-    dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
-    num_heads: PerLeaf[int | None] | None = None,
-    split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
-    mesh_options: MeshOptions | None = None,
-    pass_implementation: PassImplementation = "auto",
-    param_labels: PerLeaf[Label] | None = None,
-    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
-    adam_learning_rate: optax.ScalarOrSchedule | None = None,
-    adam_b1: jax.typing.ArrayLike = 0.9,
-    adam_b2: jax.typing.ArrayLike = 0.95,
-    adam_eps: jax.typing.ArrayLike = 1e-8,
-    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
-    adam_weight_decay_mask: Mask | None = None,
+    flavor: Flavor,
+    adjust_lr: AdjustLR,
+    dimension_numbers: PerLeaf[DimensionNumbers | None] | None,
+    num_heads: PerLeaf[int | None] | None,
+    split_sizes: PerLeaf[tuple[int, ...] | None] | None,
+    mu_dtype: jax.typing.DTypeLike | None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None,
+    mesh_options: MeshOptions | None,
+    pass_implementation: PassImplementation,
+    param_labels: PerLeaf[Label] | None,
+    scalar_optimizer: Literal["adamw", "lion"],
+    adam_learning_rate: optax.ScalarOrSchedule | None,
+    adam_b1: jax.typing.ArrayLike,
+    adam_b2: jax.typing.ArrayLike,
+    adam_eps: jax.typing.ArrayLike,
+    adam_weight_decay: optax.ScalarOrSchedule,
+    adam_weight_decay_mask: Mask | None,
 ) -> optax.GradientTransformationExtraArgs:
-    """The one builder of :func:`dion3`, :func:`muon` and :func:`normuon` (documented there)."""
+    """The one builder of :func:`dion3`, :func:`muon` and :func:`normuon` (documented there).
+
+    It has no defaults: each public optimizer passes every argument, so one that it forgot to
+    forward fails at the call (``tests/test_signatures.py`` checks that they forward each).
+    """
     _check_alias_args(learning_rate, weight_decay, adam_learning_rate, adam_b1, adam_b2,
                       adam_eps, adam_weight_decay, scalar_optimizer)
     matrix_tx = optax.chain(
@@ -112,56 +114,42 @@ def _build(
     else:
         scalar_tx = optax.lion(scalar_lr, b1=adam_b1, b2=adam_b2, weight_decay=adam_weight_decay,
                                mask=adam_weight_decay_mask)
+    labels: PerLeaf[Label]
     if param_labels is None:
-        def param_labels(params):
+        def labels(params: Params) -> Tree[Label]:
             return default_param_labels(params, dimension_numbers)
+    else:
+        labels = param_labels
     return _committed_counts(
-        optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, param_labels))
+        optax.partition({DION3_LABEL: matrix_tx, SCALAR_LABEL: scalar_tx}, labels))
 
 
-def _optimizer(**fixed) -> Callable[[Callable], Callable[..., Optimizer]]:
-    """Makes a public optimizer from a stub: ``_build`` with the stub's signature.
-
-    The stub (never called) gives the name, the docstring and the positional parameters with
-    their defaults; ``fixed`` gives the values of ``_build``'s other parameters that the
-    optimizer does not take. The optimizer's keyword-only parameters are the rest of
-    ``_build``'s, and every annotation is ``_build``'s, so each option is defined once.
-
-    Raises:
-      TypeError: (at import) when the stub and ``fixed`` do not cover ``_build``'s parameters.
-    """
-    base = inspect.signature(_build)
-
-    def make(stub: Callable) -> Callable[..., Optimizer]:
-        own = inspect.signature(stub).parameters
-        positional = [base.parameters[name].replace(default=p.default) for name, p in own.items()]
-        keywords = [p for name, p in base.parameters.items()
-                    if p.kind is p.KEYWORD_ONLY and name not in fixed and name not in own]
-        sig = base.replace(parameters=positional + keywords)
-        uncovered = set(base.parameters) - set(sig.parameters) - set(fixed)
-        if uncovered or set(fixed) & set(sig.parameters):
-            raise TypeError(f"{stub.__name__}: _build's {sorted(uncovered)} are neither taken "
-                            f"nor fixed, or fixed {sorted(fixed)} are also taken")
-
-        def optimizer(*args, **kwargs) -> Optimizer:
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            return _build(**bound.arguments, **fixed)
-
-        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(optimizer, attr, getattr(stub, attr))
-        optimizer.__signature__ = sig
-        optimizer.__annotations__ = {
-            **{p.name: p.annotation for p in sig.parameters.values()},
-            "return": sig.return_annotation}
-        return optimizer
-
-    return make
-
-
-@_optimizer()
-def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
-          weight_decay_mask=None):
+def dion3(
+    learning_rate: optax.ScalarOrSchedule,
+    fraction: float = 0.25,
+    mu: jax.typing.ArrayLike | None = None,
+    beta2: jax.typing.ArrayLike = 0.95,
+    weight_decay: optax.ScalarOrSchedule = 0.01,
+    weight_decay_mask: Mask | None = None,
+    *,
+    flavor: Flavor = "normuon",
+    adjust_lr: AdjustLR = "spectral_norm",
+    dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
+    num_heads: PerLeaf[int | None] | None = None,
+    split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
+    mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
+    param_labels: PerLeaf[Label] | None = None,
+    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.95,
+    adam_eps: jax.typing.ArrayLike = 1e-8,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformationExtraArgs:
     r"""Dion3 for matrix parameters, AdamW (or Lion) for everything else.
 
     Matrix leaves get :func:`dion3_jax.scale_by_dion3`, then decoupled weight decay and the
@@ -194,16 +182,30 @@ def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
         a ``ValueError`` at construction (as it does for ``adam_b1``, ``adam_b2``, ``adam_eps``).
       weight_decay: decoupled weight decay of the matrices, applied with the base learning rate.
       weight_decay_mask: optional mask (tree or callable) for the matrices' weight decay.
-      flavor, adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, pass_implementation: the matrix transform's options, see
-        :func:`scale_by_dion3` (``mu_dtype`` defaults to float32 for 16-bit parameters).
+      flavor: ``"normuon"`` (row-normalized, the Dion3 default) or ``"muon"`` (plain polar).
+      adjust_lr: the per-matrix learning-rate shape factor, ``"spectral_norm"``, ``"rms_norm"``
+        or ``None`` (:func:`scale_by_dion3`).
+      dimension_numbers: which axes of each leaf are its matrix's ``(reduction_axis,
+        output_axis)`` (:func:`scale_by_dion3`); also read by the default labels.
+      num_heads: per-head matrices (:func:`scale_by_dion3`).
+      split_sizes: independent row blocks of the output axis, e.g. fused QKV
+        (:func:`scale_by_dion3`).
+      mu_dtype: dtype of the momentum; default float32 for 16-bit parameters, else each
+        parameter's (:func:`scale_by_dion3`).
+      orthogonalizer: the polar operator: ``None`` (the default Gram Newton-Schulz), a
+        :func:`dion3_jax.make_orthogonalizer` record or a callable (:func:`scale_by_dion3`).
+      mesh_options: :class:`dion3_jax.MeshOptions` for a device mesh (:func:`scale_by_dion3`).
+      pass_implementation: what runs the step's two passes over the momentum, ``"auto"``,
+        ``"xla"``, ``"mosaic"`` or ``"pallas_triton"`` (:func:`scale_by_dion3`).
       param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels; default
         :func:`default_param_labels`.
       scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
       adam_learning_rate: learning rate of the scalar optimizer. Default ``None`` reuses
         ``learning_rate`` (as the reference does), which is large for AdamW when the Dion3 rate
         is 0.01–0.04: set it explicitly (e.g. 1e-3–8e-3) in practice.
-      adam_b1, adam_b2, adam_eps: scalar optimizer's moments (Lion uses ``b1``, ``b2``).
+      adam_b1: the scalar optimizer's first-moment decay (Lion's ``b1``).
+      adam_b2: the scalar optimizer's second-moment decay (Lion's ``b2``).
+      adam_eps: AdamW's epsilon (Lion has none).
       adam_weight_decay: weight decay of the scalar optimizer (all its leaves, norm scales
         included, unless masked).
       adam_weight_decay_mask: optional mask (tree or callable) for it, e.g. to exclude norms.
@@ -225,21 +227,67 @@ def dion3(learning_rate, fraction=0.25, mu=None, beta2=0.95, weight_decay=0.01,
       Amsel et al., `Dion3: Full-Stack Orthogonal Updates <https://arxiv.org/abs/2608.11612>`_,
       2026.
     """
+    return _build(
+        learning_rate, fraction, mu, beta2, weight_decay, weight_decay_mask,
+        flavor=flavor, adjust_lr=adjust_lr, dimension_numbers=dimension_numbers,
+        num_heads=num_heads, split_sizes=split_sizes, mu_dtype=mu_dtype,
+        orthogonalizer=orthogonalizer, mesh_options=mesh_options,
+        pass_implementation=pass_implementation, param_labels=param_labels,
+        scalar_optimizer=scalar_optimizer, adam_learning_rate=adam_learning_rate,
+        adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+        adam_weight_decay=adam_weight_decay, adam_weight_decay_mask=adam_weight_decay_mask)
 
 
-@_optimizer(fraction=1.0, beta2=0.95, flavor="muon")
-def muon(learning_rate, mu=0.95, weight_decay=0.01, weight_decay_mask=None):
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    mu: jax.typing.ArrayLike | None = 0.95,
+    weight_decay: optax.ScalarOrSchedule = 0.01,
+    weight_decay_mask: Mask | None = None,
+    *,
+    adjust_lr: AdjustLR = "spectral_norm",
+    dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
+    num_heads: PerLeaf[int | None] | None = None,
+    split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
+    mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
+    param_labels: PerLeaf[Label] | None = None,
+    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.95,
+    adam_eps: jax.typing.ArrayLike = 1e-8,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformationExtraArgs:
     """Muon (momentum ``U = μU + G``, no Nesterov) through the Dion3 code path at ``f = 1``.
+
+    :func:`dion3` with ``fraction=1`` and ``flavor="muon"``: every row is selected every step
+    and its polar factor is the update. The options after ``*`` are :func:`dion3`'s (same
+    names, defaults and meaning).
 
     Args:
       learning_rate: base learning rate or schedule.
-      mu: momentum coefficient.
+      mu: momentum coefficient (a number or an array, not a schedule).
       weight_decay: decoupled weight decay of the matrices.
-      weight_decay_mask: optional mask for it.
-      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
-        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
-        :func:`dion3`.
+      weight_decay_mask: optional mask (tree or callable) for it.
+      adjust_lr: the per-matrix learning-rate shape factor.
+      dimension_numbers: the ``(reduction_axis, output_axis)`` of each leaf's matrix.
+      num_heads: per-head matrices.
+      split_sizes: independent row blocks of the output axis (fused QKV).
+      mu_dtype: dtype of the momentum.
+      orthogonalizer: the polar operator.
+      mesh_options: :class:`dion3_jax.MeshOptions` for a device mesh.
+      pass_implementation: what runs the step's two passes over the momentum.
+      param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels.
+      scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
+      adam_learning_rate: learning rate of the scalar optimizer (default: ``learning_rate``).
+      adam_b1: the scalar optimizer's first-moment decay.
+      adam_b2: the scalar optimizer's second-moment decay.
+      adam_eps: AdamW's epsilon.
+      adam_weight_decay: weight decay of the scalar optimizer.
+      adam_weight_decay_mask: optional mask for it.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -247,22 +295,68 @@ def muon(learning_rate, mu=0.95, weight_decay=0.01, weight_decay_mask=None):
     References:
       Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_, 2024.
     """
+    return _build(
+        learning_rate, 1.0, mu, 0.95, weight_decay, weight_decay_mask,
+        flavor="muon", adjust_lr=adjust_lr, dimension_numbers=dimension_numbers,
+        num_heads=num_heads, split_sizes=split_sizes, mu_dtype=mu_dtype,
+        orthogonalizer=orthogonalizer, mesh_options=mesh_options,
+        pass_implementation=pass_implementation, param_labels=param_labels,
+        scalar_optimizer=scalar_optimizer, adam_learning_rate=adam_learning_rate,
+        adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+        adam_weight_decay=adam_weight_decay, adam_weight_decay_mask=adam_weight_decay_mask)
 
 
-@_optimizer(fraction=1.0, flavor="normuon")
-def normuon(learning_rate, mu=0.95, beta2=0.95, weight_decay=0.01, weight_decay_mask=None):
+def normuon(
+    learning_rate: optax.ScalarOrSchedule,
+    mu: jax.typing.ArrayLike | None = 0.95,
+    beta2: jax.typing.ArrayLike = 0.95,
+    weight_decay: optax.ScalarOrSchedule = 0.01,
+    weight_decay_mask: Mask | None = None,
+    *,
+    adjust_lr: AdjustLR = "spectral_norm",
+    dimension_numbers: PerLeaf[DimensionNumbers | None] | None = None,
+    num_heads: PerLeaf[int | None] | None = None,
+    split_sizes: PerLeaf[tuple[int, ...] | None] | None = None,
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    orthogonalizer: Orthogonalizer | Callable[[jax.Array], jax.Array] | None = None,
+    mesh_options: MeshOptions | None = None,
+    pass_implementation: PassImplementation = "auto",
+    param_labels: PerLeaf[Label] | None = None,
+    scalar_optimizer: Literal["adamw", "lion"] = "adamw",
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    adam_b1: jax.typing.ArrayLike = 0.9,
+    adam_b2: jax.typing.ArrayLike = 0.95,
+    adam_eps: jax.typing.ArrayLike = 1e-8,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_weight_decay_mask: Mask | None = None,
+) -> optax.GradientTransformationExtraArgs:
     """NorMuon (row-normalized Muon) through the Dion3 code path at ``f = 1``.
+
+    :func:`dion3` with ``fraction=1`` and ``flavor="normuon"``. The options after ``*`` are
+    :func:`dion3`'s (same names, defaults and meaning).
 
     Args:
       learning_rate: base learning rate or schedule.
-      mu: momentum coefficient.
-      beta2: second-moment EMA coefficient.
+      mu: momentum coefficient (a number or an array, not a schedule).
+      beta2: second-moment EMA coefficient (a number or an array, not a schedule).
       weight_decay: decoupled weight decay of the matrices.
-      weight_decay_mask: optional mask for it.
-      adjust_lr, dimension_numbers, num_heads, split_sizes, mu_dtype, orthogonalizer,
-        mesh_options, pass_implementation, param_labels, scalar_optimizer, adam_learning_rate,
-        adam_b1, adam_b2, adam_eps, adam_weight_decay, adam_weight_decay_mask: as in
-        :func:`dion3`.
+      weight_decay_mask: optional mask (tree or callable) for it.
+      adjust_lr: the per-matrix learning-rate shape factor.
+      dimension_numbers: the ``(reduction_axis, output_axis)`` of each leaf's matrix.
+      num_heads: per-head matrices.
+      split_sizes: independent row blocks of the output axis (fused QKV).
+      mu_dtype: dtype of the momentum.
+      orthogonalizer: the polar operator.
+      mesh_options: :class:`dion3_jax.MeshOptions` for a device mesh.
+      pass_implementation: what runs the step's two passes over the momentum.
+      param_labels: tree or callable of ``"dion3"`` / ``"scalar"`` labels.
+      scalar_optimizer: ``"adamw"`` or ``"lion"`` for the non-matrix leaves.
+      adam_learning_rate: learning rate of the scalar optimizer (default: ``learning_rate``).
+      adam_b1: the scalar optimizer's first-moment decay.
+      adam_b2: the scalar optimizer's second-moment decay.
+      adam_eps: AdamW's epsilon.
+      adam_weight_decay: weight decay of the scalar optimizer.
+      adam_weight_decay_mask: optional mask for it.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -270,6 +364,15 @@ def normuon(learning_rate, mu=0.95, beta2=0.95, weight_decay=0.01, weight_decay_
     References:
       Li et al., `NorMuon <https://arxiv.org/abs/2510.05491>`_, 2025.
     """
+    return _build(
+        learning_rate, 1.0, mu, beta2, weight_decay, weight_decay_mask,
+        flavor="normuon", adjust_lr=adjust_lr, dimension_numbers=dimension_numbers,
+        num_heads=num_heads, split_sizes=split_sizes, mu_dtype=mu_dtype,
+        orthogonalizer=orthogonalizer, mesh_options=mesh_options,
+        pass_implementation=pass_implementation, param_labels=param_labels,
+        scalar_optimizer=scalar_optimizer, adam_learning_rate=adam_learning_rate,
+        adam_b1=adam_b1, adam_b2=adam_b2, adam_eps=adam_eps,
+        adam_weight_decay=adam_weight_decay, adam_weight_decay_mask=adam_weight_decay_mask)
 
 
 def _with_params_in_update_dtype(tx: optax.GradientTransformation

@@ -87,15 +87,16 @@ def get_coefficients(coefficients: str | Sequence[Sequence[float]], steps: int |
         coeffs = PRESETS[coefficients]
     else:
         try:
-            coeffs = tuple(tuple(float(v) for v in t) for t in coefficients)
+            raw = [tuple(float(v) for v in t) for t in coefficients]
         except TypeError as e:
             raise ValueError(
                 f"coefficients must be a preset name or a sequence of (a, b, c) triples, got "
                 f"{coefficients=!r}") from e
-        if not coeffs or any(len(t) != 3 for t in coeffs):
+        if not raw or any(len(t) != 3 for t in raw):
             raise ValueError(
                 f"coefficients must be a non-empty sequence of (a, b, c) triples, got "
                 f"{coefficients=!r}")
+        coeffs = tuple((a, b, c) for a, b, c in raw)
         if not all(math.isfinite(v) for t in coeffs for v in t):
             raise ValueError(f"coefficients must be finite, got {coefficients=!r}")
     if steps is not None:

@@ -41,7 +41,7 @@ def _by_axes(items) -> dict[tuple, list[int]]:
 
 def batched_psum(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
     """``psum`` of each array over its axes (``()``: unchanged), one collective per axes tuple."""
-    out: list[jax.Array | None] = [x for x, _ in items]
+    out = [x for x, _ in items]
     for axes, idx in _by_axes(items).items():
         if not axes:
             continue
@@ -51,13 +51,13 @@ def batched_psum(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Arr
             x = items[i][0]
             out[i] = flat[off:off + x.size].reshape(x.shape)
             off += x.size
-    return out  # type: ignore[return-value]
+    return out
 
 
 def batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[jax.Array]:
     """``all_gather`` of each array over its axes (a new leading device axis), one collective
     per axes tuple."""
-    out: list[jax.Array | None] = [None] * len(items)
+    out: dict[int, jax.Array] = {}
     for axes, idx in _by_axes(items).items():
         if not axes:
             for i in idx:
@@ -70,7 +70,7 @@ def batched_all_gather(items: list[tuple[jax.Array, tuple[str, ...]]]) -> list[j
             x = items[i][0]
             out[i] = g[:, off:off + x.size].reshape((g.shape[0], *x.shape))
             off += x.size
-    return out  # type: ignore[return-value]
+    return [out[i] for i in range(len(items))]
 
 
 def replica_mean(x: jax.Array, axis: str, wire_dtype) -> jax.Array:

@@ -49,15 +49,15 @@ class Dion3Config(NamedTuple):
     fraction: float
     mu: Any
     beta2: Any
-    flavor: str
-    adjust_lr: Any
+    flavor: Flavor
+    adjust_lr: AdjustLR
     dimension_numbers: Any
     num_heads: Any
     split_sizes: Any
     mu_dtype: Any
     orthogonalizer: PolarOperator
     mesh_options: MeshOptions
-    pass_implementation: str = "auto"
+    pass_implementation: PassImplementation = "auto"
 
 
 def is_tracer(x) -> bool:

@@ -61,6 +61,7 @@ ShardMode = Literal["whole", "rows", "cols"]
 def _as_axes(axis, what: str) -> tuple[str, ...] | None:
     if axis is None:
         return None
+    axes: tuple[str, ...]
     if isinstance(axis, str):
         axes = (axis,)
     elif isinstance(axis, (tuple, list)):
@@ -264,7 +265,7 @@ def resolve_context(mesh, shard_axis, replica_axis, leaves) -> Context:
 
 def _entries(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
     spec = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
-    out = []
+    out: list[tuple[str, ...]] = []
     for e in spec[:ndim]:
         if e is None or e is P.UNCONSTRAINED:
             out.append(())

@@ -223,16 +223,13 @@ def make_layout(shape: tuple[int, ...], dimension_numbers: DimensionNumbers | No
         raise ValueError(f"num_heads={num_heads} does not divide the output size {n_out} of "
                          f"{name} ({shape=})")
     rows = n_out // num_heads
-    if split_sizes is None:
-        splits = (rows,)
-    else:
-        if num_heads > 1:
-            raise ValueError(f"num_heads and split_sizes cannot be combined ({name})")
-        split_sizes = check_split_sizes(split_sizes, name)
-        if sum(split_sizes) != rows:
-            raise ValueError(f"split_sizes={tuple(split_sizes)} must sum to the output size "
-                             f"{rows} of {name} ({shape=})")
-        splits = tuple(split_sizes)
+    if split_sizes is not None and num_heads > 1:
+        raise ValueError(f"num_heads and split_sizes cannot be combined ({name})")
+    checked = check_split_sizes(split_sizes, name)
+    splits = (rows,) if checked is None else checked
+    if sum(splits) != rows:
+        raise ValueError(f"split_sizes={splits} must sum to the output size {rows} of {name} "
+                         f"({shape=})")
     return LeafLayout(
         shape=shape, perm=perm, batch_shape=tuple(shape[i] for i in batch),
         first_shape=tuple(shape[i] for i in first), second_shape=tuple(shape[i] for i in second),

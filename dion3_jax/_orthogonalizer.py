@@ -20,11 +20,8 @@ keyword options and nothing else; how the step calls it (stacked parts, payloads
 the caller, padded shapes) is the private protocol of ``_polar_operator``.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 import dataclasses
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -87,29 +84,46 @@ def polar_options(orthogonalizer: Orthogonalizer) -> dict:
     return {f.name: getattr(orthogonalizer, f.name) for f in dataclasses.fields(orthogonalizer)}
 
 
-_POLAR_KEYWORDS = frozenset(name for name, p in inspect.signature(polar).parameters.items()
-                            if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def make_orthogonalizer(**polar_kwargs) -> Orthogonalizer:
-    """Returns ``f(batch) = polar(batch, **polar_kwargs)``, validated now rather than at trace.
+def make_orthogonalizer(
+    *,
+    method: Method = "gram",
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    restarts: Sequence[int] = (2,),
+    steps: int | None = None,
+    compute_dtype: jax.typing.DTypeLike | None = None,
+    backend: Backend = "auto",
+    eps: float = 1e-7,
+    out_dtype: jax.typing.DTypeLike | None = None,
+) -> Orthogonalizer:
+    """Returns ``f(batch) = polar(batch, **options)``, validated now rather than at trace.
 
     This is how the polar operator of :func:`dion3_jax.scale_by_dion3` and :func:`dion3_jax.dion3`
     is configured (their ``orthogonalizer=`` argument). With the built-in operator the step
     normalizes each part of a shape group before stacking it (the group's batch is then written
     once, in the compute dtype) and can take the norms from its row statistics.
 
+    Its parameters are :func:`dion3_jax.polar`'s keyword options, with the same names, defaults
+    and types (``tests/test_signatures.py`` checks that they agree).
+
     Args:
-      **polar_kwargs: keyword arguments of :func:`dion3_jax.polar` (``method``,
-        ``coefficients``, ``restarts``, ``steps``, ``compute_dtype``, ``backend``, ``eps``,
-        ``out_dtype``).
+      method: ``"gram"`` (Gram Newton-Schulz with restarts) or ``"standard"``.
+      coefficients: a preset name (:data:`dion3_jax.newton_schulz.COEFFICIENT_PRESETS`) or a
+        sequence of ``(a, b, c)`` triples, one per step.
+      restarts: 0-based steps at which Gram Newton-Schulz restarts.
+      steps: number of steps (default: the length of the coefficient list).
+      compute_dtype: dtype of the iteration (default: float16 for ``"gram"``, bfloat16 for
+        ``"standard"``).
+      backend: the symmetric products' ``pallas_kernels`` implementation (``"auto"``,
+        ``"xla"``, ``"mosaic"`` or ``"jax_triton"``).
+      eps: added to the Frobenius norm before dividing.
+      out_dtype: dtype of the factors (default: the input's).
 
     Returns:
       An :class:`Orthogonalizer`: a record of the options that maps a ``(batch, rows, cols)``
       array to its polar factors when called.
 
     Raises:
-      ValueError: for a bad keyword argument.
+      ValueError: for a bad option value (as :func:`dion3_jax.polar` would raise at trace).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -120,8 +134,6 @@ def make_orthogonalizer(**polar_kwargs) -> Orthogonalizer:
       >>> f(jnp.ones((2, 8, 32))).shape
       (2, 8, 32)
     """
-    unknown = set(polar_kwargs) - _POLAR_KEYWORDS
-    if unknown:
-        raise ValueError(f"make_orthogonalizer: unknown keyword(s) {sorted(unknown)}; polar takes "
-                         f"{sorted(_POLAR_KEYWORDS)}")
-    return Orthogonalizer(**polar_kwargs)
+    return Orthogonalizer(method=method, coefficients=coefficients, restarts=restarts,
+                          steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps,
+                          out_dtype=out_dtype)

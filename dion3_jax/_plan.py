@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from dion3_jax import _distributed, _layout, _megabatch, _rules, _selection
-from dion3_jax._config import Dion3Config
+from dion3_jax._config import Dion3Config, PassImplementation
 from dion3_jax._polar_operator import PolarOperator
 
 
@@ -154,7 +154,7 @@ class Plan(NamedTuple):
     seed: int
     global_scope: bool
     replica_wire_dtype: Any
-    pass_implementation: str
+    pass_implementation: PassImplementation
 
 
 def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx,
@@ -172,7 +172,7 @@ def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dt
     swap = ra != want
     shape = (pick, local_cols) if (ra == 1) != swap else (local_cols, pick)
     if shard == "whole":
-        route = "split" if split else "on_device"
+        route: _megabatch.Route = "split" if split else "on_device"
         return _megabatch.GroupKey(route, comm if split else (), 0, shape, dtype), swap
     concat = want if shard == "rows" else 3 - want
     return _megabatch.GroupKey("all_to_all", comm + col_comm, concat, shape, dtype,
@@ -182,7 +182,7 @@ def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dt
 
 def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, ctx, start: int,
                  any_orientation: bool, adjust_lr):
-    units = []
+    units: list[Unit] = []
     for bi, (gb, lb) in enumerate(zip(lp.layout.blocks, lp.local.blocks)):
         lay = _layout.BlockLayout(lb.batch, gb.n, gb.c, lb.row_axis)
         k = _selection.num_selected(fraction, gb.n)
@@ -197,7 +197,7 @@ def _whole_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, dtype, c
 def _row_units(leaf: int, lp: _distributed.LeafPlan, fraction: float, scope: str, dtype, ctx,
                start: int, any_orientation: bool, adjust_lr):
     lb = lp.local.blocks[0]
-    units = []
+    units: list[Unit] = []
     for seg in lp.segments:
         lay = _layout.BlockLayout(lb.batch, seg.layout.n, seg.layout.c, lb.row_axis)
         k = _selection.num_selected(fraction, seg.layout.n)

@@ -252,7 +252,7 @@ def _padded_shape(n: int, m: int, multiples: tuple[int, int]) -> tuple[int, int]
     return rows, max(m + -m % depth, rows)
 
 
-def _multiples(y: jax.Array, backend: Backend) -> tuple[int, int] | None:
+def _multiples(y: jax.Array | jax.ShapeDtypeStruct, backend: Backend) -> tuple[int, int] | None:
     """The kernels' ``(tile, depth)`` padding multiples for ``y``'s Gram matrix, or None (XLA)."""
     b, n, m = y.shape
     gram_operand = (b, m, n) if n > m else (b, n, m)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from dion3_jax._orthogonalizer import Orthogonalizer, polar_options
-from dion3_jax._polar import (_polar_normalized, _polar_parts, iteration_shape,
+from dion3_jax._polar import (Backend, _polar_normalized, _polar_parts, iteration_shape,
                               resolved_compute_dtype)
 
 
@@ -81,12 +81,12 @@ class BuiltinPolar:
     def __init__(self, options: Orthogonalizer):
         self.options = options
         self._kwargs = polar_options(options)
-        self.eps = options.eps
-        self.input_dtype = jnp.dtype(resolved_compute_dtype(options.method,
+        self.eps: float | None = options.eps
+        self.input_dtype: jnp.dtype | None = jnp.dtype(resolved_compute_dtype(options.method,
                                                             options.compute_dtype))
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> Backend:
         """The kernels' ``pallas_kernels`` implementation (``polar``'s ``backend``)."""
         return self.options.backend
 
@@ -134,8 +134,8 @@ class CallablePolar:
 
     takes_norms = False
     any_orientation = False  # The callable gets wide matrices (rows ≤ cols).
-    eps = None               # The callable normalizes its input itself.
-    input_dtype = None
+    eps: float | None = None          # The callable normalizes its input itself.
+    input_dtype: jnp.dtype | None = None
 
     def __init__(self, fn: Callable[[jax.Array], jax.Array]):
         self.fn = fn
@@ -152,7 +152,7 @@ class CallablePolar:
         return self.fn(x)
 
     def padded_shape(self, shape: tuple[int, int, int]) -> tuple[int, int]:
-        return tuple(shape[1:])  # the callable gets the batch as it is
+        return shape[1], shape[2]  # the callable gets the batch as it is
 
     def __repr__(self) -> str:
         return f"CallablePolar({self.fn!r})"

@@ -342,6 +342,7 @@ def autotune_restarts(
     if not math.isfinite(bound) or bound < 1:
         raise ValueError(f"max_growth must be finite and >= 1 (a condition number), got "
                          f"{max_growth=!r}")
+    sizes: Sequence[int]
     if num_restarts is not None:
         sizes = [num_restarts]  # restart_candidates validates it.
     else:

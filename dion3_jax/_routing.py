@@ -180,7 +180,7 @@ def classify(params: Any, dimension_numbers: Any = None,
               else None)
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     routes = [_route(path, leaf, dimension_numbers, lookup, patterns) for path, leaf in flat]
-    if head_pattern is not None:
+    if patterns[2] is not None:   # head_pattern given
         routes = _refuse_unnamed_head(routes, patterns[2])
     return routes
 

@@ -143,9 +143,9 @@ def batched_top_rows(requests: list[tuple[jax.Array, int]], ascending: bool = Fa
     ``top_k`` as well).
     """
     groups: dict[tuple, list[int]] = {}
-    for i, (scores, k) in enumerate(requests):
-        groups.setdefault((scores.shape[1], k, jnp.dtype(scores.dtype)), []).append(i)
-    out: list[jax.Array | None] = [None] * len(requests)
+    for i, (row_scores, k) in enumerate(requests):
+        groups.setdefault((row_scores.shape[1], k, jnp.dtype(row_scores.dtype)), []).append(i)
+    out: dict[int, jax.Array] = {}
     for (_, k, _), members in groups.items():
         sizes = [requests[i][0].shape[0] for i in members]
         scores = [requests[i][0] for i in members]
@@ -154,7 +154,7 @@ def batched_top_rows(requests: list[tuple[jax.Array, int]], ascending: bool = Fa
             idx = jnp.sort(idx, axis=1)
         for i, part in zip(members, jnp.split(idx, list(itertools.accumulate(sizes))[:-1])):
             out[i] = part
-    return out
+    return [out[i] for i in range(len(requests))]
 
 
 def rows_per_device(top: jax.Array, width: int, devices: int) -> jax.Array:

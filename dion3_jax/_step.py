@@ -49,9 +49,9 @@ from dion3_jax._plan import Plan, Unit
 #: runs for each ``pass_implementation``: ``"mosaic"`` has a kernel for every row only, and
 #: selected rows go to XLA (as fast as the Pallas-Triton kernel in the 7B-shapes step at
 #: f = 1/4, docs/KERNELS.md).
-PAYLOAD_IMPLEMENTATION = {"auto": ("auto", "auto"), "xla": ("xla", "xla"),
-                          "mosaic": ("mosaic", "xla"),
-                          "pallas_triton": ("pallas_triton", "pallas_triton")}
+PAYLOAD_IMPLEMENTATION: dict[str, tuple[pallas_kernels._payload.PayloadImplementation, ...]] = {
+    "auto": ("auto", "auto"), "xla": ("xla", "xla"), "mosaic": ("mosaic", "xla"),
+    "pallas_triton": ("pallas_triton", "pallas_triton")}
 
 Blocks = list[list[jax.Array]]
 
@@ -160,7 +160,7 @@ def _one_pass_groups(plan: Plan) -> frozenset[int]:
     row axis and one block shape, each the only unit of its block (row segments of one block
     decay their rows in turn)."""
     blocks = collections.Counter((u.leaf, u.block) for u in plan.units)
-    out = set()
+    out: set[int] = set()
     for _, uids in plan.groups:
         units = [plan.units[i] for i in uids]
         if (all(_payload_decays(plan, u) for u in units)
@@ -198,7 +198,7 @@ def _summed_partials(partials: dict) -> dict:
     own, two per matrix. The sums are cut back into blocks by static slices: the run-time
     offsets of :func:`_megabatch.unstack` left 4 more passes in the step compiled for an H200
     (``benchmarks/gpu_hlo.py``, f = 1/4 and 1/8)."""
-    groups = {}
+    groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for key, pair in partials.items():
         groups.setdefault(pair[0].shape[1:], []).append(key)
     out = {}
@@ -456,7 +456,8 @@ def _norms_by_batch(plan: Plan, sq_sums, route: str) -> dict[int, jax.Array]:
 def _per_unit(plan: Plan, by_batch: dict[int, jax.Array], uids) -> dict[int, jax.Array]:
     """Per unit of ``uids``, its slice of its batch's array in ``by_batch`` (where there is
     one): the slices only units that need their own are given."""
-    out, wanted = {}, set(uids)
+    out: dict[int, jax.Array] = {}
+    wanted = set(uids)
     for j, x in by_batch.items():
         b = plan.batches[j]
         if wanted.intersection(b.uids):
@@ -482,7 +483,7 @@ def _sent_norms(plan: Plan, sq_sums, picks) -> dict[int, jax.Array]:
     rows = [j for j in sel if sq_sums[j].ndim == 2]
     sel = [j for j in sel if sq_sums[j].ndim == 1]
     unit = lambda j: plan.units[plan.batches[j].uids[0]]  # noqa: E731
-    whole = [None] * len(plan.batches)
+    whole: list[jax.Array | None] = [None] * len(plan.batches)
     for j, t in zip(sel, batched_psum([(sq_sums[j], unit(j).matrix_axes) for j in sel])):
         whole[j] = t
     # Column tiles: each picked row's sum over its column pieces first.

@@ -38,10 +38,8 @@ References:
   <https://arxiv.org/abs/2510.05491>`_, 2025.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +51,10 @@ from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer
 from dion3_jax._types import OptState, PerLeaf
+
+#: ``jax.tree_util.PyTreeDef`` as type checkers should see it: jaxlib 0.11 ships no stub of the
+#: compiled module that defines the class, so they would know none of its methods.
+_TreeDef = Any
 
 
 class ScaleByDion3State(NamedTuple):
@@ -74,7 +76,8 @@ class ScaleByDion3State(NamedTuple):
         second moments.
     """
 
-    count: jax.Array
+    # optax's name for the step count (its states' too), which shadows tuple.count.
+    count: jax.Array  # type: ignore[assignment]
     momentum: optax.Updates
     variance: optax.Updates | None
     momentum_scale: optax.Updates
@@ -84,7 +87,7 @@ class ScaleByDion3State(NamedTuple):
         return jax.tree.map(lambda m, d: (m * d).astype(m.dtype), self.momentum,
                             self.momentum_scale)
 
-    def folded(self) -> ScaleByDion3State:
+    def folded(self) -> Self:
         """This state with ``momentum`` = :meth:`full_momentum` and ``momentum_scale`` ones."""
         return self._replace(momentum=self.full_momentum(),
                              momentum_scale=jax.tree.map(jnp.ones_like, self.momentum_scale))
@@ -180,7 +183,8 @@ def _check_like_state(updates, momentum) -> None:
         if jnp.shape(g) != jnp.shape(m):
             raise ValueError(f"gradient {jax.tree_util.keystr(gp)} has shape {jnp.shape(g)}; the "
                              f"optimizer state was built for {jnp.shape(m)}")
-    if len(got) != len(want) or jax.tree.structure(updates) != jax.tree.structure(momentum):
+    structure: _TreeDef = jax.tree.structure(updates)
+    if len(got) != len(want) or structure != jax.tree.structure(momentum):
         extra = got[len(want):] or want[len(got):]
         where = jax.tree_util.keystr(extra[0][0]) if extra else "a container node"
         raise ValueError(f"the gradient tree does not match the optimizer state: {len(got)} "
@@ -191,6 +195,7 @@ def _check_like_state(updates, momentum) -> None:
 def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     _check_floating(params, "parameters")
     ctx, plans = _plan.leaf_plans(cfg, params)
+    treedef: _TreeDef
     leaves, treedef = jax.tree.flatten(params)
     normuon = cfg.flavor == "normuon"
     commit = any_committed(params)
@@ -226,7 +231,7 @@ def _plan_key(grads, moms) -> tuple:
 
 def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
     _check_like_state(updates, state.momentum)
-    treedef = jax.tree.structure(updates)
+    treedef: _TreeDef = jax.tree.structure(updates)
     grads = treedef.flatten_up_to(updates)
     moms = treedef.flatten_up_to(state.momentum)
     normuon = cfg.flavor == "normuon"
@@ -252,7 +257,7 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
     new_u, new_m, new_v, new_d = step(list(grads), list(moms), list(vars_in), list(scales),
                                       state.count)
     new_state = ScaleByDion3State(
-        count=optax.safe_increment(state.count), momentum=treedef.unflatten(new_m),
+        count=jnp.asarray(optax.safe_increment(state.count)), momentum=treedef.unflatten(new_m),
         variance=treedef.unflatten(new_v) if normuon else None,
         momentum_scale=treedef.unflatten(new_d))
     return treedef.unflatten(new_u), new_state

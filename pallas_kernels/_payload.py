@@ -150,7 +150,7 @@ def stack_payloads(sums: Sequence[jax.Array], denoms: jax.Array, *, out_dtype,
     _check(sums, denoms, rows, row_axis)
     pick = _check_pad_to(rows, pad_to)
     _, a, b = sums[0].shape
-    if pad_to is not None and pad_to > pick:
+    if rows is not None and pad_to is not None and pad_to > rows.shape[1]:
         rows = _padded_rows(rows, sums[0].shape[row_axis], pad_to)
     chosen = implementation_for((a, b), implementation, interpret, every_row=rows is None)
     if chosen == "xla":

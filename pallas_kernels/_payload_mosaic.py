@@ -127,7 +127,10 @@ def _member_kernel(s: jax.Array, out_dtype, config: MosaicPayloadConfig, interpr
     """The kernel that writes member ``s``'s payloads into a stack passed as a mutable
     ``jax.Ref``."""
     batch, a, b = s.shape
-    br, bc, chunk = blocks((a, b), config)
+    found = blocks((a, b), config)
+    if found is None:
+        raise ValueError(f"the Mosaic payload kernel does not take matrices of shape {(a, b)}")
+    br, bc, chunk = found
     stages = min(config.stages, chunk // br)
     return plgpu.kernel(
         functools.partial(_body, block=(br, bc), steps=chunk // br, stages=stages),

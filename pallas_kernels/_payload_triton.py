@@ -124,7 +124,11 @@ def _write_member(stack, slot, denoms, s, pos, *, row_axis: int, interpret: bool
     launch, so no member needs its own slice of them); ``pos`` None: every row, else each row's
     payload position. Jitted so that all members of one shape share one lowering."""
     b, rows, cols = s.shape
-    br, bc = block_shape(rows, cols, config)
+    found = block_shape(rows, cols, config)
+    if found is None:
+        raise ValueError(f"the Triton payload kernel does not take matrices of shape "
+                         f"{(rows, cols)}")
+    br, bc = found
     blk = pl.BlockSpec((None, br, bc), lambda k, i, j: (k, i, j))
     scalar = pl.BlockSpec((1,), lambda k, i, j: (0,))
     anywhere = pl.BlockSpec(memory_space=pl.ANY)

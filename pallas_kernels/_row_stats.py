@@ -149,7 +149,7 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
-    chosen = accumulate_rows_implementation(m.shape[1:], row_axis, implementation,
+    chosen = accumulate_rows_implementation((m.shape[1], m.shape[2]), row_axis, implementation,
                                             interpret)
     if chosen == "xla":
         s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis)

@@ -169,7 +169,11 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
       ``partial_sums=True``: the row sums as ``(batch, chunks, n)`` per-chunk sums.
     """
     config = CONFIGS[row_axis] if config is None else config
-    strip, step, chunk = blocks(m.shape[1:], row_axis, config)
+    found = blocks((m.shape[1], m.shape[2]), row_axis, config)
+    if found is None:
+        raise ValueError(f"the Mosaic statistics kernel does not take matrices of shape "
+                         f"{m.shape[1:]} (row_axis={row_axis})")
+    strip, step, chunk = found
     batch, n, summed = m.shape[0], m.shape[row_axis], m.shape[3 - row_axis]
     block = (strip, step) if row_axis == 1 else (step, strip)
     stages = min(config.stages, chunk // step)

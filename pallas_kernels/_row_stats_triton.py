@@ -119,7 +119,11 @@ def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis
     :data:`CONFIGS`): the row sums as ``(batch, chunks, n)`` per-chunk sums."""
     config = CONFIGS[row_axis] if config is None else config
     b, rows, cols = m.shape
-    strip, step, chunk = blocks((rows, cols), row_axis, config)
+    found = blocks((rows, cols), row_axis, config)
+    if found is None:
+        raise ValueError(f"the Triton statistics kernel does not take matrices of shape "
+                         f"{(rows, cols)} (row_axis={row_axis})")
+    strip, step, chunk = found
     n, summed = m.shape[row_axis], m.shape[3 - row_axis]
     if row_axis == 2:
         kernel = _cols_kernel

@@ -61,8 +61,8 @@ def _divmod(a: Any, b: int) -> tuple[Any, Any]:
         return a // b, a % b
     from jax import lax
 
-    b = lax.convert_element_type(b, a.dtype)
-    return lax.div(a, b), lax.rem(a, b)
+    divisor = lax.convert_element_type(b, a.dtype)
+    return lax.div(a, divisor), lax.rem(a, divisor)
 
 
 def lower_tile_coords(t: Any, tiles_per_side: int) -> tuple[Any, Any]:

@@ -428,11 +428,16 @@ def test_wrong_types_raise_type_error_naming_the_argument(kwargs, name):
     ({"coefficients": "muon"}, "coefficients"),
     ({"coefficients": [(1.0, 2.0)]}, "coefficients"),
     ({"compute_dtype": jnp.int32}, "compute_dtype"),
-    ({"ns_steps": 5}, "ns_steps"),
 ])
 def test_invalid_polar_options_raise_at_construction(kwargs, name):
     with pytest.raises(ValueError, match=name):
         dion3_jax.make_orthogonalizer(**kwargs)
+
+
+def test_an_unknown_polar_option_is_a_type_error():
+    """``make_orthogonalizer`` writes out ``polar``'s options: another name is a call error."""
+    with pytest.raises(TypeError, match="ns_steps"):
+        dion3_jax.make_orthogonalizer(ns_steps=5)
 
 
 @pytest.mark.parametrize("shape,opts,match", [
