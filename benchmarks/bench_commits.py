@@ -19,8 +19,8 @@ commit's, exported with ``git archive`` into a temporary directory and imported 
 ``dion3_jax_old`` / ``pallas_kernels_old`` (their imports of each other rewritten to the new
 names). From each, ``scale_by_dion3(f)`` (the fraction only, every other argument at its
 default) followed by ``optax.scale(-1e-3)`` is compiled as ``jit(update + apply_updates)`` with
-donated buffers on ``bench_step.py``'s model, and the two steps are timed in interleaved rounds
-(``_timing.median_ms_interleaved``), so both see the same device state. On a GPU both
+donated buffers on the benchmarks' model (``_model.py``), and the two steps are timed in
+interleaved rounds (``_timing.median_ms_interleaved``), so both see the same device state. On a GPU both
 compilations share one autotuning cache (``xla_gpu_per_fusion_autotune_cache_dir``, a fresh
 directory per run): a product both versions have gets the cuBLAS algorithm the first
 compilation picked, so the comparison does not also compare two draws of XLA's autotuner (which
@@ -69,7 +69,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-import bench_step  # noqa: E402  (the model)
+import _model  # noqa: E402  (the model and its step)
 from _timing import median_ms_interleaved  # noqa: E402
 
 PACKAGES = ("dion3_jax", "pallas_kernels")
@@ -174,7 +174,7 @@ def working_tree_version() -> str:
 
 def stepper(dion3, fraction: float, params, grads, options=None, tx=None):
     """Compiles one version's step (XLA compiler ``options``) and returns ``(run, cold
-    start)`` (``bench_step.ColdStart``: the seconds of trace, lowering and compile); ``tx``
+    start)`` (``_model.ColdStart``: the seconds of trace, lowering and compile); ``tx``
     replaces the version's transformation (the AdamW row).
 
     ``run()`` applies one step to this version's own copy of the parameters and its state (both
@@ -182,7 +182,7 @@ def stepper(dion3, fraction: float, params, grads, options=None, tx=None):
     """
     if tx is None:
         tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
-    step, cold = bench_step.compile_step(tx, params, grads, options=options)
+    step, cold = _model.compile_step(tx, params, grads, options=options)
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def run():
@@ -246,11 +246,11 @@ def main(argv=None) -> list[dict]:
     if a.export_to:
         export_dir(a.commit, pathlib.Path(a.export_to), a.suffix)
         return []
-    cfg = bench_step.SMALL if a.small else bench_step.FULL
+    cfg = _model.SMALL if a.small else _model.FULL
     reps = a.reps or (3 if a.small else 10)
-    shapes = bench_step.model_shapes(**cfg)
-    params = bench_step.make_tree(shapes, 0)
-    grads = bench_step.make_tree(shapes, 1, 1e-3)
+    shapes = _model.model_shapes(**cfg)
+    params = _model.make_tree(shapes, 0)
+    grads = _model.make_tree(shapes, 1, 1e-3)
     # The old versions' modules are imported lazily too (at trace time): keep their files until
     # the end.
     with (tempfile.TemporaryDirectory(prefix="dion3_old_") as tmp,

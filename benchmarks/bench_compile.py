@@ -14,11 +14,11 @@
 # ==============================================================================
 """Compile time of one optimizer step: optax.adamw against Dion3, as the model gets deeper.
 
-The model is ``bench_step.py``'s (per layer four d×d, two d→ff and one ff→d matrices, float32,
-Flax layout) with ``--layers`` layers, as abstract ``ShapeDtypeStruct`` leaves: nothing is
-allocated, so the 7B shapes run on any machine. Each variant is ``jit(update +
-apply_updates)`` with donated params and state, as in ``bench_step.py``; the table gives the
-seconds of its three stages, ``jax.jit(...).trace`` (Python), ``.lower`` (StableHLO) and
+The model is the benchmarks' (``_model.py``: per layer four d×d, two d→ff and one ff→d
+matrices, float32, Flax layout) with ``--layers`` layers, as abstract ``ShapeDtypeStruct``
+leaves: nothing is allocated, so the 7B shapes run on any machine. Each variant is
+``jit(update + apply_updates)`` with donated params and state (``_model.jitted_step``, as in
+``bench_step.py``); the table gives the seconds of its three stages, ``jax.jit(...).trace`` (Python), ``.lower`` (StableHLO) and
 ``.compile`` (XLA), their total and the total as a multiple of AdamW's at the same depth.
 With ``--xla-option NAME=VALUE`` every variant is also compiled with those XLA options (rows
 marked ``+opts``, each against AdamW's compile with the same options): on a GPU,
@@ -98,13 +98,13 @@ except ImportError:  # running from a source checkout
     import dion3_jax
 import pallas_kernels
 from dion3_jax import _selection
-from bench_step import compile_step, jitted_step, make_tree, model_shapes, xla_options
+from _model import compile_step, jitted_step, make_tree, model_shapes, xla_options
 
 H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
 
 
 def first_calls(compiled, tx: optax.GradientTransformation, shapes) -> tuple[float, float]:
-    """Seconds of the first and of the second call of a compiled step (``bench_step.jitted_step``'s
+    """Seconds of the first and of the second call of a compiled step (``_model.jitted_step``'s
     signature) on random leaves of ``shapes``, each synchronized."""
     params, grads = make_tree(shapes, 0), make_tree(shapes, 1, 0.01)
     state = jax.block_until_ready(tx.init(params))

@@ -16,9 +16,9 @@
 
 Measures two rates on the current device: the copy bandwidth (``y = x + 1`` on a large float32
 array, one read and one write per element: GB/s) and the dense float16 GEMM rate (``n × n`` by
-``n × n``, ``2n³`` FLOPs, float16 result: TFLOP/s). Then, on ``bench_step.py``'s model (its
-shape list, imported), it prints for each fraction ``f`` the floor of one Dion3 step and of one
-AdamW step, in ms::
+``n × n``, ``2n³`` FLOPs, float16 result: TFLOP/s). Then, on the benchmarks' model
+(``_model.py``'s shape list), it prints for each fraction ``f`` the floor of one Dion3 step and
+of one AdamW step, in ms::
 
     floor = bytes / bandwidth + polar FLOPs / GEMM rate
 
@@ -66,7 +66,7 @@ from dion3_jax import _polar
 from dion3_jax.newton_schulz import get_coefficients
 from dion3_jax._selection import num_selected
 from _timing import best_ms_rotated
-from bench_step import FULL, SMALL, model_shapes
+from _model import FULL, SMALL, model_shapes
 
 #: Bytes per float32 parameter that each step must move (module docstring).
 DION3_BYTES_PER_PARAM = 5 * 4

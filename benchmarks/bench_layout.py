@@ -63,7 +63,7 @@ except ImportError:  # running from a source checkout
 import pallas_kernels
 from pallas_kernels._row_stats_reference import DOWN
 from _timing import median_ms_interleaved
-from bench_step import model_shapes
+from _model import model_shapes
 
 #: Float32 entries per 32-byte sector: the "blocked" momentum keeps this many input rows of
 #: one output column together.

@@ -68,7 +68,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
 from bench_commits import imported, old_dirs
-from bench_step import _shape_bytes_by_dtype, compile_step, model_shapes
+from _model import compile_step, model_shapes, shape_bytes_by_dtype
 
 #: What XLA needs to know of an H200 to compile for it (an ``xla.GpuTargetConfigProto`` in text
 #: form): 132 SMs of compute capability 9.0, 228 KiB of shared memory per SM (227 KiB for one
@@ -123,7 +123,7 @@ def compile_for_h200(tx: optax.GradientTransformation, shapes: dict, mesh: Mesh
                      ) -> tuple[str, float]:
     """``jit(update + apply_updates)`` of ``tx`` on float32 leaves of ``shapes``, compiled for
     the H200 of ``mesh``: its optimized HLO text and the seconds of trace, lowering and compile
-    (the step is built as ``bench_step.py`` builds it)."""
+    (the step is ``_model.compile_step``'s, as in ``bench_step.py``)."""
     on_mesh = NamedSharding(mesh, P())
     place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_mesh)  # noqa: E731
     params = {k: place(jax.ShapeDtypeStruct(s, jnp.float32)) for k, s in shapes.items()}
@@ -135,7 +135,7 @@ def compile_for_h200(tx: optax.GradientTransformation, shapes: dict, mesh: Mesh
 
 def _bytes(type_text: str) -> int:
     """Bytes of the arrays in an HLO type (``f16[8,512,512]{2,1,0}``, or a tuple of them)."""
-    return sum(_shape_bytes_by_dtype(type_text).values())
+    return sum(shape_bytes_by_dtype(type_text).values())
 
 
 class Pass(NamedTuple):

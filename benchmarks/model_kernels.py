@@ -30,8 +30,8 @@ share of the ``waves × SMs`` item slots that hold work). Two constants, both fr
 (48.15 − 5.67) / 64 = 0.664 µs. The ``hidden`` column is the same product with the epilogue
 overlapped by the next item's main loop: the bound of a kernel whose warpgroups take turns.
 
-Per fraction ``f`` of ``bench_step.py``'s model, each shape group's payload ``(k, fan_in)`` is
-padded as the iteration pads it and run as the default orthogonalizer runs it (Gram or standard
+Per fraction ``f`` of the benchmarks' model (``_model.py``), each shape group's payload
+``(k, fan_in)`` is padded as the iteration pads it and run as the default orthogonalizer runs it (Gram or standard
 Newton-Schulz, 5 steps, a restart at step 2). Products below ``pallas_kernels.AUTO_MIN_WORK``
 run in XLA (``pallas_kernels._api.AUTO_MIN_WORK``) and are listed, not modeled.
 
@@ -60,7 +60,7 @@ from dion3_jax._selection import num_selected
 from pallas_kernels import _api, _schedule
 from bench_floor import (FRACTIONS, default_iteration, gram_starts, iteration_method,
                          symmetric_products)
-from bench_step import FULL, SMALL, model_shapes
+from _model import FULL, SMALL, model_shapes
 
 TILE, TILE_K = _api.TILE_MULTIPLES
 

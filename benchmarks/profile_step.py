@@ -13,13 +13,13 @@
 # limitations under the License.
 # ==============================================================================
 """Where the time of one optimizer step goes: a ``jax.profiler`` trace of the 7B-shapes step
-(``bench_step.py``'s model), summed per device op and per op kind, printed as tables.
+(the benchmarks' model, ``_model.py``), summed per device op and per op kind, printed as tables.
 
 On a GPU the ops are those of the device plane's "XLA Ops" line (HLO instruction names such as
 ``scatter.12``, ``fusion.3``, ``sort.1`` or a Pallas kernel's name); on CPU the host plane's XLA
 events stand in (a smoke check of the script, not a profile worth reading).
 
-With ``--fsdp`` (``bench_step.py``'s sharding over all devices) the trace also gives, per
+With ``--fsdp`` (``_model.place``'s sharding over all devices) the trace also gives, per
 collective op on the first device, when it ran and how much of it overlapped compute ops on other
 streams of that device: the evidence of whether the shape groups' all-to-alls hide behind other
 groups' polar work.
@@ -70,7 +70,7 @@ from jax.profiler import ProfileData
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import bench_step  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
+import _model  # noqa: E402  (model shapes, parameter trees, the Dion3 step)
 from bench_commits import imported, old_dirs  # noqa: E402
 from _trace import SUMMARY_LINES, first_gpu, load_trace, op_lines  # noqa: E402
 
@@ -285,16 +285,16 @@ def main(argv=None):
     olds = old_dirs(a.old_dir) if a.old_dir else {}
     if a.cpu_devices:
         jax.config.update("jax_num_cpu_devices", a.cpu_devices)
-    cfg = bench_step.SMALL if a.small else bench_step.FULL
-    shapes = bench_step.model_shapes(**cfg)
-    params = bench_step.make_tree(shapes, 0)
-    grads = bench_step.make_tree(shapes, 1, 1e-3)
-    mesh = bench_step.fsdp_meshes(shapes)[0] if a.fsdp else None
+    cfg = _model.SMALL if a.small else _model.FULL
+    shapes = _model.model_shapes(**cfg)
+    params = _model.make_tree(shapes, 0)
+    grads = _model.make_tree(shapes, 1, 1e-3)
+    mesh = _model.fsdp_meshes(shapes)[0] if a.fsdp else None
     if mesh is not None:
-        params, grads = bench_step.place(params, mesh), bench_step.place(grads, mesh)
+        params, grads = _model.place(params, mesh), _model.place(grads, mesh)
     tx = (optax.adamw(1e-3) if a.optimizer == "adamw"
-          else bench_step.dion3_step(a.fraction, a.method, a.backend,
-                                     passes=a.pass_implementation))
+          else _model.dion3_step(a.fraction, a.method, a.backend,
+                                 passes=a.pass_implementation))
     what = ("optax.adamw" if a.optimizer == "adamw"
             else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
                  f"passes={a.pass_implementation}")
@@ -312,8 +312,8 @@ def profile(tx, params, grads, mesh, a):
     parameters, the compiled step and the trace."""
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         state = tx.init(params)
-        step, _ = bench_step.compile_step(tx, params, grads, mesh, state,
-                                          bench_step.xla_options(a.xla_option))
+        step, _ = _model.compile_step(tx, params, grads, mesh, state,
+                                      _model.xla_options(a.xla_option))
         if a.dump_hlo:
             opener = gzip.open if a.dump_hlo.endswith(".gz") else open
             with opener(a.dump_hlo, "wt") as f:

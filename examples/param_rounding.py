@@ -15,10 +15,10 @@
 """How the quality study stores 16-bit parameters and adds the optimizer's update to them.
 
 The library keeps a 16-bit matrix's update in float32 and lets ``optax.apply_updates`` round
-the sum once (README, "Low-precision parameters"). The study compares that with the older
-behavior, an update rounded to the parameter's dtype before the sum (two roundings), and with
-float32 master weights. The older behavior exists here only, as a study variant: the library
-has no switch for it.
+the sum once (``docs/HYPERPARAMETERS.md``, "Low-precision parameters"). The study compares
+that with the older behavior, an update rounded to the parameter's dtype before the sum (two
+roundings), and with float32 master weights. The older behavior exists here only, as a study
+variant: the library has no switch for it.
 
 Variants (``--param-dtype``, ``--rounding``):
 

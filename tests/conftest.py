@@ -35,6 +35,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import pytest  # noqa: E402
 
 from platform_setup import on_platform  # noqa: E402
+from seeds import ENV_VAR  # noqa: E402
 
 
 @pytest.fixture
@@ -55,8 +56,9 @@ def on_test_platform():
 
 @pytest.fixture(autouse=True)
 def print_module_seed(request):
-    """A module that draws fresh inputs from a module-level ``SEED`` gets it printed in every
-    test's output, so a failure's captured output names the inputs it failed on."""
+    """A module that draws fresh inputs from a module-level ``SEED`` (``seeds.module_seed``)
+    gets it printed in every test's output, so a failure's captured output names the inputs it
+    failed on and how to draw them again."""
     seed = getattr(request.module, "SEED", None)
     if seed is not None:
-        print(f"{request.module.__name__}.SEED = {seed}")
+        print(f"{request.module.__name__}.SEED = {seed} (replay: {ENV_VAR}={seed})")

@@ -28,13 +28,17 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_floor  # noqa: E402
-import bench_step  # noqa: E402
+import _model  # noqa: E402
 
 import dion3_jax  # noqa: E402
 from dion3_jax import newton_schulz  # noqa: E402
 from dion3_jax._coefficients import get_coefficients  # noqa: E402
+from seeds import module_seed  # noqa: E402
 
 pytestmark = pytest.mark.tooling
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 COLUMNS = ["step", "GB moved", "polar TFLOP", "memory ms", "compute ms", "floor ms",
            "× AdamW floor"]
@@ -84,8 +88,8 @@ def test_polar_flops_count_the_products_the_iteration_traces(shape, method, rest
 def test_table_follows_the_stated_formula():
     """Every row: memory ms = bytes / bandwidth, compute ms = FLOPs / rate, floor = their sum;
     AdamW moves 28 bytes per parameter and computes nothing; Dion3's floor falls with f."""
-    shapes = bench_step.model_shapes(**bench_step.SMALL)
-    rng = np.random.default_rng()
+    shapes = _model.model_shapes(**_model.SMALL)
+    rng = np.random.default_rng(SEED)
     gbps, tflops = float(rng.uniform(1, 5000)), float(rng.uniform(0.01, 900))
     lines = bench_floor.table(shapes, gbps, tflops)
     assert [c.strip() for c in lines[0].strip("|").split("|")] == COLUMNS

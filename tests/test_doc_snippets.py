@@ -40,7 +40,7 @@ FENCE = re.compile(r"^```(\S*)[ \t]*$")
 # (file, text that only that block contains): blocks that take more than a few seconds.
 SLOW = {
     ("README.md", "nnx.Optimizer("),
-    ("README.md", "dion3_jax.apply_if_finite("),
+    ("docs/HYPERPARAMETERS.md", "dion3_jax.apply_if_finite("),
 }
 
 

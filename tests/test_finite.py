@@ -24,6 +24,10 @@ import optax
 import pytest
 
 import dion3_jax
+from seeds import module_seed
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 SHAPES = {"w": (32, 64), "b": (64,)}
 
@@ -49,7 +53,7 @@ def test_16bit_steps_are_skipped_with_float32_zeros_and_the_state_kept(dtype):
     updates' dtypes: float32 for the matrix, the parameter's dtype for the AdamW leaf; the inner
     state bitwise unchanged), gives up after ``max_consecutive_errors`` in a row, and applies
     every finite step exactly as the unguarded optimizer does."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     params = _params(rng, dtype)
     plain = dion3_jax.dion3(0.02, 0.25)
     guarded = dion3_jax.apply_if_finite(plain, max_consecutive_errors=1)
@@ -78,7 +82,7 @@ def test_16bit_steps_are_skipped_with_float32_zeros_and_the_state_kept(dtype):
 
 def test_float32_matches_optax_apply_if_finite_bitwise():
     """For float32 parameters it is ``optax.apply_if_finite``: the same updates and states."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     params = _params(rng, jnp.float32)
     ours = dion3_jax.apply_if_finite(dion3_jax.dion3(0.02, 0.5), 2)
     theirs = optax.apply_if_finite(dion3_jax.dion3(0.02, 0.5), 2)
@@ -100,7 +104,7 @@ def test_traces_the_inner_update_once():
         calls.append(1)
         return inner.update(updates, state, params)
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     params = _params(rng, jnp.bfloat16)
     tx = dion3_jax.apply_if_finite(optax.GradientTransformation(inner.init, update), 1)
     u, _ = jax.jit(tx.update)(_grads(rng, jnp.bfloat16, np.nan), tx.init(params), params)

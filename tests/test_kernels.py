@@ -28,11 +28,12 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import _api, _dispatch
+from seeds import module_seed
 
 
 #: Every run draws fresh inputs: ``fresh_key(i)`` is ``jax.random.key(SEED + i)`` (printed with
 #: each test by ``conftest.print_module_seed``).
-SEED = int(np.random.default_rng().integers(1 << 30))
+SEED = module_seed()
 
 
 def fresh_key(offset: int) -> jax.Array:

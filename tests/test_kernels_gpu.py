@@ -166,7 +166,7 @@ def test_16bit_gemm_output_accumulates_in_float32(shape, dtype):
     from dion3_jax import _polar
 
     *batch, n, k, m = shape
-    kq, kx = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)))
+    kq, kx = jax.random.split(jax.random.key(SEED))
     q = (jax.random.normal(kq, (*batch, n, k), jnp.float32) / np.sqrt(k)).astype(dtype)
     x = jax.random.normal(kx, (*batch, k, m), jnp.float32).astype(dtype)
     out = jax.jit(_polar._matmul)(q, x)
@@ -208,7 +208,7 @@ def test_payload_kernel_agrees_with_xla(batches, rows, cols):
     """``stack_payloads`` through the Pallas kernel against the XLA reference on the GPU: the
     float16 payloads within one float16 rounding (the kernel's division may round the float32
     quotient differently), and every slot of the stack written."""
-    sums, ds = _payload_inputs(np.random.default_rng(), batches, (rows, cols))
+    sums, ds = _payload_inputs(np.random.default_rng(SEED), batches, (rows, cols))
     run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
         *a, out_dtype=jnp.float16, implementation=impl))(sums, ds)
     g, _ = _check_against_xla(run)
@@ -222,7 +222,7 @@ def test_payload_kernel_agrees_with_xla(batches, rows, cols):
 def test_mosaic_payload_kernel_agrees_with_xla(batches, rows, cols):
     """``stack_payloads`` without rows through the Mosaic GPU kernel against the XLA reference
     on the GPU, as the Pallas-Triton kernel above."""
-    sums, ds = _payload_inputs(np.random.default_rng(), batches, (rows, cols))
+    sums, ds = _payload_inputs(np.random.default_rng(SEED), batches, (rows, cols))
     run = lambda impl: jax.jit(lambda *a: pallas_kernels.stack_payloads(  # noqa: E731
         *a, out_dtype=jnp.float16, implementation=impl))(sums, ds)
     g, _ = _check_against_xla(run, "mosaic")
@@ -238,7 +238,7 @@ def test_selected_rows_payload_kernel_agrees_with_xla(row_axis, batches, shape):
     """``stack_payloads`` with selected rows (a quarter, the first matrix's last two padding)
     through the Pallas kernel against the XLA reference on the GPU: the float16 payloads within
     one float16 rounding, padding rows zero."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     sums, ds = _payload_inputs(rng, batches, shape)
     n = shape[row_axis - 1]
     rows = np.stack([np.sort(rng.choice(n, n // 4, replace=False))
@@ -267,7 +267,7 @@ def test_statistics_kernel_agrees_with_float64(impl, row_axis, shape, dtype):
     summation error of a float64 computation of that ``S`` (fresh inputs, bfloat16 gradients)."""
     if impl not in _AVAILABLE:
         pytest.skip(f"{impl} does not run here")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     m = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
     g = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(jnp.bfloat16)
     d = jnp.asarray(rng.choice([0.8, 1.0], (shape[0], shape[row_axis])).astype(np.float32))

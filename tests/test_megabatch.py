@@ -24,11 +24,15 @@ import numpy as np
 import pytest
 
 from dion3_jax import _megabatch
+from seeds import module_seed
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 
 @pytest.mark.parametrize("computed_once", [False, True])
 def test_unstack_inverts_stack(computed_once):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     sizes = [int(s) for s in rng.integers(1, 4, size=4)]
     parts = [jnp.asarray(rng.standard_normal((s, 3, 5)), jnp.float32) for s in sizes]
     got = jax.jit(lambda x: _megabatch.unstack(x, sizes, computed_once))(

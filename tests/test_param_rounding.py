@@ -36,11 +36,12 @@ import dion3_jax
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import param_rounding  # noqa: E402
+from seeds import module_seed  # noqa: E402
 
 pytestmark = pytest.mark.tooling
 
 #: Every run draws fresh inputs (printed with each test by ``conftest.print_module_seed``).
-SEED = int(np.random.default_rng().integers(1 << 30))
+SEED = module_seed()
 BF16 = ml_dtypes.bfloat16
 
 

@@ -36,6 +36,10 @@ from dion3_jax import _step
 from pallas_kernels import stack_payloads, stack_payloads_reference
 from pallas_kernels import _payload_triton
 from pallas_kernels._payload_triton import PayloadConfig, block_shape
+from seeds import module_seed
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 
 def _members(seed, batches, rows, cols, dtype=jnp.float32):
@@ -51,7 +55,7 @@ def _members(seed, batches, rows, cols, dtype=jnp.float32):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reference_matches_float64(dtype):
     """Every row: the stack is ``S/d`` within one float16 rounding."""
-    sums, ds = _members(np.random.randint(1 << 30), [2, 1, 3], 24, 96, dtype)
+    sums, ds = _members(SEED, [2, 1, 3], 24, 96, dtype)
     stack = jax.jit(functools.partial(stack_payloads_reference, out_dtype=jnp.float16))(sums, ds)
     assert stack.shape == (6, 24, 96) and stack.dtype == jnp.float16
     f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
@@ -63,7 +67,7 @@ def test_reference_matches_float64(dtype):
     ([2, 1, 3], 24, 96, jnp.float32), ([1], 8, 32, jnp.float32), ([4, 4], 64, 1024, jnp.float32),
     ([1, 2], 12, 160, jnp.float32), ([2, 1], 24, 96, jnp.bfloat16)])
 def test_kernel_interpreted_equals_reference_bitwise(batches, rows, cols, dtype):
-    sums, ds = _members(np.random.randint(1 << 30), batches, rows, cols, dtype)
+    sums, ds = _members(SEED, batches, rows, cols, dtype)
     want = jax.jit(functools.partial(stack_payloads_reference, out_dtype=jnp.float16))(sums, ds)
     got = jax.jit(functools.partial(stack_payloads, out_dtype=jnp.float16,
                                     implementation="pallas_triton", interpret=True))(sums, ds)
@@ -84,7 +88,7 @@ def _rows(seed, batches, n, pick, padded):
 def test_selected_rows_reference_matches_float64(row_axis):
     """With ``rows``: the payload is ``S[rows]/d`` (zeros for padding rows) within one float16
     rounding."""
-    seed = np.random.randint(1 << 30)
+    seed = SEED
     sums, ds = _members(seed, [2, 1], 48, 64)
     n = sums[0].shape[row_axis]
     rows = _rows(seed, [2, 1], n, n // 4, padded=True)
@@ -108,7 +112,7 @@ def test_selected_rows_reference_matches_float64(row_axis):
     pytest.param(1, (64, 96), True, marks=pytest.mark.slow),
     pytest.param(2, (32, 128), True, marks=pytest.mark.slow)])
 def test_selected_rows_kernel_interpreted_equals_reference_bitwise(row_axis, shape, padded):
-    seed = np.random.randint(1 << 30)
+    seed = SEED
     sums, ds = _members(seed, [2, 1, 3], *shape)
     n = shape[row_axis - 1]
     rows = _rows(seed, [2, 1, 3], n, n // 4, padded)
@@ -123,7 +127,7 @@ def test_pad_to_appends_zero_rows(row_axis, padded):
     """``pad_to``: the payloads of the selected rows, then zero rows up to ``pad_to`` (the
     kernel zeroes them after its launches unless the whole stack was zeroed; the interpreter
     fills unwritten memory with NaN); kernel and XLA bitwise equal."""
-    seed = np.random.randint(1 << 30)
+    seed = SEED
     shape = (64, 96) if row_axis == 1 else (32, 128)
     sums, ds = _members(seed, [2, 1], *shape)
     n = shape[row_axis - 1]
@@ -153,7 +157,7 @@ def test_block_shapes():
 def test_launch_parameters_do_not_change_the_result(row_axis):
     """Other blocks and warps (``PayloadConfig``, what ``bench_payload.py`` times) give the
     default's bits: every element is computed alone. ``row_axis`` None: every row."""
-    seed = np.random.randint(1 << 30)
+    seed = SEED
     sums, ds = _members(seed, [2, 1], 32, 128)
     rows = None if row_axis is None else _rows(seed, [2, 1], (32, 128)[row_axis - 1],
                                                (8, 32)[row_axis - 1], padded=False)
@@ -236,7 +240,7 @@ def _three_steps(make_tx, params, sharded: bool, options=None) -> list:
     returns the leaves of the updates and the final state: on one device or, with ``sharded``,
     on an 8-device mesh with the leaves laid out by ``_SPECS``. The three gradients are drawn
     here, fresh, so every call of the function sees the same ones."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     grads = [{k: jnp.asarray(rng.standard_normal(v.shape, np.float32)) for k, v in params.items()}
              for _ in range(3)]
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,),

@@ -25,8 +25,12 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_kernel  # noqa: E402
+from seeds import module_seed  # noqa: E402
 
 pytestmark = pytest.mark.tooling
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 
 def _trace(rng, ctas: int):
@@ -47,7 +51,7 @@ def _trace(rng, ctas: int):
 
 
 def test_scope_spans_pairs_begin_and_end_per_warpgroup():
-    events, truth = _trace(np.random.default_rng(), ctas=5)
+    events, truth = _trace(np.random.default_rng(SEED), ctas=5)
     spans = profile_kernel.scope_spans(events)
     assert spans.keys() == truth.keys()
     for key, values in truth.items():
@@ -55,7 +59,7 @@ def test_scope_spans_pairs_begin_and_end_per_warpgroup():
 
 
 def test_summary_reports_each_scope_and_the_kernel_span():
-    events, truth = _trace(np.random.default_rng(), ctas=3)
+    events, truth = _trace(np.random.default_rng(SEED), ctas=3)
     lines = profile_kernel.summary(events)
     rows = {(ln.split()[0], int(ln.split()[1])): ln.split() for ln in lines[1:-1]}
     assert rows.keys() == truth.keys()

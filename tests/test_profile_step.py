@@ -26,8 +26,12 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import profile_step  # noqa: E402
+from seeds import module_seed  # noqa: E402
 
 pytestmark = pytest.mark.tooling
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 
 def _event(name, start, duration):
@@ -50,7 +54,7 @@ def _trace(rng):
 
 
 def test_idle_windows_and_the_host_events_inside():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     data, window, inside = _trace(rng)
     # The 50 ns gap between c and d is below the threshold.
     assert profile_step.idle_windows(data) == [window]
@@ -59,7 +63,7 @@ def test_idle_windows_and_the_host_events_inside():
 
 
 def test_device_gaps_name_the_ops_on_both_sides():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     data, (start, end), _ = _trace(rng)
     # Two gaps: the window between b and c, and the 50 ns between c and d.
     assert profile_step.device_gaps(data) == [(end - start, "c", "b"), (50, "d", "c")]

@@ -33,9 +33,10 @@ import optax
 import pytest
 
 import dion3_jax
+from seeds import module_seed
 
 #: Every run draws fresh inputs (printed with each test by ``conftest.print_module_seed``).
-SEED = int(np.random.default_rng().integers(1 << 30))
+SEED = module_seed()
 STEPS = 3
 SHAPE = (64, 128)
 

@@ -24,10 +24,14 @@ import numpy as np
 import pytest
 
 from dion3_jax import _rules, _selection
+from seeds import module_seed
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
 
 
 def _rng():
-    return np.random.default_rng()
+    return np.random.default_rng(SEED)
 
 
 @pytest.mark.parametrize("row_axis", [1, 2])

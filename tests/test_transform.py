@@ -31,11 +31,12 @@ import dion3_jax
 from dion3_jax import DimensionNumbers, _selection
 import dion3_reference as ref
 from platform_setup import committed
+from seeds import module_seed
 
 STEPS = 3
 #: Every run draws fresh inputs (``np.random.default_rng(SEED + i)``; the seed is printed with
 #: each test by ``conftest.print_module_seed``).
-SEED = int(np.random.default_rng().integers(1 << 30))
+SEED = module_seed()
 
 
 def f64_polar():
@@ -509,7 +510,7 @@ def test_custom_orthogonalizer_gets_batches():
 def test_default_orthogonalizer_returns_the_compute_dtype_same_update():
     """scale_by_dion3 takes the polar factors in the compute dtype (no float32 copy); for float32
     parameters the update is bitwise the one with factors cast to float32 by the polar."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     params = {"a": jnp.asarray(rng.standard_normal((16, 40)), jnp.float32),
               "b": jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)}
     grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), params)
@@ -529,7 +530,7 @@ def test_huge_finite_gradients_give_the_unscaled_update(fraction):
     """Gradients ×2⁶⁶ (≈ 7e19) square to inf in float32; the update must still be the ×1 one
     (the polar and NorMuon are scale-invariant), not silently zero. A power of two keeps every
     rounding of the two runs the same, so the tolerance is tight; two steps, fresh inputs."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     shapes = {"a": (24, 40), "b": (24, 40), "c": (40, 24), "heads": (16, 32)}
     params = {k: jnp.asarray(rng.standard_normal(s), jnp.float32) for k, s in shapes.items()}
     grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
@@ -656,7 +657,7 @@ def test_folded_momentum_scale_continues_the_same_run():
     becomes ones, ``full_momentum()`` is unchanged, and the next update from the folded state
     equals the one from the state as it was within float32 rounding (fresh inputs; through the
     ``dion3`` alias, whose state nests the Dion3 node)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(SEED)
     params = {"w": jnp.asarray(rng.standard_normal((16, 48), np.float32))}
     grads = [{"w": jnp.asarray(rng.standard_normal((16, 48), np.float32))} for _ in range(3)]
     tx = dion3_jax.dion3(0.02, fraction=0.25)
