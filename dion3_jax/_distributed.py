@@ -200,6 +200,8 @@ class Context:
 
     def auto(self) -> bool:
         """True when some step axis has Auto type (leaf shardings are not in the types)."""
+        if self.mesh is None:
+            return False
         types = dict(zip(self.mesh.axis_names, self.mesh.axis_types))
         return any(types[a] == AxisType.Auto for a in self.axis_names)
 
