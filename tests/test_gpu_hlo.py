@@ -129,3 +129,22 @@ def test_script_censuses_an_exported_version_in_the_same_process(mesh, tmp_path,
     assert all(int(r[-2]) > 0 and float(r[-1]) > 0 for r in rows), out
     assert "; old = " in out.splitlines()[0], out
     assert sys.modules["dion3_jax_h"].__file__.startswith(str(tmp_path)), out
+
+
+def test_tiled_mesh_moves_the_same_payloads_in_as_many_all_to_alls():
+    """``benchmarks/mesh_census.py`` on a small model compiled for eight H200s: the FSDP × TP
+    tiles of a (4, 2) mesh take the 1-D FSDP mesh's all-to-alls (one pair per shape group: q/k/v,
+    o, gate/up, down) and move no more payload bytes; no all-gather either way (local scope)."""
+    try:
+        import mesh_census
+        meshes = {name: mesh_census.h200_mesh(*m) for name, m in mesh_census.MESHES.items()}
+    except Exception as e:  # no CUDA plugin: no GPU compiler to ask
+        if os.environ.get("DION3_REQUIRE_CUDA_COMPILE") == "1":
+            raise
+        pytest.skip(f"JAX's CUDA plugin cannot compile for eight H200s here: {e!r}"[:300])
+    shapes = mesh_census.model_shapes(2, 64, 176)
+    stats = {name: mesh_census.census(shapes, m, 0.25)[0] for name, m in meshes.items()}
+    one_d, tiles = stats["fsdp=8"], stats["fsdp=4 x tp=2"]
+    assert one_d["all-to-all"][0] == tiles["all-to-all"][0] == 2 * 4, stats
+    assert tiles["all-to-all"][1] <= one_d["all-to-all"][1], stats
+    assert one_d["all-gather"][0] == tiles["all-gather"][0] == 0, stats
