@@ -41,6 +41,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 from typing import NamedTuple
 
 import jax
@@ -259,7 +260,7 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
 
 
 def scale_by_dion3(
-    fraction: float = 0.25,
+    fraction: float | Fraction = Fraction(1, 4),
     mu: jax.typing.ArrayLike | None = None,
     beta2: jax.typing.ArrayLike = 0.95,
     *,
@@ -283,7 +284,9 @@ def scale_by_dion3(
     Args:
       fraction: static fraction ``f`` in ``(0, 1]`` of rows orthogonalized per step; each matrix
         selects ``k = max(1, ceil(f·n))`` of its ``n`` output rows. Not injectable (it fixes
-        shapes): with ``optax.inject_hyperparams`` list it in ``static_args``.
+        shapes): the default ``Fraction(1, 4)`` (0.25) and any ``fractions.Fraction`` stay
+        static under ``optax.inject_hyperparams``, which injects ints, floats and arrays; a
+        float needs ``static_args=("fraction",)``.
       mu: error-feedback decay of the selected rows (the momentum coefficient at ``f = 1``).
         Default ``None``: ``0.95^(1/f)`` (:func:`dion3_jax.momentum_for_fraction`: the same
         memory per row as momentum 0.95 at ``f = 1``; 0.8145 at ``f = 1/4``). Pass ``mu=0.95``

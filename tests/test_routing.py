@@ -431,7 +431,8 @@ def test_declared_lora_factor_gets_the_dion3_update():
     grads = _like(params, 1)
     upd = jax.jit(tx.update)(grads, tx.init(params), params)[0]
     direct = dion3_jax.scale_by_dion3(0.5)                 # B alone, as a matrix
-    want = jax.jit(direct.update)({"B": grads["lora"]["B"]}, direct.init({"B": params["lora"]["B"]}))[0]
+    want = jax.jit(direct.update)({"B": grads["lora"]["B"]},
+                                  direct.init({"B": params["lora"]["B"]}))[0]
     np.testing.assert_allclose(upd["lora"]["B"], -0.02 * want["B"], rtol=1e-5, atol=1e-8)
 
 
