@@ -338,7 +338,8 @@ def _tree_literal(path: tuple, value: str) -> str:
 
 def _one_letter_message(refused: list[Route]) -> str:
     """The error text for undeclared leaves of rank ≥ 2 under a one-letter name b, d or g."""
-    dn = "dion3_jax.DimensionNumbers(reduction_axis=0, output_axis=1)"
+    axes = (0, 1) if len(refused[0].shape) == 2 else (-2, -1)
+    dn = f"dion3_jax.DimensionNumbers(reduction_axis={axes[0]}, output_axis={axes[1]})"
     letters = sorted({_match(_ONE_LETTER, [_key_name(k) for k in r.path]).lower()
                       for r in refused})
     return (
