@@ -58,6 +58,7 @@ import re
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dion3_jax import _layout
@@ -146,14 +147,14 @@ def _shape(leaf: Any) -> tuple[int, ...]:
     return tuple(int(s) for s in (np.shape(leaf) if shape is None else shape))
 
 
-def _dtype(leaf: Any) -> np.dtype:
+def _dtype(leaf: Any) -> Any:
     """A leaf's dtype: arrays, ``ShapeDtypeStruct``s, tracers and Python scalars."""
     dtype = getattr(leaf, "dtype", None)
-    return np.dtype(np.result_type(leaf) if dtype is None else dtype)
+    return np.result_type(leaf) if dtype is None else dtype
 
 
 def _is_complex(leaf: Any) -> bool:
-    return np.issubdtype(_dtype(leaf), np.complexfloating)
+    return bool(jnp.issubdtype(_dtype(leaf), jnp.complexfloating))
 
 
 def _match(pattern: re.Pattern | None, names: list[str]) -> str | None:
