@@ -164,13 +164,12 @@ def momentum_dtype(mu_dtype, param_dtype) -> jnp.dtype:
 
 def _check_floating(tree, what: str) -> None:
     """Raises a ValueError naming every leaf of ``tree`` that is not real floating."""
-    bad = [f"{jax.tree_util.keystr(path)} ({jnp.result_type(x)})"
+    bad = [f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(x)}"
            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
            if not jnp.issubdtype(jnp.result_type(x), jnp.floating)]
     if bad:
-        raise ValueError(f"Dion3 needs real floating {what}; these leaves are not: "
-                         f"{', '.join(bad)}. Complex leaves go to the scalar optimizer "
-                         "(docs/ROUTING.md, complex parameters)")
+        raise ValueError(f"Dion3 needs real floating {what}; {', '.join(bad)}. Complex "
+                         "leaves go to the scalar optimizer (docs/ROUTING.md, complex parameters)")
 
 
 def _check_like_state(updates, momentum) -> None:
