@@ -27,6 +27,7 @@ annotations) and checks that each is forwarded.
 """
 
 from collections.abc import Callable
+from fractions import Fraction
 import math
 from typing import Literal
 
@@ -67,7 +68,7 @@ def transfer_learning_rate(learning_rate: float, from_fraction: float, to_fracti
 
 def _build(
     learning_rate: optax.ScalarOrSchedule,
-    fraction: float,
+    fraction: float | Fraction,
     mu: jax.typing.ArrayLike | None,
     beta2: jax.typing.ArrayLike,
     weight_decay: optax.ScalarOrSchedule,
@@ -126,7 +127,7 @@ def _build(
 
 def dion3(
     learning_rate: optax.ScalarOrSchedule,
-    fraction: float = 0.25,
+    fraction: float | Fraction = Fraction(1, 4),
     mu: jax.typing.ArrayLike | None = None,
     beta2: jax.typing.ArrayLike = 0.95,
     weight_decay: optax.ScalarOrSchedule = 0.01,
@@ -174,7 +175,10 @@ def dion3(
     Args:
       learning_rate: base learning rate or schedule (Dion3 default in the reference: 0.01–0.02).
       fraction: static fraction of rows orthogonalized per step, in ``(0, 1]``; see
-        :func:`transfer_learning_rate` to move a learning rate between fractions.
+        :func:`transfer_learning_rate` to move a learning rate between fractions. The default
+        is ``Fraction(1, 4)`` (0.25) so that ``optax.inject_hyperparams`` leaves it static
+        (it injects ints, floats and arrays): pass a ``fractions.Fraction`` too, or a float
+        with ``static_args=("fraction",)``.
       mu: error-feedback decay (momentum at ``f = 1``); default ``0.95^(1/f)``, see
         :func:`dion3_jax.momentum_for_fraction` (``mu=0.95`` is the reference's default).
       beta2: NorMuon second-moment EMA coefficient. ``mu`` and ``beta2`` are numbers (Python or

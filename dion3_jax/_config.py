@@ -68,10 +68,12 @@ def check_fraction(fraction) -> float:
     """Validates the static selected fraction and returns it as a Python float."""
     if isinstance(fraction, jax.Array):  # a tracer, or optax.inject_hyperparams's array at init
         raise ValueError(
-            "fraction must be a static Python number (it fixes array shapes); with "
-            "optax.inject_hyperparams pass static_args=('fraction',)")
+            f"fraction is static: it fixes array shapes, so it cannot be traced or injected, got "
+            f"{fraction=!r}. With optax.inject_hyperparams pass static_args=('fraction',), or "
+            "give it as a fractions.Fraction (e.g. Fraction(1, 8)), which optax does not inject")
     if not _numbers.is_scalar_number(fraction):
-        raise TypeError(f"fraction must be a Python or NumPy int or float, got {fraction=!r}")
+        raise TypeError(f"fraction must be a Python or NumPy int or float or a fractions.Fraction, "
+                        f"got {fraction=!r}")
     f = float(fraction)
     if not 0.0 < f <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction=!r}")
@@ -117,6 +119,10 @@ def _check_mu_dtype(mu_dtype):
 
 
 def _check_layout_options(dimension_numbers, num_heads, split_sizes) -> None:
+    if isinstance(num_heads, jax.Array):  # optax.inject_hyperparams injects a given int
+        raise ValueError(
+            f"num_heads is static: it fixes array shapes, so it cannot be traced or injected, "
+            f"got {num_heads=!r}. With optax.inject_hyperparams pass static_args=('num_heads',)")
     if (dimension_numbers is not None and not callable(dimension_numbers)
             and _layout.is_single_value(dimension_numbers)
             and not hasattr(dimension_numbers, "reduction_axis")):

@@ -254,12 +254,12 @@ def is_single_value(spec: Any) -> bool:
     return _is_spec_leaf(spec)
 
 
-def per_leaf(spec: Any, tree: Any) -> Callable[[tuple], Any]:
+def per_leaf(spec: Any, tree: Any, missing: Any = None) -> Callable[[tuple], Any]:
     """Returns ``lookup(path) -> value`` for a per-leaf option.
 
     ``spec`` is a single value (applies to every leaf), a callable ``tree -> spec tree``, or a
     tree whose structure is a prefix of ``tree``'s (the value at the longest matching path
-    applies). A leaf that the spec does not cover gets ``None``.
+    applies). A leaf that the spec does not cover gets ``missing`` (default ``None``).
     """
     if callable(spec) and not is_single_value(spec):
         spec = spec(tree)
@@ -273,7 +273,7 @@ def per_leaf(spec: Any, tree: Any) -> Callable[[tuple], Any]:
         for i in range(len(path), -1, -1):
             if path[:i] in table:
                 return table[path[:i]]
-        return None
+        return missing
 
     return lookup
 

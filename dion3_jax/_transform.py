@@ -39,6 +39,7 @@ References:
 """
 
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, NamedTuple, Self
 
 import jax
@@ -165,10 +166,13 @@ def momentum_dtype(mu_dtype, param_dtype) -> jnp.dtype:
 
 
 def _check_floating(tree, what: str) -> None:
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-            raise ValueError(f"Dion3 needs real floating {what}; {jax.tree_util.keystr(path)} has "
-                             f"dtype {jnp.result_type(x)}")
+    """Raises a ValueError naming every leaf of ``tree`` that is not real floating."""
+    bad = [f"{jax.tree_util.keystr(path)} has dtype {jnp.result_type(x)}"
+           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+           if not jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    if bad:
+        raise ValueError(f"Dion3 needs real floating {what}; {', '.join(bad)}. Complex "
+                         "leaves go to the scalar optimizer (docs/ROUTING.md, complex parameters)")
 
 
 def _check_like_state(updates, momentum) -> None:
@@ -264,7 +268,7 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
 
 
 def scale_by_dion3(
-    fraction: float = 0.25,
+    fraction: float | Fraction = Fraction(1, 4),
     mu: jax.typing.ArrayLike | None = None,
     beta2: jax.typing.ArrayLike = 0.95,
     *,
@@ -288,7 +292,9 @@ def scale_by_dion3(
     Args:
       fraction: static fraction ``f`` in ``(0, 1]`` of rows orthogonalized per step; each matrix
         selects ``k = max(1, ceil(f·n))`` of its ``n`` output rows. Not injectable (it fixes
-        shapes): with ``optax.inject_hyperparams`` list it in ``static_args``.
+        shapes): the default ``Fraction(1, 4)`` (0.25) and any ``fractions.Fraction`` stay
+        static under ``optax.inject_hyperparams``, which injects ints, floats and arrays; a
+        float needs ``static_args=("fraction",)``.
       mu: error-feedback decay of the selected rows (the momentum coefficient at ``f = 1``).
         Default ``None``: ``0.95^(1/f)`` (:func:`dion3_jax.momentum_for_fraction`: the same
         memory per row as momentum 0.95 at ``f = 1``; 0.8145 at ``f = 1/4``). Pass ``mu=0.95``

@@ -27,7 +27,9 @@ Attributes:
   DEFAULT_SCALAR_PATTERN: embeddings (token or position) and output heads: the scalar
     optimizer.
   DEFAULT_VECTOR_PATTERN: per-feature parameters (biases, gains, norm layers, tokens, Mamba's
-    ``A_log`` and ``D``): the scalar optimizer, at any rank.
+    ``A_log``): the scalar optimizer, at any rank, for the leaves a ``dimension_numbers`` tree
+    does not declare. It holds no one-letter name: an undeclared leaf of rank ≥ 2 under ``b``,
+    ``d`` or ``g`` is refused; add ``"|b"`` here to send such leaves to the scalar optimizer.
   DEFAULT_HEAD_PATTERN: output heads, also used to refuse trees of auto-named layers without
     a named head.
 """

@@ -71,14 +71,14 @@ def test_default_labels_route_embeddings_and_non_matrices_to_scalar():
     one = dion3_jax.default_param_labels(p, dion3_jax.DimensionNumbers(-2, -1))
     assert one["stack"] == "dion3" and one["blocks"]["0"]["mlp"] == "dion3"
     assert one["stack_bias"] == one["ln_f"]["scale"] == one["wte"] == "scalar"
-    # an explicit tree decides between the rest: it says how to view a leaf, never overriding
-    # the vector and embedding/head names (param_labels does that)
+    # an explicit tree decides every leaf it covers, whatever its name (declarations win over
+    # the vector and embedding/head names); the leaves it leaves out keep the name rules
     dn = dion3_jax.DimensionNumbers(0, 1)
     tree = {"lm_head": {"kernel": None}, "wte": dn, "blocks": None,
-            "stack": dion3_jax.DimensionNumbers(1, 2), "stack_bias": dn, "ln_f": dn}
+            "stack": dion3_jax.DimensionNumbers(1, 2), "stack_bias": dn}
     assert dion3_jax.default_param_labels(p, tree) == {
-        "lm_head": {"kernel": "scalar"}, "wte": "scalar", "blocks": {"0": {"mlp": "scalar"}},
-        "stack": "dion3", "stack_bias": "scalar", "ln_f": {"scale": "scalar"}}
+        "lm_head": {"kernel": "scalar"}, "wte": "dion3", "blocks": {"0": {"mlp": "scalar"}},
+        "stack": "dion3", "stack_bias": "dion3", "ln_f": {"scale": "scalar"}}
 
 
 @pytest.mark.slow
@@ -169,12 +169,15 @@ def test_init_on_abstract_inputs():
 
 
 def test_weight_decay_and_mask():
-    params = {"a": jnp.ones((8, 12)), "b": jnp.ones((8, 12))}
+    # two matrices ("b" here was a vector name: that leaf went to AdamW, whose zero update
+    # passed the mask check without a mask)
+    params = {"a": jnp.ones((8, 12)), "c": jnp.ones((8, 12))}
+    assert dion3_jax.default_param_labels(params) == {"a": "dion3", "c": "dion3"}
     zeros = jax.tree.map(jnp.zeros_like, params)
-    tx = dion3_jax.dion3(0.1, 0.5, weight_decay=0.5, weight_decay_mask={"a": True, "b": False})
+    tx = dion3_jax.dion3(0.1, 0.5, weight_decay=0.5, weight_decay_mask={"a": True, "c": False})
     upd, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
     np.testing.assert_allclose(upd["a"], -0.05 * np.ones((8, 12)), rtol=1e-6)
-    np.testing.assert_allclose(upd["b"], 0.0, atol=0)
+    np.testing.assert_allclose(upd["c"], 0.0, atol=0)
 
 
 def test_scalar_weight_decay_mask():

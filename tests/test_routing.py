@@ -21,6 +21,7 @@ AdamW, silently).
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 from flax import linen as nn
@@ -244,9 +245,12 @@ def test_moe_expert_stack_is_one_matrix_per_expert():
 
 
 def attention_dims(params):
-    """The docs/ROUTING.md recipe: attention kernels span several axes; the rest (..., in, out)."""
+    """The docs/ROUTING.md recipe: attention kernels span several axes, the other kernels are
+    (..., in, out), and every other leaf goes to the scalar optimizer."""
     def one(path, leaf):
         names = {str(getattr(k, "key", k)) for k in path}
+        if "kernel" not in names or names & {"lm_head", "head"}:  # biases, norms, embeddings
+            return None
         if "attn" in names and "out" in names:                     # (..., heads, hd, embed)
             return dion3_jax.DimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
         if "attn" in names and names & {"query", "key", "value"}:  # (..., embed, heads, hd)
@@ -344,6 +348,7 @@ def test_python_float_leaf_goes_to_adamw():
     ("biased_proj", "dion3"), ("embedded_proj", "dion3"), ("header", "dion3"),
     ("tokenizer_proj", "dion3"), ("variance_proj", "dion3"), ("gate", "dion3"),
     ("dt_proj", "dion3"), ("x_proj", "dion3"), ("out_proj", "dion3"), ("A", "dion3"),
+    ("w", "dion3"), ("x", "dion3"), ("bd", "dion3"),
     # norm layers, biases, scales, tokens: any rank
     ("norm", "scalar"), ("q_norm", "scalar"), ("input_layernorm", "scalar"),
     ("final_layer_norm", "scalar"), ("LayerNorm_0", "scalar"), ("RMSNorm_1", "scalar"),
@@ -351,7 +356,7 @@ def test_python_float_leaf_goes_to_adamw():
     ("bn_1", "scalar"), ("bias", "scalar"), ("q_bias", "scalar"), ("bias_ih", "scalar"),
     ("attn_scale", "scalar"), ("cls_token", "scalar"),
     # 2-D parameters that are not linear maps
-    ("A_log", "scalar"), ("D", "scalar"), ("dt_bias", "scalar"),
+    ("A_log", "scalar"), ("dt_bias", "scalar"),
     ("relative_position_bias_table", "scalar"),
     # token and position embeddings, heads
     ("pos_embed", "scalar"), ("wpe", "scalar"), ("position_embedding", "scalar"),
@@ -386,3 +391,142 @@ def test_user_patterns_match_whole_components_too():
     labels = dion3_jax.default_param_labels(
         params, vector_pattern=dion3_jax.routing.DEFAULT_VECTOR_PATTERN + "|mix")
     assert labels == {"mix": "scalar", "mixer": {"kernel": "dion3"}}
+
+
+# ------------------------------------------------------------------------------------------
+# Declarations win: a dimension_numbers tree or callable decides every leaf it covers; the
+# name rules decide only the others, and one-letter names b, d, g decide nothing.
+
+LORA_DN = dion3_jax.DimensionNumbers(reduction_axis=0, output_axis=1)
+
+
+def _dion3_leaves(tx, params) -> set[str]:
+    """The leaves whose momentum the Dion3 branch of ``tx.init(params)`` holds."""
+    inner = tx.init(params).inner_states["dion3"].inner_state[0]
+    flat = jax.tree_util.tree_flatten_with_path(inner.momentum)[0]   # MaskedNodes: no leaves
+    return {jax.tree_util.keystr(p) for p, _ in flat}
+
+
+def test_declared_lora_pair_both_go_to_dion3():
+    """The issue's LoRA pair: ``B`` was sent to AdamW by the name rule ``b`` despite its
+    declared DimensionNumbers."""
+    rng = np.random.default_rng(0)
+    params = {"lora": {"A": _normal(rng, (64, 8)), "B": _normal(rng, (8, 64))}}
+    dims = {"lora": {"A": LORA_DN, "B": LORA_DN}}
+    table = dion3_jax.routing_table(params, dimension_numbers=dims)
+    assert table in (pathlib.Path(__file__).parents[1] / "docs" / "ROUTING.md").read_text()
+    rows = _table_rows(table)
+    assert rows["['lora']['A']"] == ["(64, 8)", "dion3", "1 × 8×64", "dimension_numbers"]
+    assert rows["['lora']['B']"] == ["(8, 64)", "dion3", "1 × 64×8", "dimension_numbers"]
+    tx = dion3_jax.dion3(0.02, 0.5, weight_decay=0.0, dimension_numbers=dims)
+    assert _dion3_leaves(tx, params) == {"['lora']['A']", "['lora']['B']"}
+
+
+@pytest.mark.slow
+def test_declared_lora_factor_gets_the_dion3_update():
+    rng = np.random.default_rng(0)
+    params = {"lora": {"A": _normal(rng, (64, 8)), "B": _normal(rng, (8, 64))}}
+    tx = dion3_jax.dion3(0.02, 0.5, weight_decay=0.0,
+                         dimension_numbers={"lora": {"A": LORA_DN, "B": LORA_DN}})
+    grads = _like(params, 1)
+    upd = jax.jit(tx.update)(grads, tx.init(params), params)[0]
+    direct = dion3_jax.scale_by_dion3(0.5)                 # B alone, as a matrix
+    want = jax.jit(direct.update)({"B": grads["lora"]["B"]},
+                                  direct.init({"B": params["lora"]["B"]}))[0]
+    np.testing.assert_allclose(upd["lora"]["B"], -0.02 * want["B"], rtol=1e-5, atol=1e-8)
+
+
+def test_undeclared_one_letter_names_are_refused_in_one_message():
+    params = {"lora": {"A": jnp.ones((64, 8)), "B": jnp.ones((8, 64))},
+              "ssm": {"D": jnp.ones((4, 16)), "g": jnp.ones((3, 16)), "b": jnp.ones((16,))},
+              "w": jnp.ones((16, 16))}
+    with pytest.raises(ValueError) as table_err:
+        dion3_jax.routing_table(params)
+    with pytest.raises(ValueError) as init_err:
+        dion3_jax.dion3(0.02).init(params)
+    msg = str(init_err.value)
+    assert msg == str(table_err.value)
+    for leaf in ("['lora']['B']  shape=(8, 64)", "['ssm']['D']  shape=(4, 16)",
+                 "['ssm']['g']  shape=(3, 16)"):
+        assert leaf in msg
+    assert "['lora']['A']" not in msg and "['ssm']['b']" not in msg and "['w']" not in msg
+    # the message's two fixes, as it prints them
+    assert "dimension_numbers={'lora': {'B': dion3_jax.DimensionNumbers(" in msg
+    assert 'DEFAULT_VECTOR_PATTERN + "|b|d|g"' in msg
+    dims = {"lora": {"B": LORA_DN}, "ssm": {"D": None, "g": None}}
+    labels = dion3_jax.default_param_labels(params, dims)
+    assert labels == {"lora": {"A": "dion3", "B": "dion3"}, "w": "dion3",
+                      "ssm": {"D": "scalar", "g": "scalar", "b": "scalar"}}
+    vectors = dion3_jax.default_param_labels(
+        {"ssm": params["ssm"]},
+        vector_pattern=dion3_jax.routing.DEFAULT_VECTOR_PATTERN + "|b|d|g")
+    assert vectors == {"ssm": {"D": "scalar", "g": "scalar", "b": "scalar"}}
+
+
+@pytest.mark.parametrize("dims,want", [
+    # optax Muon's "prefix None and dim_nums": a prefix decides every leaf under it
+    (lambda dn: {"w1": dn, "w2": None},
+     {"w1": {"a": "dion3", "b": "dion3"}, "w2": {"a": "scalar", "b": "scalar"}}),
+    # "prefix None, full dim_nums"
+    (lambda dn: {"w1": None, "w2": {"a": dn, "b": None}},
+     {"w1": {"a": "scalar", "b": "scalar"}, "w2": {"a": "dion3", "b": "scalar"}}),
+    # the same prefix tree, as a callable
+    (lambda dn: lambda p: {"w1": dn, "w2": None},
+     {"w1": {"a": "dion3", "b": "dion3"}, "w2": {"a": "scalar", "b": "scalar"}}),
+], ids=["prefix_none_and_dim_nums", "prefix_none_full_dim_nums", "callable"])
+def test_prefix_trees_decide_every_leaf_under_them(dims, want):
+    params = {"w1": {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 3))},
+              "w2": {"a": jnp.ones((2, 3)), "b": jnp.ones((2, 3))}}
+    dims = dims(dion3_jax.DimensionNumbers())
+    assert dion3_jax.default_param_labels(params, dims) == want
+    tx = dion3_jax.dion3(0.02, dimension_numbers=dims)
+    held = {f"['{k}']['{j}']" for k, sub in want.items() for j, lab in sub.items()
+            if lab == "dion3"}
+    assert _dion3_leaves(tx, params) == held
+
+
+def test_declarations_override_names_and_the_rest_keep_the_rules():
+    params = {"embed": {"embedding": jnp.ones((32, 8))},
+              "mlp": {"kernel": jnp.ones((8, 16)), "bias": jnp.ones((16,))},
+              "gate": {"bias": jnp.ones((4, 16))},
+              "lora": {"A": jnp.ones((8, 4)), "B": jnp.ones((4, 8))}}
+    dims = {"embed": LORA_DN, "gate": LORA_DN, "lora": {"B": LORA_DN}}
+    rows = _table_rows(dion3_jax.routing_table(params, dimension_numbers=dims))
+    assert rows["['embed']['embedding']"][1:] == [
+        "dion3", "1 × 8×32", "dimension_numbers over embedding/head name 'embed'"]
+    assert rows["['gate']['bias']"][1:] == [
+        "dion3", "1 × 16×4", "dimension_numbers over vector name 'bias'"]
+    # leaves the tree leaves out: the name rules, as with no tree at all
+    assert rows["['lora']['A']"][1:] == ["dion3", "1 × 4×8", "matrix"]
+    assert rows["['mlp']['kernel']"][1:] == ["dion3", "1 × 16×8", "matrix"]
+    assert rows["['mlp']['bias']"][1:] == ["scalar", "-", "rank 1"]
+    tx = dion3_jax.dion3(0.02, dimension_numbers=dims)
+    assert _dion3_leaves(tx, params) == {
+        "['embed']['embedding']", "['gate']['bias']", "['lora']['A']", "['lora']['B']",
+        "['mlp']['kernel']"}
+
+
+def test_declared_vectors_are_refused():
+    params = {"blocks": {"kernel": jnp.ones((3, 8, 16)), "bias": jnp.ones((16,)),
+                         "scale": jnp.ones((8,))}, "head": {"kernel": jnp.ones((8, 4))}}
+    with pytest.raises(ValueError) as err:
+        dion3_jax.dion3(0.02, dimension_numbers={"blocks": STACKED, "head": None}).init(params)
+    msg = str(err.value)
+    assert "['blocks']['bias']  shape=(16,)" in msg and "['blocks']['scale']  shape=(8,)" in msg
+    assert "kernel" not in msg and "Give these None" in msg
+    # one DimensionNumbers for all leaves is a view: the rules still route the vectors
+    labels = dion3_jax.default_param_labels(params, STACKED)
+    assert labels["blocks"] == {"kernel": "dion3", "bias": "scalar", "scale": "scalar"}
+
+
+def test_declared_auto_named_layers_are_not_refused_for_the_head():
+    params = jax.eval_shape(LinenMLP().init, jax.random.key(0), jnp.ones((2, 8)))  # shapes
+    kernels = {k: {"kernel": LORA_DN} for k in ("Dense_0", "Dense_1", "Dense_2")}
+    labels = dion3_jax.default_param_labels(params, {"params": kernels})["params"]
+    assert [labels[k]["kernel"] for k in ("Dense_0", "Dense_1", "Dense_2")] == [
+        "dion3", "dion3", "dion3"]                       # the user said so: no head check
+    assert labels["Dense_0"]["bias"] == "scalar"         # left out of the tree: rank 1
+    # a tree that declares only the hidden layers leaves the head to the rules: refused
+    with pytest.raises(ValueError, match=r"\['params'\]\['Dense_2'\]\['kernel'\]"):
+        dion3_jax.default_param_labels(
+            params, {"params": {"Dense_0": {"kernel": LORA_DN}, "Dense_1": {"kernel": LORA_DN}}})
