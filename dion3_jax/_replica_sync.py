@@ -160,7 +160,7 @@ def stack_replica_momenta(opt_state: OptState, replica_axis: str = "dcn", *,
         over ``replica_axis``.
 
     Returns:
-      The state with every Dion3 ``momentum`` leaf stacked (``R = `` the replica axis' size).
+      The state with every Dion3 ``momentum`` leaf stacked (``R``: the size of ``replica_axis``).
 
     Raises:
       ValueError: when the mesh has no ``replica_axis`` or it is already manual.
@@ -179,13 +179,22 @@ def stack_replica_momenta(opt_state: OptState, replica_axis: str = "dcn", *,
 
 
 def _replica_count(opt_state: OptState) -> int:
-    """The leading size shared by every stacked Dion3 momentum leaf (1 without any)."""
-    momenta = [m for x in jax.tree.leaves(opt_state, is_leaf=_is_node) if _is_node(x)
-               for m in jax.tree.leaves(x.momentum)]
-    counts = {m.shape[0] if m.ndim else None for m in momenta}
-    if len(counts) > 1 or None in counts:
-        raise ValueError(f"opt_state's Dion3 momenta are not stacked alike (leading sizes "
-                         f"{sorted(counts, key=str)}); pass the state stack_replica_momenta made")
+    """The leading size of every stacked Dion3 momentum leaf (1 without any); a ValueError
+    unless each is its row factors' rank plus one and all share that size."""
+    counts = set()
+    for node in jax.tree.leaves(opt_state, is_leaf=_is_node):
+        if not _is_node(node):
+            continue
+        for (path, m), d in zip(jax.tree_util.tree_flatten_with_path(node.momentum)[0],
+                                jax.tree.leaves(node.momentum_scale)):
+            if m.ndim != d.ndim + 1:
+                raise ValueError(f"momentum{jax.tree_util.keystr(path)} has shape {m.shape} for "
+                                 f"row factors of shape {d.shape}: not stacked; pass the state "
+                                 "that stack_replica_momenta made (or its restored checkpoint)")
+            counts.add(m.shape[0])
+    if len(counts) > 1:
+        raise ValueError(f"opt_state's Dion3 momenta are stacked with different replica counts "
+                         f"{sorted(counts)}; pass the state that stack_replica_momenta made")
     return counts.pop() if counts else 1
 
 
@@ -212,8 +221,9 @@ def unstack_replica_momenta(opt_state: OptState, replica_axis: str = "dcn", *,
       The state with every Dion3 ``momentum`` leaf shaped like its parameter again.
 
     Raises:
-      ValueError: without ``average``, when the mesh has no ``replica_axis`` with as many
-        devices as the state has replicas; the message says what to do.
+      ValueError: for a state whose momenta are not stacked, and, without ``average``, when the
+        mesh has no ``replica_axis`` with as many devices as the state has replicas; the
+        message says what to do.
 
     Examples:
       >>> # opt_state = dion3_jax.unstack_replica_momenta(restored, "dcn")

@@ -163,9 +163,10 @@ def test_norms_checkpoint_on_one_device_says_what_to_do(saved):
     assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
 
 
-def test_stack_replica_momenta_needs_the_replica_axis():
+def test_stack_needs_the_replica_axis_and_unstack_a_stacked_state():
     tx = dion3_jax.scale_by_dion3(0.25)
     state = tx.init({"w": np.zeros((4, 8), np.float32)})
     with pytest.raises(ValueError, match="replica_axis='dcn'"):
         dion3_jax.stack_replica_momenta(state, "dcn")
-    assert dion3_jax.unstack_replica_momenta(state, "dcn", average=True) is not None
+    with pytest.raises(ValueError, match=r"momentum\['w'\] has shape \(4, 8\).*not stacked"):
+        dion3_jax.unstack_replica_momenta(state, "dcn", average=True)
