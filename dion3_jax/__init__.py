@@ -38,7 +38,8 @@ from dion3_jax._finite import apply_if_finite
 from dion3_jax._layout import DimensionNumbers
 from dion3_jax._orthogonalizer import Orthogonalizer, make_orthogonalizer
 from dion3_jax._polar import polar
-from dion3_jax._replica_sync import synchronize_momentum
+from dion3_jax._replica_sync import (stack_replica_momenta, synchronize_momentum,
+                                      unstack_replica_momenta)
 from dion3_jax._routing import default_param_labels, routing_table
 from dion3_jax._transform import ScaleByDion3State, fold_momentum_scale, scale_by_dion3
 
@@ -64,8 +65,10 @@ __all__ = (
     "polar",
     "routing_table",
     "scale_by_dion3",
+    "stack_replica_momenta",
     "synchronize_momentum",
     "transfer_learning_rate",
+    "unstack_replica_momenta",
 )
 
 # The public submodules; ``import dion3_jax`` alone does not import them, so that ``python -m

@@ -256,6 +256,18 @@ def resolve_context(mesh, shard_axis, replica_axis, leaves) -> Context:
     elif any(a in manual for a in shard):
         raise ValueError(f"shard_axis={shard_axis!r} names an axis that is already manual "
                          f"({manual}); call update outside the shard_map over it")
+    # A manual axis other than the replica axis: the step would see each device's shard of a
+    # leaf sharded over it as a whole matrix (a per-shard update, no error). An axis of size 1
+    # has no shards.
+    other = tuple(a for a in manual if a != replica_axis and sizes[a] > 1)
+    if other:
+        raise ValueError(
+            f"update was called inside a jax.shard_map that makes the mesh axes {other} manual: "
+            "the step would take each device's shard of a parameter for a whole matrix and "
+            "orthogonalize it on its own. Call update outside that shard_map (under jax.jit "
+            "with the mesh; each leaf keeps its sharding), or, if the parameters are replicated "
+            f"over {other[0]!r} (data parallel, per-replica gradients), pass "
+            f"MeshOptions(replica_axis={other[0]!r}) for compressed sync over it")
     axis_names = tuple(a for a in names if a not in manual)
     compressed = replica_axis is not None and replica_axis in manual
     return Context(mesh, axis_names, shard, replica_axis, compressed, sizes, concrete)

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dion3_jax import _distributed, _plan, _step
+from dion3_jax import _distributed, _param_metadata, _plan, _step
 from dion3_jax._config import AdjustLR, Dion3Config, Flavor, PassImplementation, make_config
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
@@ -214,9 +214,12 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     # Placed like the momentum, so the first jitted update compiles once.
     count = (_zeros((), jnp.int32, leaves[0], jax.P(), ctx, commit) if leaves
              else jnp.zeros([], jnp.int32))
-    return ScaleByDion3State(count=count, momentum=treedef.unflatten(mom),
-                             variance=treedef.unflatten(var) if normuon else None,
-                             momentum_scale=treedef.unflatten(scale))
+    # The per-row state's Flax Variables must not shard its size-1 reduction axes.
+    axes = [pl.layout.reduction_axes for pl in plans]
+    return ScaleByDion3State(
+        count=count, momentum=treedef.unflatten(mom),
+        variance=_param_metadata.row_state_tree(params, var, axes) if normuon else None,
+        momentum_scale=_param_metadata.row_state_tree(params, scale, axes))
 
 
 def _plan_key(grads, moms) -> tuple:

@@ -51,8 +51,10 @@ TOP_LEVEL = (
     "polar",
     "routing_table",
     "scale_by_dion3",
+    "stack_replica_momenta",
     "synchronize_momentum",
     "transfer_learning_rate",
+    "unstack_replica_momenta",
 )
 SUBMODULES = {
     "newton_schulz": (
