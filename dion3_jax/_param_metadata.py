@@ -72,9 +72,8 @@ def row_state_tree(params, arrays: Sequence[jax.Array],
       The state tree, with the structure of ``params``.
     """
     variable = _variable_type()
-    treedef = jax.tree.structure(params)
     if variable is None:
-        return treedef.unflatten(arrays)
+        return jax.tree.unflatten(jax.tree.structure(params), arrays)
     nodes, outer = jax.tree.flatten(params, is_leaf=lambda x: isinstance(x, variable))
     pairs = iter(zip(arrays, reduction_axes, strict=True))
     out = []
@@ -83,7 +82,7 @@ def row_state_tree(params, arrays: Sequence[jax.Array],
             out.append(next(pairs)[0])
             continue
         inner = jax.tree.structure(node)
-        items = [next(pairs) for _ in range(inner.num_leaves)]
-        new = inner.unflatten([a for a, _ in items])
+        items = [next(pairs) for _ in jax.tree.leaves(node)]
+        new = jax.tree.unflatten(inner, [a for a, _ in items])
         out.append(_drop_reduced(new, items[0][1]) if len(items) == 1 else new)
-    return outer.unflatten(out)
+    return jax.tree.unflatten(outer, out)

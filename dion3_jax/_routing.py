@@ -341,7 +341,7 @@ def _one_letter_message(refused: list[Route]) -> str:
     """The error text for undeclared leaves of rank ≥ 2 under a one-letter name b, d or g."""
     axes = (0, 1) if len(refused[0].shape) == 2 else (-2, -1)
     dn = f"dion3_jax.DimensionNumbers(reduction_axis={axes[0]}, output_axis={axes[1]})"
-    letters = sorted({_match(_ONE_LETTER, [_key_name(k) for k in r.path]).lower()
+    letters = sorted({(_match(_ONE_LETTER, [_key_name(k) for k in r.path]) or "").lower()
                       for r in refused})
     return (
         "dion3_jax cannot tell what these leaves are from their one-letter names: b, d and g "
