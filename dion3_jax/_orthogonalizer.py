@@ -51,6 +51,7 @@ class Orthogonalizer:
       backend: the symmetric products' ``pallas_kernels`` implementation.
       eps: added to the Frobenius norm before dividing.
       out_dtype: dtype of the factors (default: the input's).
+      preconditioning: the first step's rescaling (``"none"``, ``"norm_bound"``, ``"aol"``).
     """
 
     method: Method = "gram"
@@ -61,6 +62,7 @@ class Orthogonalizer:
     backend: Backend = "auto"
     eps: float = 1e-7
     out_dtype: jax.typing.DTypeLike | None = None
+    preconditioning: str = "none"
 
     def __post_init__(self):
         options = polar_options(self)
