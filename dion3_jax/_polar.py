@@ -399,8 +399,8 @@ def polar(x: jax.Array, *, method: Method = "gram",
     Args:
       x: array of shape ``(..., n, m)`` of any floating dtype; leading axes are a batch.
       method: ``"gram"`` (Gram Newton-Schulz with restarts) or ``"standard"``.
-      coefficients: a preset name (``"polar_express"``, ``"you"``, ``"jordan"``) or a sequence of
-        ``(a, b, c)`` triples, one per step.
+      coefficients: a preset name (``"polar_express"``, ``"polar_express_4"``, ``"you"``,
+        ``"jordan"``) or a sequence of ``(a, b, c)`` triples, one per step.
       restarts: 0-based steps at which Gram Newton-Schulz restarts (ignored by ``"standard"``);
         see :func:`dion3_jax.newton_schulz.autotune_restarts`.
       steps: number of steps (default: the length of the coefficient list).
