@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dion3_jax._polar import Backend, Method, polar
+from dion3_jax._polar import Backend, Method, Preconditioning, polar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +48,7 @@ class Orthogonalizer:
       backend: the symmetric products' ``pallas_kernels`` implementation.
       eps: added to the Frobenius norm before dividing.
       out_dtype: dtype of the factors (default: the input's).
+      preconditioning: the first step's rescaling (``"none"``, ``"norm_bound"``, ``"aol"``).
     """
 
     method: Method = "gram"
@@ -58,6 +59,7 @@ class Orthogonalizer:
     backend: Backend = "auto"
     eps: float = 1e-7
     out_dtype: jax.typing.DTypeLike | None = None
+    preconditioning: Preconditioning = "none"
 
     def __post_init__(self):
         options = polar_options(self)
@@ -94,6 +96,7 @@ def make_orthogonalizer(
     backend: Backend = "auto",
     eps: float = 1e-7,
     out_dtype: jax.typing.DTypeLike | None = None,
+    preconditioning: Preconditioning = "none",
 ) -> Orthogonalizer:
     """Returns ``f(batch) = polar(batch, **options)``, validated now rather than at trace.
 
@@ -117,6 +120,9 @@ def make_orthogonalizer(
         ``"xla"``, ``"mosaic"`` or ``"jax_triton"``).
       eps: added to the Frobenius norm before dividing.
       out_dtype: dtype of the factors (default: the input's).
+      preconditioning: the first step's rescaling, read off the first Gram matrix: ``"none"``,
+        ``"norm_bound"`` (one scale per matrix; keeps the polar factor) or ``"aol"`` (per-row
+        scales; converges to the polar factor of the rescaled matrix).
 
     Returns:
       An :class:`Orthogonalizer`: a record of the options that maps a ``(batch, rows, cols)``
@@ -136,4 +142,4 @@ def make_orthogonalizer(
     """
     return Orthogonalizer(method=method, coefficients=coefficients, restarts=restarts,
                           steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps,
-                          out_dtype=out_dtype)
+                          out_dtype=out_dtype, preconditioning=preconditioning)

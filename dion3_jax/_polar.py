@@ -41,7 +41,9 @@ from dion3_jax._coefficients import Coefficients, get_coefficients
 
 Method = Literal["gram", "standard"]
 Backend = Literal["auto", "xla", "mosaic", "jax_triton"]
+Preconditioning = Literal["none", "norm_bound", "aol"]
 _METHODS = ("gram", "standard")
+_PRECONDITIONINGS = ("none", "norm_bound", "aol")
 _BACKENDS = ("auto", "xla", "mosaic", "jax_triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
 #: The aspect ratio (long side over short side) from which ``method="gram"`` runs Gram
@@ -98,6 +100,45 @@ def _restart(q: jax.Array, x: jax.Array, backend: Backend) -> tuple[jax.Array, j
     return x, _gram(x, backend)
 
 
+def _gram_scales(r: jax.Array, preconditioning: Preconditioning) -> jax.Array | None:
+    """Per-row scales ``d`` (``(B, n)``, float32 or wider) read off the Gram matrix ``R``
+    (``(B, n, n)``) such that ``‖D R D‖₂ ≤ 1`` for ``D = diag(d)``; None for ``"none"``.
+
+    ``"aol"``: ``dᵢ = (Σⱼ |Rᵢⱼ|)^(-1/2)``, the AOL rescaling (``‖D R D‖₂ ≤ 1`` by the Schur test);
+    a zero row (padding) gets ``dᵢ = 0`` and stays zero. ``"norm_bound"``: one scale per matrix,
+    ``d = min(‖R‖_∞, ‖R‖_F)^(-1/2)``, both upper bounds of ``‖R‖₂ = σ_max²``, so the iteration
+    computes the same polar factor as without it, from singular values moved up towards 1 (the
+    Frobenius normalization leaves ``σ_max = ‖X‖₂ / ‖X‖_F``, down to ``1/√n``). Either costs
+    ``O(n²)`` per matrix, against the Gram matrix's ``O(n² m)``.
+
+    References:
+      Prach, Lampert, `Almost-Orthogonal Layers for Efficient General-Purpose Lipschitz Networks
+      <https://arxiv.org/abs/2208.03160>`_, 2022 (the AOL rescaling).
+    """
+    if preconditioning == "none":
+        return None
+    r32 = r.astype(jnp.promote_types(r.dtype, jnp.float32))
+    row = jnp.sum(jnp.abs(r32), axis=-1)
+    if preconditioning == "aol":
+        return jnp.where(row > 0, jax.lax.rsqrt(jnp.where(row > 0, row, 1.0)), 0.0)
+    bound = jnp.minimum(jnp.max(row, axis=-1), jnp.sqrt(jnp.sum(r32 * r32, axis=(-2, -1))))
+    d = jnp.where(bound > 0, jax.lax.rsqrt(jnp.where(bound > 0, bound, 1.0)), 0.0)
+    return jnp.broadcast_to(d[:, None], row.shape)
+
+
+def _scaled_gram(r: jax.Array, d: jax.Array) -> jax.Array:
+    """``D R D`` in ``r``'s dtype (scaled in ``d``'s dtype, rounded once)."""
+    return (r.astype(d.dtype) * d[:, :, None] * d[:, None, :]).astype(r.dtype)
+
+
+def _scaled_factor(q: jax.Array, x: jax.Array, d: jax.Array) -> jax.Array:
+    """The polynomial ``Q`` of ``D R D`` made to act on the unscaled ``x``: ``Q D`` for a wide
+    ``x`` (``Q (D X) = (Q D) X``), ``D Q`` for a tall one (``(X D) Q = X (D Q)``); ``O(n²)``
+    instead of a pass over ``x``."""
+    scale = d[:, :, None] if _tall(x) else d[:, None, :]
+    return (q.astype(d.dtype) * scale).astype(q.dtype)
+
+
 class _StepCoefficients(NamedTuple):
     """One Newton-Schulz step's ``(a, b, c)`` as run-time operands: ``abc``, ``(a, b, c, 1)`` in
     the products' accumulation dtype (the scales of :func:`pallas_kernels.sym_matmul`; every
@@ -121,17 +162,23 @@ def _operands(coeffs: Coefficients, dtype) -> list[_StepCoefficients]:
     return [_StepCoefficients(abc[i], diag[i]) for i in range(len(coeffs))]
 
 
-@functools.partial(jax.jit, static_argnames="backend")
-def _standard_step(x: jax.Array, k: _StepCoefficients, backend: Backend) -> jax.Array:
-    """One standard Newton-Schulz step: ``A = X Xᵀ; X ← (a·I + b·A + c·A²) X``."""
+@functools.partial(jax.jit, static_argnames=("backend", "preconditioning"))
+def _standard_step(x: jax.Array, k: _StepCoefficients, backend: Backend,
+                   preconditioning: Preconditioning = "none") -> jax.Array:
+    """One standard Newton-Schulz step: ``A = X Xᵀ; X ← (a·I + b·A + c·A²) X``; with
+    ``preconditioning``, on ``D X`` (:func:`_gram_scales`: ``A ← D A D``, ``Z ← Z D``)."""
     gram = _gram(x, backend)
+    d = _gram_scales(gram, preconditioning)
+    if d is not None:
+        gram = _scaled_gram(gram, d)
     poly = pallas_kernels.sym_matmul(gram, gram, gram, alpha=k.abc[2], beta=k.abc[1],
                                      implementation=backend)
-    return _apply(_add_to_diagonal(poly, k.diag), x)
+    z = _add_to_diagonal(poly, k.diag)
+    return _apply(z if d is None else _scaled_factor(z, x, d), x)
 
 
-def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backend = "auto"
-                           ) -> jax.Array:
+def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backend = "auto",
+                           preconditioning: Preconditioning = "none") -> jax.Array:
     """Standard Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, wide or tall.
 
     Per step ``(a, b, c)``, for a wide ``X``: ``A = X Xᵀ; Z = a·I + b·A + c·A²; X ← Z X`` (a tall
@@ -147,6 +194,8 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backe
         :func:`dion3_jax.newton_schulz.get_coefficients`.
       backend: the products' implementation (``"auto"``, ``"xla"``, ``"mosaic"``,
         ``"jax_triton"``; see ``pallas_kernels``).
+      preconditioning: ``"none"``, ``"norm_bound"`` or ``"aol"``: the first step's rescaling
+        read off its Gram matrix (:func:`dion3_jax.polar`).
 
     Returns:
       The approximate polar factor of each matrix, shaped and typed like ``x``.
@@ -155,8 +204,8 @@ def standard_newton_schulz(x: jax.Array, coeffs: Coefficients, *, backend: Backe
       Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign Methods and Their
       Application to the Muon Algorithm", arXiv:2505.16932 (2025).
     """
-    for k in _operands(coeffs, x.dtype):
-        x = _standard_step(x, k, backend)
+    for i, k in enumerate(_operands(coeffs, x.dtype)):
+        x = _standard_step(x, k, backend, preconditioning if i == 0 else "none")
     return x
 
 
@@ -194,7 +243,8 @@ def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: Backen
 
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
-                       backend: Backend = "auto") -> jax.Array:
+                       backend: Backend = "auto", preconditioning: Preconditioning = "none"
+                       ) -> jax.Array:
     """Gram Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, n ≠ m.
 
     For a wide ``X`` it iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram
@@ -217,6 +267,9 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
         recomputed; ``()`` never restarts.
       backend: the products' implementation (``"auto"``, ``"xla"``, ``"mosaic"``,
         ``"jax_triton"``; see ``pallas_kernels``).
+      preconditioning: ``"none"``, ``"norm_bound"`` or ``"aol"``: iterate on ``D X`` with ``D``
+        read off the first Gram matrix (:func:`dion3_jax.polar`); ``D`` is folded into the
+        first ``Q`` (``O(n²)``), so ``X`` is never rescaled.
 
     Returns:
       The approximate polar factor of each matrix, shaped and typed like ``x``.
@@ -227,9 +280,15 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
     restart_set = set(restarts)
     last = len(coeffs) - 1
     r = _gram(x, backend)
-    q = None
+    d = _gram_scales(r, preconditioning)
+    if d is not None:
+        r = _scaled_gram(r, d)
+    q: jax.Array | None = None
     for i, k in enumerate(_operands(coeffs, x.dtype)):
         if i in restart_set and i != 0:
+            assert q is not None   # set by step 0 (the checker cannot tell)
+            if d is not None:
+                q, d = _scaled_factor(q, x, d), None
             x, r = _restart(q, x, backend)
             q = None
         update = i != last and (i + 1) not in restart_set
@@ -237,7 +296,8 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
             r, q = _gram_first(r, k, backend, update)
         else:
             r, q = _gram_next(r, q, k, backend, update)
-    return _apply(q, x)
+    assert q is not None
+    return _apply(q if d is None else _scaled_factor(q, x, d), x)
 
 
 def _padded_shape(n: int, m: int, multiples: tuple[int, int]) -> tuple[int, int]:
@@ -277,7 +337,8 @@ def runs_gram(method: str, n: int, m: int) -> bool:
 
 
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
-             backend: Backend, multiples: tuple[int, int] | None) -> jax.Array:
+             backend: Backend, multiples: tuple[int, int] | None,
+             preconditioning: Preconditioning = "none") -> jax.Array:
     """Newton-Schulz on the normalized batch ``y`` of shape ``(B, n, m)``, wide or tall.
 
     With ``multiples`` (the kernels' tile multiples, :func:`_multiples`), ``y`` is zero-padded
@@ -292,15 +353,20 @@ def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence
         if (rows, cols) != (n, m):
             y = jnp.pad(y, ((0, 0), (0, rows - n), (0, cols - m)))
     if runs_gram(method, n, m):
-        y = gram_newton_schulz(y, coeffs, restarts, backend=backend)
+        y = gram_newton_schulz(y, coeffs, restarts, backend=backend,
+                               preconditioning=preconditioning)
     else:
-        y = standard_newton_schulz(y, coeffs, backend=backend)
+        y = standard_newton_schulz(y, coeffs, backend=backend, preconditioning=preconditioning)
     return y if y.shape[1:] == (n, m) else y[:, :n, :m]
 
 
-def _validate(method, restarts, backend, compute_dtype, out_dtype, eps, n_steps):
+def _validate(method, restarts, backend, compute_dtype, out_dtype, eps, n_steps,
+              preconditioning="none"):
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method=!r}")
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"preconditioning must be one of {_PRECONDITIONINGS}, got "
+                         f"{preconditioning=!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend=!r}")
     if isinstance(restarts, (str, bytes)) or not isinstance(restarts, Sequence):
@@ -321,7 +387,8 @@ def polar(x: jax.Array, *, method: Method = "gram",
           coefficients: str | Sequence[Sequence[float]] = "polar_express",
           restarts: Sequence[int] = (2,), steps: int | None = None,
           compute_dtype: jax.typing.DTypeLike | None = None, backend: Backend = "auto",
-          eps: float = 1e-7, out_dtype: jax.typing.DTypeLike | None = None) -> jax.Array:
+          eps: float = 1e-7, out_dtype: jax.typing.DTypeLike | None = None,
+          preconditioning: Preconditioning = "none") -> jax.Array:
     r"""Approximates the polar factor ``U Vᵀ`` of each matrix in a batch.
 
     The input is normalized in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``
@@ -334,8 +401,8 @@ def polar(x: jax.Array, *, method: Method = "gram",
     Args:
       x: array of shape ``(..., n, m)`` of any floating dtype; leading axes are a batch.
       method: ``"gram"`` (Gram Newton-Schulz with restarts) or ``"standard"``.
-      coefficients: a preset name (``"polar_express"``, ``"you"``, ``"jordan"``) or a sequence of
-        ``(a, b, c)`` triples, one per step.
+      coefficients: a preset name (``"polar_express"``, ``"polar_express_4"``, ``"you"``,
+        ``"jordan"``) or a sequence of ``(a, b, c)`` triples, one per step.
       restarts: 0-based steps at which Gram Newton-Schulz restarts (ignored by ``"standard"``);
         see :func:`dion3_jax.newton_schulz.autotune_restarts`.
       steps: number of steps (default: the length of the coefficient list).
@@ -347,6 +414,13 @@ def polar(x: jax.Array, *, method: Method = "gram",
       out_dtype: dtype of the result; default: ``x``'s. A consumer that works in float32 anyway
         can take the result in the compute dtype (no float32 copy is written; Dion3 does this,
         which also halves the bytes its all-to-alls send back).
+      preconditioning: how the first step rescales the normalized input, read off the Gram
+        matrix ``R`` it forms anyway (``O(n²)`` per matrix; docs/POLAR.md): ``"none"`` (the
+        Frobenius normalization alone); ``"norm_bound"``, ``X / min(‖R‖_∞, ‖R‖_F)^(1/2)``, a
+        tighter bound of ``‖X‖₂`` that leaves the polar factor unchanged; ``"aol"``, ``D X``
+        with ``dᵢ = (Σⱼ |Rᵢⱼ|)^(-1/2)`` (AOL), which also bounds ``‖D X‖₂`` by 1 but iterates
+        towards ``polar(D X)``, not ``polar(X)``. Both start the iteration with singular values
+        closer to 1, which the ``"polar_express_4"`` coefficients are fitted for.
 
     Returns:
       An array with the shape of ``x`` and dtype ``out_dtype`` (default: ``x``'s).
@@ -365,7 +439,7 @@ def polar(x: jax.Array, *, method: Method = "gram",
     """
     return _polar_parts([x], method=method, coefficients=coefficients, restarts=restarts,
                         steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps,
-                        out_dtype=out_dtype)
+                        out_dtype=out_dtype, preconditioning=preconditioning)
 
 
 def resolved_compute_dtype(method: str, compute_dtype=None):
@@ -388,28 +462,32 @@ def _normalized(x: jax.Array, eps: float, compute_dtype, norm=None) -> jax.Array
 
 
 def _polar_normalized(y: jax.Array, *, method, coefficients, restarts, steps, compute_dtype,
-                      backend, eps, out_dtype=None) -> jax.Array:
+                      backend, eps, out_dtype=None, preconditioning="none") -> jax.Array:
     """:func:`polar` of a batch ``y`` of shape ``(B, n, m)`` that the caller has already divided
     by its norms (plus ``eps``) and cast to the compute dtype: the iteration only, with no pass
     over ``y`` first (Dion3's payloads arrive so)."""
     coeffs = get_coefficients(coefficients, steps)
-    _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs))
+    _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs),
+              preconditioning)
     out_dtype = y.dtype if out_dtype is None else out_dtype
     y = y.astype(resolved_compute_dtype(method, compute_dtype))
     if y.size == 0:
         return y.astype(out_dtype)
-    return _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend)).astype(out_dtype)
+    return _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend),
+                    preconditioning).astype(out_dtype)
 
 
 def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
-                 compute_dtype, backend, eps, out_dtype=None, norms=None) -> jax.Array:
+                 compute_dtype, backend, eps, out_dtype=None, norms=None,
+                 preconditioning="none") -> jax.Array:
     """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are
     a batch), with each part normalized and cast on its own before the concatenation: the batch
     is assembled once, in the compute dtype (half the bytes of a float32 stack for float16).
     ``norms``: None, or per part None or the Frobenius norm of each of its matrices
     (shape: the part's batch shape)."""
     coeffs = get_coefficients(coefficients, steps)
-    _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs))
+    _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs),
+              preconditioning)
     parts = [jnp.asarray(x) for x in parts]
     x = parts[0]
     if x.ndim < 2:
@@ -440,5 +518,6 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
                       None if q is None else jnp.reshape(q, (-1,)))
           for p, q in zip(parts, norms)]
     y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
-    y = _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend)).astype(out_dtype)
+    y = _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend),
+                 preconditioning).astype(out_dtype)
     return y.reshape((*batch[0], n, m)) if len(parts) == 1 else y

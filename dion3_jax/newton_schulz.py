@@ -17,7 +17,8 @@
 * :func:`gram_newton_schulz` and :func:`standard_newton_schulz`: the iterations on a normalized
   ``(batch, rows, cols)`` batch, for a resolved coefficient list;
 * :data:`COEFFICIENT_PRESETS` and :func:`get_coefficients`: the ``(a, b, c)`` triples per step
-  (presets ``"polar_express"``, ``"you"``, ``"jordan"``, or a user's sequence);
+  (presets ``"polar_express"``, ``"polar_express_4"``, ``"you"``, ``"jordan"``, or a user's
+  sequence);
 * :func:`autotune_restarts` and :func:`restart_growth`: where Gram Newton-Schulz should restart
   for a coefficient list, from the growth of ``Q`` under float16's spurious Gram eigenvalues.
 
