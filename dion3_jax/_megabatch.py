@@ -163,6 +163,8 @@ def orthogonalize_group(x: jax.Array, key: GroupKey, axis_size: int,
     recv = jax.lax.all_to_all(xp, key.axes, 0, 0, tiled=True)
     whole = _assemble(recv.reshape((w, per, a, b)), key.concat_axis, key.col_pieces)
     if key.kept:
+        if counts is None:
+            raise ValueError("a group that keeps some rows (key.kept) needs their counts")
         mine = jax.lax.dynamic_slice_in_dim(_pad_count(counts, w),
                                             jax.lax.axis_index(key.axes) * per, per, axis=0)
         slots, sources, keep = _kept_rows(mine, xp.shape[key.concat_axis], key.kept)

@@ -85,6 +85,13 @@ class Unit(NamedTuple):
     col_comm: tuple[str, ...] = ()
 
     @property
+    def segment(self) -> _distributed.Segment:
+        """``seg`` of a ``"rows"`` unit (which always has one)."""
+        if self.seg is None:
+            raise ValueError(f"unit {self.uid} ({self.shard}) has no row segment")
+        return self.seg
+
+    @property
     def col_axes(self) -> tuple[str, ...]:
         """The mesh axes over which each matrix's columns are split (its row statistics are
         partial sums over them)."""

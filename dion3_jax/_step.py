@@ -35,7 +35,7 @@ program does not grow by those operations with every matrix of a shape.
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,20 @@ PAYLOAD_IMPLEMENTATION: dict[str, tuple[pallas_kernels._payload.PayloadImplement
     "pallas_triton": ("pallas_triton", "pallas_triton")}
 
 Blocks = list[list[jax.Array]]
+_T = TypeVar("_T")
+
+
+def _some(x: _T | None) -> _T:
+    """``x``, which the plan guarantees is there (a value that is optional by route: a unit's
+    scores when it selects, a pick's rows on a row shard, ...); a ValueError if it is not."""
+    if x is None:
+        raise ValueError("the step read a value its plan said would be there")
+    return x
+
+
+def _filled(blocks: list[list[jax.Array | None]]) -> Blocks:
+    """``blocks`` (per leaf, per block) once every slot has been written."""
+    return [[_some(x) for x in b] for b in blocks]
 
 
 class Accumulated(NamedTuple):
@@ -118,7 +132,7 @@ def _l1_scores(plan: Plan, local: dict) -> dict[tuple[int, int], jax.Array]:
 
 def _segment_scores(plan: Plan, u: Unit, raw, count):
     """Scores of a "rows" unit over its segment's ``width`` local rows; absent rows are −inf."""
-    seg, d = u.seg, _shard_index(u)
+    seg, d = u.segment, _shard_index(u)
     start, cnt = _selection.local_positions(seg.start, seg.count, seg.width, d)
     if not plan.random_selection:
         shifted = any(s != 0 for s in seg.start)
@@ -233,10 +247,11 @@ def _accumulate(plan: Plan, grads, moms, scales):
               if pallas_kernels.accumulate_rows_implementation(
                   _local_shape(plan, u)[1:], u.layout.row_axis, plan.pass_implementation)
               != "xla"}
-    momentum = [p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d))
-                if any((i, b) not in kernel for b in range(len(p.local.blocks)))
-                else [None] * len(p.local.blocks)
-                for i, (p, m, g, d) in enumerate(zip(plan.leaves, moms, grads, scales))]
+    momentum: list[list[jax.Array | None]] = [
+        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d)))
+        if any((i, b) not in kernel for b in range(len(p.local.blocks)))
+        else [None] * len(p.local.blocks)
+        for i, (p, m, g, d) in enumerate(zip(plan.leaves, moms, grads, scales))]
     partials = {}
     for (leaf, block), u in kernel.items():
         local, ra = plan.leaves[leaf].local, u.layout.row_axis
@@ -247,10 +262,11 @@ def _accumulate(plan: Plan, grads, moms, scales):
         momentum[leaf][block] = s
         partials[(leaf, block)] = (l1, sq)
     known = _summed_partials(partials)
+    filled = _filled(momentum)
     # (The kernel's full units take their sums from the row sums, once per batch.)
-    full_sq = {u.uid: _norms.sq_sum(momentum[u.leaf][u.block].astype(jnp.float32), (1, 2))
+    full_sq = {u.uid: _norms.sq_sum(filled[u.leaf][u.block].astype(jnp.float32), (1, 2))
                for u in plan.units if _payload_decays(plan, u) and u.uid not in one_pass}
-    return momentum, full_sq, _row_stats(plan, momentum, known, one_pass), one_pass
+    return filled, full_sq, _row_stats(plan, filled, known, one_pass), one_pass
 
 
 def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count) -> Accumulated:
@@ -285,7 +301,8 @@ def _top_k_requests(plan: Plan, acc: Accumulated) -> dict[int, tuple]:
     gathered = {}
     if plan.global_scope:
         sel = [u for u in plan.units if u.shard == "rows" and not u.full]
-        for u, g in zip(sel, batched_all_gather([(acc.scores[u.uid], u.comm) for u in sel])):
+        for u, g in zip(sel, batched_all_gather([(_some(acc.scores[u.uid]), u.comm)
+                                                 for u in sel])):
             gathered[u.uid] = g                               # (W, batch, width)
     requests = {}
     for u in plan.units:
@@ -295,7 +312,7 @@ def _top_k_requests(plan: Plan, acc: Accumulated) -> dict[int, tuple]:
             requests[u.uid] = (acc.scores[u.uid], u.k)
         elif plan.global_scope:
             g = gathered[u.uid]
-            allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, g.shape[0] * u.seg.width))
+            allsc = jnp.moveaxis(g, 0, 1).reshape((u.layout.batch, g.shape[0] * u.segment.width))
             requests[u.uid] = (allsc, u.k)
         else:
             requests[u.uid] = (acc.scores[u.uid], u.pick)
@@ -304,7 +321,7 @@ def _top_k_requests(plan: Plan, acc: Accumulated) -> dict[int, tuple]:
 
 def _mine_of_global(u: Unit, top: jax.Array, devices: int):
     """Global scope: this device's local picks among the global top-k (first ``pick``)."""
-    width = u.seg.width
+    width = u.segment.width
     sel = jax.vmap(lambda i: jnp.zeros((devices * width,), bool).at[i].set(True))(top)
     mine = jax.lax.dynamic_slice_in_dim(sel, _shard_index(u) * width, width, axis=1)
     order = jnp.where(mine, -jnp.arange(width), -width - jnp.arange(width))
@@ -320,7 +337,7 @@ def _pick_segment_rows(plan: Plan, u: Unit, m, top, scores, start, row_sums, gat
     counts = None
     if plan.global_scope:
         li, valid = _mine_of_global(u, top, plan.ctx.size(u.comm))
-        counts = _selection.rows_per_device(top, u.seg.width, plan.ctx.size(u.comm))
+        counts = _selection.rows_per_device(top, u.segment.width, plan.ctx.size(u.comm))
     else:
         li = top
         valid = jnp.take_along_axis(scores, li, axis=1) > -jnp.inf
@@ -364,7 +381,8 @@ def _pick(plan: Plan, acc: Accumulated, u: Unit, top) -> Pick:
     if u.full:
         return Pick(None, m, acc.full_sq.get(u.uid))
     if u.shard == "rows":
-        return _pick_segment_rows(plan, u, m, top, acc.scores[u.uid], acc.positions[u.uid][0],
+        return _pick_segment_rows(plan, u, m, top, acc.scores[u.uid],
+                                  _some(acc.positions[u.uid])[0],
                                   row_sums, u.uid not in acc.one_pass)
     # Ascending rows: local gathers (the polar is row-permutation equivariant; none where the
     # payload pass gathers); the sums of squares of the selected rows come once per batch
@@ -424,7 +442,7 @@ def select(plan: Plan, acc: Accumulated
             picks[i] = _pick(plan, acc, plan.units[i], top)
         if j in tops:
             rows[j] = (tops[j] if plan.units[b.uids[0]].shard != "rows"
-                       else _megabatch.stack([picks[i].rows for i in b.uids]))
+                       else _megabatch.stack([_some(_some(picks[i]).rows) for i in b.uids]))
         sq_sums.append(_batch_sq_sums(plan, acc, b, tops.get(j), picks))
     return tuple(picks), tuple(rows), tuple(sq_sums)  # type: ignore[arg-type]
 
@@ -521,7 +539,7 @@ def _one_pass_payloads(plan: Plan, acc: Accumulated, group: int, norms: dict, ro
               if key.route == "on_device" and not u.full else None)
     return pallas_kernels.stack_payloads(
         [acc.momentum[plan.units[i].leaf][plan.units[i].block] for i in uids],
-        _per_group(plan, group, norms) + orth.eps, out_dtype=orth.input_dtype,
+        _per_group(plan, group, norms) + _some(orth.eps), out_dtype=orth.input_dtype,
         rows=None if u.full else _per_group(plan, group, dict(enumerate(rows))),
         row_axis=u.layout.row_axis,
         padded=any(plan.units[i].shard == "rows" for i in uids), pad_to=pad_to,
@@ -546,7 +564,7 @@ def gather_and_send(plan: Plan, acc: Accumulated, picks: tuple[Pick, ...], rows,
     batches = []
     for g, (key, uids) in enumerate(plan.groups):
         one_pass = uids[0] in acc.one_pass
-        parts = None if one_pass else [_orient(picks[i].payload, plan.units[i].swap)
+        parts = None if one_pass else [_orient(_some(picks[i].payload), plan.units[i].swap)
                                        for i in uids]
         on_device = key.route == "on_device"
         norms = [local_units.get(i) for i in uids]
@@ -557,14 +575,15 @@ def gather_and_send(plan: Plan, acc: Accumulated, picks: tuple[Pick, ...], rows,
             stacked = _one_pass_payloads(plan, acc, g, local if on_device else sent, rows)
         elif normalized:
             stacked = _megabatch.stack([
-                (p.astype(jnp.float32) / (sent_units[i] + orth.eps)[:, None, None]).astype(
-                    orth.input_dtype) for i, p in zip(uids, parts)])
+                (p.astype(jnp.float32) / (sent_units[i] + _some(orth.eps))[:, None, None]
+                 ).astype(orth.input_dtype) for i, p in zip(uids, _some(parts))])
         elif not (on_device and plan.stack_on_device):
-            stacked = _megabatch.stack(parts)
+            stacked = _megabatch.stack(_some(parts))
             if plan.ctx.compressed:
-                stacked = replica_mean(stacked, plan.ctx.replica_axis,
+                stacked = replica_mean(stacked, _some(plan.ctx.replica_axis),
                                        plan.replica_wire_dtype)
-        counts = _megabatch.stack([picks[i].counts for i in uids]) if key.kept else None
+        counts = (_megabatch.stack([_some(picks[i].counts) for i in uids]) if key.kept
+                  else None)
         batches.append(GroupBatch(key, uids, parts, norms, stacked, normalized, counts))
     return batches
 
@@ -595,17 +614,19 @@ def megabatched_polar(plan: Plan, batches: list[GroupBatch]
     per_batch: dict[int, BatchFactors] = {}
     for g, b in enumerate(batches):
         sizes = _sizes(plan, b.uids)
+        selected: list[jax.Array | None]
         if b.stacked is None:
-            o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), b.parts)
-            selected = b.parts
+            parts = _some(b.parts)
+            o = _megabatch.checked(lambda ps: orth.stacked(ps, b.norms), parts)
+            selected = list(parts)
         elif b.normalized:          # normalized and cast already: the iteration only
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes),
                                                orth.of_normalized, b.counts)
-            selected = b.parts or [None] * len(b.uids)
+            selected = list(b.parts) if b.parts else [None] * len(b.uids)
         else:
             o = _megabatch.orthogonalize_group(b.stacked, b.key, plan.ctx.size(b.key.axes), orth,
                                                b.counts)
-            selected = _megabatch.unstack(b.stacked, sizes)
+            selected = list(_megabatch.unstack(b.stacked, sizes))
         pieces = _megabatch.unstack(o, sizes, True)
         if o.shape[1:] != b.key.shape:  # a padded stack (_pad_to): sliced after the barrier,
             rows, cols = b.key.shape    # so that no unpadded copy is written
@@ -654,7 +675,7 @@ def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src
     gather of ``S``); under it ``S`` is the replicas' mean."""
     mu = jnp.asarray(mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
-    scales: Blocks = [[None] * len(b) for b in acc.momentum]
+    scales: list[list[jax.Array | None]] = [[None] * len(b) for b in acc.momentum]
     for b, src in zip(plan.batches, batch_src):
         u = plan.units[b.uids[0]]
         if u.uid in acc.one_pass and src is not None:
@@ -673,7 +694,7 @@ def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src
             shape[3 - ra] = 1
             scales[u.leaf][u.block] = _rules.deferred_decay(
                 1.0 if u.uid not in acc.one_pass else mu, None, tuple(shape))
-    return momentum, scales
+    return momentum, _filled(scales)
 
 
 class Moments(NamedTuple):
@@ -737,13 +758,13 @@ def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_
     write-back once per batch (``batch_src``: :func:`row_sources`)."""
     if not plan.normuon:
         return tuple(_rules.muon_directions(p.factors) for p in polars), None
-    units = plan.units
-    moments = [_batch_moments(plan, beta2, b, acc.variance, r, sq)
+    units, variance_in = plan.units, _some(acc.variance)
+    moments = [_batch_moments(plan, beta2, b, variance_in, r, sq)
                for b, r, sq in zip(plan.batches, rows, _row_sq(plan, factors))]
     fros = batched_psum([(_fro_terms(m),
                           units[b.uids[0]].comm if units[b.uids[0]].shard == "rows" else ())
                          for b, m in zip(plan.batches, moments)])
-    variance = [list(b) for b in acc.variance]
+    variance = [list(b) for b in variance_in]
     dirs: list[jax.Array | None] = [None] * len(units)
     for b, m, fro, src in zip(plan.batches, moments, fros, batch_src):
         ra, sizes = units[b.uids[0]].layout.row_axis, _sizes(plan, b.uids)
@@ -755,18 +776,18 @@ def normalize(plan: Plan, beta2, acc: Accumulated, rows, polars, factors, batch_
         for i, s, v in zip(b.uids, scales, new):
             dirs[i] = _rules.scale_rows(polars[i].factors, s, ra)
             variance[units[i].leaf][units[i].block] = jnp.expand_dims(v, 3 - ra)
-    return tuple(dirs), variance
+    return tuple(_some(d) for d in dirs), variance
 
 
 def scatter_and_apply(plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
     """The scaled directions written into zero updates (selected rows only); blocks → leaves,
     in :func:`_rules.update_dtype` of each gradient (float32 for 16-bit leaves)."""
-    ublk = [[None] * len(p.local.blocks) for p in plan.leaves]
+    ublk: list[list[jax.Array | None]] = [[None] * len(p.local.blocks) for p in plan.leaves]
     for u in plan.units:
         d = u.lr_scale * dirs[u.uid]
         ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
             d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
-    return _leaves(plan, ublk, [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
+    return _leaves(plan, _filled(ublk), [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
                                 for g in grads])
 
 
