@@ -228,3 +228,25 @@ def test_sharded_bfloat16_momentum_equals_one_device():
     with jax.set_mesh(mesh):
         sharded = run(lambda t: jax.device_put(t, NamedSharding(mesh, P(None, "x"))))
     np.testing.assert_array_equal(sharded, one)
+
+
+def test_statistics_pass_with_bits_runs_in_xla():
+    """``accumulate_rows`` with random bits: ``"auto"`` runs the jnp form (the kernels round to
+    nearest), whose ``S`` is ``scaled_sum``'s with the same bits and whose row sums are of that
+    ``S``; a named kernel raises instead of rounding otherwise."""
+    rng = np.random.default_rng(SEED)
+    m = jnp.asarray(rng.standard_normal((2, 64, 64)), jnp.bfloat16)
+    g = jnp.asarray(rng.standard_normal((2, 64, 64)), jnp.float32)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, (2, 64)), jnp.float32)
+    bits = _rounding.momentum_bits(SEED, jnp.int32(1), 0, _rounding.SUM, m.shape)
+    assert pallas_kernels.accumulate_rows_implementation((64, 64), 1, "auto", True, True) == "xla"
+    s, l1, _ = pallas_kernels.accumulate_rows(m, g, d, row_axis=1, interpret=True, bits=bits)
+    want = pallas_kernels.scaled_sum(m, g, d[:, :, None], bits)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(want))
+    assert not np.array_equal(np.asarray(want),
+                              np.asarray(pallas_kernels.scaled_sum(m, g, d[:, :, None])))
+    np.testing.assert_allclose(np.asarray(l1), np.abs(np.asarray(want, np.float64)).sum(2),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="rounded to nearest"):
+        pallas_kernels.accumulate_rows(m, g, d, row_axis=1, implementation="mosaic",
+                                       interpret=True, bits=bits)
