@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from dion3_jax import _norms, _selection
+from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES, stochastic_round
 
 NORMUON_EPS = 1e-8
 
@@ -64,7 +65,7 @@ def lr_scale(adjust_lr: str | None, fan_out: int, fan_in: int) -> float:
 
 
 def error_feedback(m: jax.Array, selected: jax.Array | None, mu, sources: tuple | None,
-                   row_axis: int) -> jax.Array:
+                   row_axis: int, bits: jax.Array | None = None) -> jax.Array:
     """``M[I] ← μ·S``: only the selected rows decay; the others keep accumulating.
 
     Args:
@@ -77,10 +78,17 @@ def error_feedback(m: jax.Array, selected: jax.Array | None, mu, sources: tuple 
       sources: :func:`dion3_jax._selection.row_sources` of the selected rows, or None when
         every row is selected (then ``S`` is the whole block).
       row_axis: ``m``'s row axis.
+      bits: uint32 random bits shaped like ``m``: a bfloat16 or float16 block is computed in
+        float32 and rounded stochastically with them (the rows that keep ``M`` keep it
+        exactly: a 16-bit value rounds to itself); None: rounded to nearest.
 
     Returns:
       The new momentum block, in ``m``'s dtype.
     """
+    if bits is not None and jnp.dtype(m.dtype) in STOCHASTIC_DTYPES:
+        exact = error_feedback(m.astype(jnp.float32), None if selected is None
+                               else selected.astype(jnp.float32), mu, sources, row_axis)
+        return stochastic_round(exact, m.dtype, bits)
     decayed = (mu * (m if selected is None else selected)).astype(m.dtype)
     if sources is None:
         return decayed

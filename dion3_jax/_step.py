@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from dion3_jax import _megabatch, _norms, _rules, _selection
+from dion3_jax import _megabatch, _norms, _rounding, _rules, _selection
 from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
 from dion3_jax._plan import Plan, Unit
 
@@ -227,7 +227,16 @@ def _summed_partials(partials: dict) -> dict:
     return out
 
 
-def _accumulate(plan: Plan, grads, moms, scales):
+def _momentum_bits(plan: Plan, dtypes, count, write: int) -> list[jax.Array | None]:
+    """Per leaf (``dtypes``: its momentum's), the random bits of a 16-bit momentum's stochastic
+    rounding at ``write`` in the local shard's shape (:mod:`dion3_jax._rounding`); None for
+    other dtypes (rounded to nearest)."""
+    return [_rounding.momentum_bits(plan.seed, count, i, write, p.local.shape, p.spec)
+            if _rounding.stochastic(t) else None
+            for i, (p, t) in enumerate(zip(plan.leaves, dtypes))]
+
+
+def _accumulate(plan: Plan, grads, moms, scales, count):
     """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
     step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
     units' sums of squares and the :func:`_one_pass_groups` units.
@@ -237,7 +246,8 @@ def _accumulate(plan: Plan, grads, moms, scales):
     ``S`` alone, and their selected rows' decay is not written this step (:func:`error_feedback`).
     Where that pass would run in XLA, and for the other blocks, ``S`` is summed in the leaf's
     own shape (which lets XLA write it in place of a donated momentum of any layout) and left
-    to XLA to fuse into its readers.
+    to XLA to fuse into its readers. A 16-bit momentum is rounded stochastically (random bits
+    of the step ``count``, :func:`_momentum_bits`), which only the XLA form does.
 
     Returns:
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
@@ -245,13 +255,14 @@ def _accumulate(plan: Plan, grads, moms, scales):
     one_pass = _one_pass_groups(plan)
     kernel = {(u.leaf, u.block): u for u in (plan.units[i] for i in one_pass)
               if pallas_kernels.accumulate_rows_implementation(
-                  _local_shape(plan, u)[1:], u.layout.row_axis, plan.pass_implementation)
-              != "xla"}
+                  _local_shape(plan, u)[1:], u.layout.row_axis, plan.pass_implementation,
+                  False, _rounding.stochastic(moms[u.leaf].dtype)) != "xla"}
+    bits = _momentum_bits(plan, [m.dtype for m in moms], count, _rounding.SUM)
     momentum: list[list[jax.Array | None]] = [
-        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d)))
+        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r)))
         if any((i, b) not in kernel for b in range(len(p.local.blocks)))
         else [None] * len(p.local.blocks)
-        for i, (p, m, g, d) in enumerate(zip(plan.leaves, moms, grads, scales))]
+        for i, (p, m, g, d, r) in enumerate(zip(plan.leaves, moms, grads, scales, bits))]
     partials = {}
     for (leaf, block), u in kernel.items():
         local, ra = plan.leaves[leaf].local, u.layout.row_axis
@@ -272,7 +283,7 @@ def _accumulate(plan: Plan, grads, moms, scales):
 def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count) -> Accumulated:
     """``M ← d ⊙ M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
     selection scores."""
-    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales)
+    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales, count)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if plan.normuon else None)
     raw = {} if plan.random_selection else _l1_scores(plan, l1)
@@ -662,7 +673,7 @@ def _unit_sources(plan: Plan, batch_src: tuple) -> tuple:
     return tuple(out)
 
 
-def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src
+def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src, count=0
                    ) -> tuple[Blocks, Blocks]:
     """``M[I] ← μ·S`` on every unit (``row_src``: :func:`row_sources` per unit, ``batch_src``
     per batch); returns the momentum blocks and their per-row factors ``d`` (the momentum is
@@ -672,9 +683,14 @@ def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src
     ``μ`` on their selected rows (:func:`_rules.deferred_decay`, once per batch), so the next
     step's ``d ⊙ M + G`` applies it on its way through. The other units decay their rows here
     (``d = 1``). Without compressed sync ``S`` is the block's own rows, which decay in place (no
-    gather of ``S``); under it ``S`` is the replicas' mean."""
+    gather of ``S``); under it ``S`` is the replicas' mean. A 16-bit ``μ·S`` is rounded
+    stochastically (bits of the step ``count``, :func:`_momentum_bits`)."""
     mu = jnp.asarray(mu, jnp.float32)
     momentum = [list(b) for b in acc.momentum]
+    decays = {u.leaf for u in plan.units if u.uid not in acc.one_pass}   # (no bits for others)
+    dtypes = [b[0].dtype if i in decays else jnp.float32 for i, b in enumerate(acc.momentum)]
+    bits = [None if r is None else p.local.to_blocks(r)
+            for p, r in zip(plan.leaves, _momentum_bits(plan, dtypes, count, _rounding.DECAY))]
     scales: list[list[jax.Array | None]] = [[None] * len(b) for b in acc.momentum]
     for b, src in zip(plan.batches, batch_src):
         u = plan.units[b.uids[0]]
@@ -687,8 +703,9 @@ def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src
         ra = u.layout.row_axis
         if u.uid not in acc.one_pass:
             s = polars[u.uid].selected if plan.ctx.compressed else None
-            momentum[u.leaf][u.block] = _rules.error_feedback(momentum[u.leaf][u.block], s, mu,
-                                                              row_src[u.uid], ra)
+            momentum[u.leaf][u.block] = _rules.error_feedback(
+                momentum[u.leaf][u.block], s, mu, row_src[u.uid], ra,
+                None if (leaf_bits := bits[u.leaf]) is None else leaf_bits[u.block])
         if scales[u.leaf][u.block] is None:   # every row decays now (1) or deferred (μ)
             shape = list(_local_shape(plan, u))
             shape[3 - ra] = 1
@@ -816,7 +833,8 @@ def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, cou
     polars, factors = megabatched_polar(plan, batches)
     batch_src = row_sources(plan, acc, rows)
     row_src = _unit_sources(plan, batch_src)
-    momentum, new_scales = error_feedback(plan, coefficients.mu, acc, polars, row_src, batch_src)
+    momentum, new_scales = error_feedback(plan, coefficients.mu, acc, polars, row_src, batch_src,
+                                          count)
     dirs, variance = normalize(plan, coefficients.beta2, acc, rows, polars, factors, batch_src)
     return (scatter_and_apply(plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
             _leaves(plan, variance, vars_), _leaves(plan, new_scales, scales))

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _dispatch, _row_stats_mosaic, _row_stats_triton
 from pallas_kernels._row_stats_reference import accumulate_rows_reference
+from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
 RowStatsImplementation = Literal["auto", "xla", "mosaic", "pallas_triton"]
 #: The kernels ``"auto"`` takes, in order of preference: the Mosaic kernel (faster than the
@@ -72,7 +73,7 @@ def _check(m, g, scale, row_axis) -> None:
 
 def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
                                    implementation: RowStatsImplementation = "auto",
-                                   interpret: bool = False) -> str:
+                                   interpret: bool = False, stochastic: bool = False) -> str:
     """What :func:`accumulate_rows` runs for matrices of ``shape`` on the target device.
 
     A caller that gets ``"xla"`` may compute the pass in its own array shape instead
@@ -85,6 +86,8 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       row_axis: the axis of the rows, 1 or 2, as in :func:`accumulate_rows`.
       implementation: what the caller asks for, as in :func:`accumulate_rows`.
       interpret: whether the kernel would run through an interpreter (CPU tests).
+      stochastic: whether ``S`` is a 16-bit momentum rounded stochastically (``bits`` of
+        :func:`accumulate_rows`): the kernels round to nearest, so only XLA takes it.
 
     Returns:
       ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
@@ -97,21 +100,26 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       >>> accumulate_rows_implementation((64, 256), 1, "xla")
       'xla'
     """
-    fits = {"mosaic": _row_stats_mosaic.blocks(shape, row_axis) is not None,
-            "pallas_triton": _row_stats_triton.blocks(shape, row_axis) is not None}
+    fits = {"mosaic": not stochastic and _row_stats_mosaic.blocks(shape, row_axis) is not None,
+            "pallas_triton": (not stochastic
+                              and _row_stats_triton.blocks(shape, row_axis) is not None)}
     needs = {"mosaic": f"an extent along axis 1 that is a multiple of 64 and a minor axis with "
                        f"a power-of-two divisor of at least 16, got {shape} "
                        f"(row_axis={row_axis})",
              "pallas_triton": f"a minor axis with a power-of-two divisor of at least "
                               f"{_row_stats_triton.MIN_MINOR}, got {shape} "
                               f"(row_axis={row_axis})"}
+    if stochastic:
+        needs = {k: "a momentum rounded to nearest (the kernels do not round stochastically)"
+                 for k in needs}
     return _dispatch.resolve_pass("accumulate_rows", implementation, fits, needs, interpret,
                                   auto=AUTO)
 
 
 def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                     implementation: RowStatsImplementation = "auto", interpret: bool = False,
-                    partial_sums: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    partial_sums: bool = False, bits: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``S = d ⊙ M + G`` per row, and each row's ℓ1 norm and scaled sum of squares.
 
     Args:
@@ -129,6 +137,8 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         the summed axis (``c = 1`` for XLA), to be added over axis 1 by the caller. A caller
         with many calls concatenates their partials and adds them in one reduction, which XLA
         fuses into the sums' readers, instead of one small reduction per call.
+      bits: uint32 random bits shaped like ``m``: a bfloat16 or float16 ``S`` is rounded
+        stochastically with them (:func:`pallas_kernels.scaled_sum`); XLA only.
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
@@ -149,10 +159,11 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
+    stochastic = bits is not None and jnp.dtype(m.dtype) in STOCHASTIC_DTYPES
     chosen = accumulate_rows_implementation((m.shape[1], m.shape[2]), row_axis, implementation,
-                                            interpret)
+                                            interpret, stochastic)
     if chosen == "xla":
-        s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis)
+        s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis, bits=bits)
         return (s, l1[:, None], sq[:, None]) if partial_sums else (s, l1, sq)
     kernel = (_row_stats_mosaic.accumulate_rows_mosaic if chosen == "mosaic"
               else _row_stats_triton.accumulate_rows_triton)

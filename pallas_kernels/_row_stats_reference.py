@@ -28,6 +28,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES, stochastic_round
+
 #: The squares are of ``S·2⁻³²``: overflow-safe, as ``dion3_jax``'s norms take them.
 DOWN = 2.0 ** -32
 
@@ -37,11 +39,17 @@ DOWN = 2.0 ** -32
 SATURATION = 2.0 ** 79
 
 
-def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array) -> jax.Array:
+def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | None = None
+               ) -> jax.Array:
     """``S = scale ⊙ M + G`` in ``M``'s dtype, computed in float32 (``scale`` broadcasts
     against ``m``); where ``M`` and ``G`` are finite, ``S`` saturates at
     ``±min(SATURATION, finfo(M.dtype).max)`` (a sum past float32's range included), elsewhere
-    the ``inf`` or NaN of a non-finite operand stays."""
+    the ``inf`` or NaN of a non-finite operand stays.
+
+    ``bits`` (uint32, broadcastable to ``m``): for a bfloat16 or float16 ``M``, round ``S``
+    stochastically with these random bits
+    (:func:`pallas_kernels._stochastic_rounding.stochastic_round`); ignored for other dtypes,
+    which round to nearest."""
     dtype = m.dtype
     bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
     m, g = m.astype(jnp.float32), g.astype(jnp.float32)
@@ -49,7 +57,10 @@ def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array) -> jax.Array:
     # Eight element ops, as a deep model's step runs this once per matrix; a NaN operand makes
     # ``s`` NaN, which both branches keep.
     finite = jnp.maximum(jnp.abs(m), jnp.abs(g)) < np.float32(np.inf)
-    return lax.select(finite, lax.clamp(-bound, s, bound), s).astype(dtype)
+    s = lax.select(finite, lax.clamp(-bound, s, bound), s)
+    if bits is None or jnp.dtype(dtype) not in STOCHASTIC_DTYPES:
+        return s.astype(dtype)
+    return stochastic_round(s, dtype, bits)
 
 
 def row_sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -60,8 +71,9 @@ def row_sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return l1, sq
 
 
-def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int
+def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
+                              bits: jax.Array | None = None
                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation)."""
-    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis))
+    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis), bits)
     return (s, *row_sums(s, 3 - row_axis))

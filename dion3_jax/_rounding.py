@@ -1,0 +1,94 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The random bits of a 16-bit momentum's stochastic rounding, keyed per step, leaf and element.
+
+A bfloat16 or float16 momentum is rounded stochastically wherever the step writes it
+(``S = d ⊙ M + G`` and the error feedback's ``μ·S``;
+:func:`pallas_kernels._stochastic_rounding.stochastic_round`). Its bits are Threefry-2x32 of
+the element's global index under a key folded from ``MeshOptions.seed``, the step count, the
+leaf's position among the gradients' leaves and the write (:data:`SUM`, :data:`DECAY`). So a
+run is reproducible, and one step's bits are the same on one device and on any mesh: a device
+offsets its shard's indices by the shard's position in the leaf. The counter's two words are an
+element's row-major index over all axes but the last (modulo 2³²: leaves of more than 2³²
+rows' worth of leading axes repeat bits) and its index along the last axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES, random_bits
+
+#: The writes of one step, each with bits of its own.
+SUM, DECAY = 0, 1
+
+#: Separates these keys from the random row scores' (:func:`dion3_jax._selection.random_scores`).
+_DOMAIN = 0x6D75
+
+
+def stochastic(dtype) -> bool:
+    """Whether a momentum of ``dtype`` is rounded stochastically (bfloat16 and float16)."""
+    return jnp.dtype(dtype) in STOCHASTIC_DTYPES
+
+
+def step_key(seed: int, count: jax.Array, leaf: int, write: int) -> jax.Array:
+    """The ``(2,)`` uint32 key of one write of one leaf's momentum at step ``count``."""
+    key = jax.random.key(seed, impl="threefry2x32")
+    for x in (_DOMAIN, count, leaf, write):
+        key = jax.random.fold_in(key, x)
+    return jax.random.key_data(key)
+
+
+def _offset(axes: tuple[str, ...], extent: int) -> jax.Array | int:
+    """This device's first index along a leaf axis sharded over mesh ``axes`` (none: 0)."""
+    return jax.lax.axis_index(axes) * extent if axes else 0
+
+
+def _entries(spec) -> tuple[tuple[str, ...], ...]:
+    """A ``PartitionSpec``'s mesh axes per leaf axis (empty: unsharded)."""
+    return tuple(() if e is None or e is P.UNCONSTRAINED else (e,) if isinstance(e, str)
+                 else tuple(e) for e in spec)
+
+
+def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
+                  shape: tuple[int, ...], spec: P = P()) -> jax.Array:
+    """uint32 random bits for this device's shard of a leaf's momentum.
+
+    Args:
+      seed: the run's seed (``MeshOptions.seed``).
+      count: the step count (traced int32).
+      leaf: the leaf's position among the gradients' leaves.
+      write: :data:`SUM` or :data:`DECAY`.
+      shape: the local shard's shape.
+      spec: the leaf's ``PartitionSpec`` (``P()`` without a mesh); inside ``shard_map`` a
+        shard's elements take their global indices from it.
+
+    Returns:
+      Bits shaped ``shape``, equal for an element whatever the mesh.
+    """
+    entries = _entries(spec) + ((),) * (len(shape) - len(spec))
+    idx = [jax.lax.broadcasted_iota(jnp.uint32, shape, i)
+           + jnp.asarray(_offset(e, n), jnp.uint32) for i, (e, n) in enumerate(zip(entries, shape))]
+    sizes = [n * (math.prod(jax.lax.axis_size(a) for a in e) if e else 1)
+             for e, n in zip(entries, shape)]
+    hi = jnp.zeros(shape, jnp.uint32)
+    for i, n in zip(idx[:-1], sizes[:-1]):
+        hi = hi * jnp.uint32(n % 2 ** 32) + i
+    lo = idx[-1] if idx else hi
+    return random_bits(step_key(seed, count, leaf, write), hi, lo)

@@ -1,0 +1,121 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""Stochastic rounding of float32 to bfloat16 and float16, with counter-based random bits.
+
+A 16-bit momentum that sums many gradients loses the small ones under round-to-nearest: once
+``|M|`` is large, ``M + G`` rounds back to ``M`` every time. Rounding up with probability equal to
+the distance to the lower neighbour (in units of the gap between the two) makes each rounding
+unbiased, ``E[round(x)] = x``, so the sum's error is a zero-mean random walk instead of a drift.
+
+The random bits are a pure function of a 64-bit key and an element's two index words
+(:func:`random_bits`: Threefry-2x32, the hash behind ``jax.random``), so that a kernel can
+produce the same bits from the indices of the elements it holds.
+
+References:
+  Gupta et al., `Deep Learning with Limited Numerical Precision
+  <https://arxiv.org/abs/1502.02551>`_, 2015 (stochastic rounding of accumulations).
+  Salmon et al., `Parallel Random Numbers: As Easy as 1, 2, 3
+  <https://doi.org/10.1145/2063384.2063405>`_, 2011 (Threefry).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax.extend.random import threefry2x32_p
+import jax.numpy as jnp
+import numpy as np
+
+#: The dtypes :func:`stochastic_round` rounds to.
+STOCHASTIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def random_bits(key: jax.Array, hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """32 random bits per element: Threefry-2x32 of the counter ``(hi, lo)`` under ``key``.
+
+    Args:
+      key: ``(2,)`` uint32, the key's two words.
+      hi: uint32 counter words (e.g. an element's row-major index over all but the last axis).
+      lo: uint32 counter words shaped like ``hi`` (e.g. its index along the last axis).
+
+    Returns:
+      uint32 bits shaped like ``hi``; each element's depend on its own ``(hi, lo)`` only.
+    """
+    hi, lo = hi.astype(jnp.uint32), lo.astype(jnp.uint32)
+    # All four operands of one type, their varying mesh axes too (inside ``shard_map`` a
+    # shard's counters vary over the mesh axes it is sharded on; Threefry's loop needs one
+    # type); XLA folds the zero away.
+    zero = (hi & np.uint32(0)) | (lo & np.uint32(0))
+    return threefry2x32_p.bind(key[0] + zero, key[1] + zero, hi + zero, lo + zero)[0]
+
+
+def _bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """bfloat16 keeps float32's upper 16 bits: add 16 random bits below them and truncate (a
+    carry rounds the magnitude up); a finite value that would carry into ``inf`` saturates."""
+    u = lax.bitcast_convert_type(x, jnp.uint32)
+    top = (u + (bits >> 16)) >> 16
+    sign, mag = top & np.uint32(0x8000), top & np.uint32(0x7FFF)
+    top = sign | jnp.minimum(mag, np.uint32(0x7F7F))          # 0x7F7F: bfloat16's max
+    return lax.bitcast_convert_type(top.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _float16(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """float16: ``|x|`` (saturated at 65504) in units of float16's gap at ``|x|`` (a power of
+    two, so the scaling is exact), floor, plus one with probability equal to the fraction."""
+    a = jnp.minimum(jnp.abs(x), np.float32(65504.0))
+    e = (lax.bitcast_convert_type(a, jnp.uint32) >> 23).astype(jnp.int32) - 127
+    gap = jnp.maximum(e, -14) - 10                              # log2 of the gap, in [-24, 5]
+    scale_down = lax.bitcast_convert_type(((127 - gap) << 23).astype(jnp.uint32), jnp.float32)
+    scale_up = lax.bitcast_convert_type(((127 + gap) << 23).astype(jnp.uint32), jnp.float32)
+    q = a * scale_down
+    low = jnp.floor(q)
+    uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
+    y = (low + (q - low > uniform).astype(jnp.float32)) * scale_up
+    return jnp.copysign(y, x).astype(jnp.float16)
+
+
+def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
+    """``x`` rounded to ``dtype`` (bfloat16 or float16) up or down at random, unbiased.
+
+    Each finite element becomes one of its two neighbours in ``dtype`` (itself when it is one),
+    the upper with probability ``(x − lower) / (upper − lower)``, quantized to 2⁻¹⁶ (bfloat16)
+    or 2⁻²⁴ (float16) of the gap. Magnitudes past ``dtype``'s largest finite value saturate
+    there (float16: ±65504); ``inf`` and NaN stay what they are; signs (``-0.0`` too) are kept.
+
+    Args:
+      x: float32 values (other floating dtypes are cast to float32 first).
+      dtype: bfloat16 or float16.
+      bits: uint32 random bits broadcastable to ``x`` (:func:`random_bits`).
+
+    Returns:
+      ``x`` in ``dtype``.
+
+    Raises:
+      ValueError: for a ``dtype`` other than bfloat16 and float16.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.full((2,), 1.0 + 2.0 ** -9)         # halfway between two bfloat16 values
+      >>> bits = jnp.array([0, 0xFFFFFFFF], jnp.uint32)
+      >>> stochastic_round(x, jnp.bfloat16, bits).tolist()
+      [1.0, 1.0078125]
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in STOCHASTIC_DTYPES:
+        raise ValueError(f"stochastic rounding is to bfloat16 or float16, got {dtype=}")
+    x = jnp.asarray(x).astype(jnp.float32)
+    bits = jnp.broadcast_to(jnp.asarray(bits, jnp.uint32), x.shape)
+    rounded = _bfloat16(x, bits) if dtype == jnp.bfloat16 else _float16(x, bits)
+    return jnp.where(jnp.isfinite(x), rounded, x.astype(dtype))
