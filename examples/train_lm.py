@@ -1040,6 +1040,10 @@ def run_all(cfg: Config, data: dict, out: str) -> dict:
                 print(f"{label}: held-out {rec['heldout_loss']:.4f} (train "
                       f"{rec['train_loss']:.4f}), step {rec['step_ms']:.1f} ms, forward + "
                       f"backward {rec['grad_ms']:.1f} ms, {rec['seconds']:.0f} s", flush=True)
+        done = [rec for rec, _ in runs.values() if rec is not None]
+        if 0 < seed - cfg.seed < cfg.seeds - 1 and len(done) == len(runs):
+            # A long run shows its table so far (the final one follows the last seed).
+            print(f"after seeds {cfg.seed}-{seed}:\n{format_table(done)}", flush=True)
     return runs
 
 
