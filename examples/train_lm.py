@@ -914,6 +914,13 @@ def closing_lines(cfg: Config, results: list[dict], n_params: int) -> list[str]:
     if pairs:
         lines += ["- the ranking as far as the seeds resolve it (paired by seed):", *pairs]
     lines.append("What it cannot show:")
+    median = lambda group, key: float(np.median([r[key] for r in group]))
+    unresolved = [n for n, g in by_optimizer(results).items()
+                  if not median(g, "step_ms") > median(g, "grad_ms")]
+    if unresolved:
+        lines.append(f"- the optimizer's cost for {', '.join(unresolved)}: the step timed at or "
+                     "below forward + backward alone, so the timings did not resolve it (other "
+                     "load on the machine makes them noisy).")
     if cfg.budget == "cpu":
         lines += [
             "- which optimizer trains better: one seed, and at the default CPU budget three seeds "

@@ -327,7 +327,10 @@ def test_closing_lines_say_what_the_run_cannot_show(train_lm):
     assert "What it cannot show:" in text and "no difference in the table is a ranking" in text
     assert "0.85M-parameter model, 400 steps (0.8M bytes), 1 seed" in text
     assert train_lm.GPU_EVIDENCE in text and "1800 steps with 3 seeds" in text
-    assert "paired by seed" not in text
+    assert "paired by seed" not in text and "did not resolve it" not in text
+    slow_adamw = _records({"dion3": [1.43], "adamw": [1.44]}, {"adamw": 7.5})  # fwd+bwd 8 ms
+    text = "\n".join(train_lm.closing_lines(train_lm.Config(), slow_adamw, 850_000))
+    assert "the optimizer's cost for adamw: the step timed at or below" in text
     with open(os.path.join(os.path.dirname(_PATH), "..", "docs", "TRAINING.md")) as f:
         assert "\n## The main job on a GPU\n" in f.read()
 
