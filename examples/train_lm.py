@@ -28,7 +28,7 @@ train and what their steps cost, not which one trains better: one seed of 400 st
 resolve the differences. ``gpu``, the default where JAX's first device is a GPU, trains the
 quality study's model (25M parameters, 16 KB per step, bfloat16 activations, its learning rates;
 ``docs/QUALITY.md``) for 1800 steps with three seeds, and gives the held-out loss as mean ± std
-over the seeds and each difference to Dion3 per seed; its recorded run is in
+over the seeds and each difference to Dion3 per seed; what has been recorded on a GPU is in
 ``docs/TRAINING.md``. A flag given explicitly overrides its budget's value. Dion3's learning rate
 and momentum follow from NorMuon's by the rules the quality study supports
 (``docs/QUALITY.md``): ``lr_f = lr_1 / √f`` and ``μ_f = μ_1^(1/f)``.
@@ -896,8 +896,8 @@ def paired_differences(results: list[dict]) -> list[str]:
     return lines
 
 
-GPU_EVIDENCE = ('docs/TRAINING.md, "The main job on a GPU" (the command, commit, date and GPU of '
-                'the recorded run)')
+GPU_EVIDENCE = ('docs/TRAINING.md, "The main job on a GPU" (each run recorded there with its '
+                'command, commit, date and GPU)')
 
 
 def closing_lines(cfg: Config, results: list[dict], n_params: int) -> list[str]:
@@ -931,8 +931,8 @@ def closing_lines(cfg: Config, results: list[dict], n_params: int) -> list[str]:
             "to the forward and backward passes; Dion3's step saves time at large matrix shapes "
             "(docs/BENCHMARKS.md).",
             "The GPU evidence: on a GPU `bash scripts/train.sh` trains the quality study's "
-            "25M-parameter model for 1800 steps with 3 seeds (--budget gpu); its table is in "
-            + GPU_EVIDENCE + "."]
+            "25M-parameter model for 1800 steps with 3 seeds (--budget gpu); what has been "
+            "recorded on a GPU is in " + GPU_EVIDENCE + "."]
     else:
         lines += [
             "- the paper's scale (1B+ parameters, billions of tokens), where optimizers can rank "
@@ -941,7 +941,7 @@ def closing_lines(cfg: Config, results: list[dict], n_params: int) -> list[str]:
             f"- Dion3's saving in the optimizer step: at width {cfg.d_model} the polar factors "
             "are cheap; it shows at large matrix shapes (docs/BENCHMARKS.md)."
             + ("" if cfg.seeds > 1 else " With one seed, no difference here is a ranking."),
-            "The recorded run of this budget: " + GPU_EVIDENCE + "."]
+            "What has been recorded on a GPU: " + GPU_EVIDENCE + "."]
     return lines
 
 

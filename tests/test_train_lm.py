@@ -340,7 +340,7 @@ def test_closing_lines_say_what_the_run_cannot_show(train_lm):
     text = "\n".join(train_lm.closing_lines(gpu_cfg, _records(losses), 25_400_000))
     assert "gpu budget: 25.40M-parameter model, 1800 steps (29.5M bytes), 3 seeds" in text
     assert "held-out dion3 - normuon: -0.0100 ± 0.0000 over 3 seeds" in text
-    assert "not re-tuned for this budget" in text and "The recorded run of this budget" in text
+    assert "not re-tuned for this budget" in text and "What has been recorded on a GPU" in text
     assert "no difference in the table is a ranking" not in text
 
 
