@@ -21,15 +21,17 @@ same order and the same step budget; the script prints a table of train and held
 (nats/byte), the time of one optimizer step and the share of it spent in the optimizer update
 (a full jitted step against a jitted forward + backward alone), and saves the loss curves as a PNG.
 
-On a 2-core CPU the defaults (0.85M parameters, 400 steps of 2 KB) run in a few minutes for the
-three optimizers; their learning rates and momenta were tuned for that budget
-(``docs/TRAINING.md``). Dion3's learning rate and momentum follow from NorMuon's by the rules the
-quality study supports (``docs/QUALITY.md``): ``lr_f = lr_1 / √f`` and ``μ_f = μ_1^(1/f)``.
-Every size is a flag, so the same script scales up on a GPU, e.g. to 25M parameters with 16 KB per
-step (re-tune the learning rates for a new budget)::
-
-    python examples/train_lm.py --d-model 512 --layers 8 --heads 8 --seq-len 512 --batch 32 \\
-        --steps 300 --warmup 30 --data-mb 12 --compute-dtype bfloat16
+Two budgets (``--budget``): on a 2-core CPU the defaults (``cpu``: 0.85M parameters, 400 steps
+of 2 KB, one seed) run in a few minutes for the three optimizers; their learning rates and
+momenta were tuned for that budget (``docs/TRAINING.md``). Such a run shows that the optimizers
+train and what their steps cost, not which one trains better: one seed of 400 steps does not
+resolve the differences. ``gpu``, the default where JAX's first device is a GPU, trains the
+quality study's model (25M parameters, 16 KB per step, bfloat16 activations, its learning rates;
+``docs/QUALITY.md``) for 1800 steps with three seeds, and gives the held-out loss as mean ± std
+over the seeds and each difference to Dion3 per seed; what has been recorded on a GPU is in
+``docs/TRAINING.md``. A flag given explicitly overrides its budget's value. Dion3's learning rate
+and momentum follow from NorMuon's by the rules the quality study supports
+(``docs/QUALITY.md``): ``lr_f = lr_1 / √f`` and ``μ_f = μ_1^(1/f)``.
 
 Data split: every file goes to the held-out set or to the training set by a hash of its path
 relative to the stdlib root, so the split is the same on every machine and held-out files are
@@ -40,7 +42,8 @@ at the end into a new folder ``runs/train_lm/<YYYYmmdd-HHMMSS>/`` (or ``--out``;
 there is never overwritten unless ``--overwrite`` is given).
 
 Checkpoints: ``--checkpoint-every N`` saves, every N steps and at the last step, an orbax
-checkpoint per optimizer under ``<run>/checkpoints/<optimizer>/<step>/``: the model's and the
+checkpoint per optimizer under ``<run>/checkpoints/<optimizer>/<step>/`` (``<optimizer>-seed<k>``
+with several seeds): the model's and the
 ``nnx.Optimizer``'s state, and a JSON record of the step reached, the seed (the batch of step s
 is a function of the seed and s only, so the step is the data position) and the losses and step
 times so far. ``--resume <run>`` continues every optimizer from its latest checkpoint with the
@@ -51,7 +54,8 @@ every optimizer after step S with a checkpoint, e.g. to fit a time limit.
 
 Usage::
 
-    python examples/train_lm.py                       # Dion3, NorMuon and AdamW, CPU defaults
+    python examples/train_lm.py                       # Dion3, NorMuon and AdamW, --budget auto
+    python examples/train_lm.py --budget gpu --steps 300 --seeds 1   # the GPU model, shorter
     python examples/train_lm.py --optimizers dion3 --steps 200
     python examples/train_lm.py --checkpoint-every 100 --out runs/mine   # then, if stopped:
     python examples/train_lm.py --resume runs/mine
@@ -116,6 +120,8 @@ class Config:
     warmup: int = 50  # linear warm-up steps, then cosine decay to 0.
     optimizers: str = "dion3,normuon,adamw"  # comma-separated, from OPTIMIZERS.
     seed: int = 0
+    seeds: int = 1  # every optimizer is trained once per seed: seed, seed + 1, ...
+    budget: str = "cpu"  # the preset the defaults came from (BUDGETS); the CLI picks it.
     # AdamW (the baseline; its lr, b1 and b2 also drive the AdamW branch of the others).
     adamw_lr: float = 8e-3
     adamw_b1: float = 0.8
@@ -177,6 +183,12 @@ _FLAGS = {
     "warmup": (_common.nonnegative_int, "linear warm-up steps before the cosine decay to 0"),
     "optimizers": (_common.names(OPTIMIZERS), f"comma-separated, from {', '.join(OPTIMIZERS)}"),
     "seed": (_common.nonnegative_int, "seed of the initialization and of the batch order"),
+    "seeds": (_common.positive_int, "train every optimizer once per seed: --seed, --seed + 1, "
+              "... (the table gives the held-out loss as mean ± std over them)"),
+    "budget": (str, "preset of the defaults: cpu (the defaults shown here: 0.85M parameters, "
+               "400 steps, 1 seed), gpu (the quality study's 25M-parameter model, 1800 steps, "
+               "3 seeds, bfloat16 activations, its learning rates) or auto (gpu when JAX's first "
+               "device is a GPU, else cpu); a flag given explicitly overrides its preset value"),
     "adamw_lr": (_common.positive_float, "AdamW peak learning rate"),
     "adamw_b1": (_common.decay, "AdamW beta1 (also the AdamW branch of Dion3 / NorMuon / Muon)"),
     "adamw_b2": (_common.decay, "AdamW beta2 (also the AdamW branch of Dion3 / NorMuon / Muon)"),
@@ -212,6 +224,17 @@ _FLAGS = {
 RUN_CONTROL = ("out", "overwrite", "progress", "checkpoint_every", "stop_after", "resume")
 _UNSET = object()
 
+# The presets of --budget: the values that differ from Config's defaults (the cpu budget). gpu is
+# the quality study's model, data and learning rates (docs/QUALITY.md, tuned there at 300 steps)
+# trained six times as long, with three seeds so that a difference between optimizers can be set
+# against the seed-to-seed spread (docs/TRAINING.md, "The main job on a GPU").
+BUDGETS = {
+    "cpu": {},
+    "gpu": dict(d_model=512, layers=8, heads=8, seq_len=512, batch=32, compute_dtype="bfloat16",
+                data_mb=12.0, steps=1800, seeds=3, adamw_lr=2e-3, adamw_b1=0.9, normuon_lr=0.04,
+                eval_every=200, eval_batches=4, final_eval_batches=16),
+}
+
 
 def build_parser():
     """The command line: one flag per ``Config`` field."""
@@ -224,6 +247,8 @@ def build_parser():
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif field.name == "compute_dtype":
             parser.add_argument(flag, choices=("float32", "bfloat16"), **kw)
+        elif field.name == "budget":
+            parser.add_argument(flag, choices=("auto", *BUDGETS), **dict(kw, default="auto"))
         else:
             parser.add_argument(flag, type=kind, **kw)
     return parser
@@ -236,30 +261,57 @@ def _parsed(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict:
     return args
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
+def _given_flags(argv: list[str] | None) -> dict:
+    """The flags given on the command line (not their defaults), as ``{field: value}``."""
+    explicit = build_parser()
+    explicit.set_defaults(**{f.name: _UNSET for f in dataclasses.fields(Config)})
+    return {k: v for k, v in _parsed(explicit, argv).items() if v is not _UNSET}
+
+
+def resolve_budget(budget: str, platform: str | None = None) -> str:
+    """``budget``, with ``"auto"`` resolved: ``"gpu"`` when ``platform`` is ``"gpu"``, else
+    ``"cpu"``; ``platform`` defaults to JAX's first device's (``jax.devices()[0].platform``)."""
+    if budget != "auto":
+        return budget
+    platform = jax.devices()[0].platform if platform is None else platform
+    return "gpu" if platform == "gpu" else "cpu"
+
+
+def budget_values(budget: str, given: dict) -> dict:
+    """The values of preset ``budget`` for the fields not in ``given`` (flags given explicitly
+    win), with ``budget`` itself. The gpu preset warms up over 10% of the steps."""
+    values = dict(BUDGETS[budget], budget=budget)
+    if budget == "gpu":
+        values["warmup"] = max(1, round(0.1 * given.get("steps", values["steps"])))
+    return {k: v for k, v in values.items() if k == "budget" or k not in given}
+
+
+def parse_args(argv: list[str] | None = None, platform: str | None = None) -> Config:
     """Parses and validates the flags; every error exits through argparse before data loads.
 
-    With ``--resume DIR`` the settings come from ``DIR/config.json``; a flag given on the command
-    line must agree with it, except the run-control flags (``RUN_CONTROL``).
+    ``--budget`` picks the defaults (``BUDGETS``; ``auto`` by ``platform``, default JAX's first
+    device's); a flag given explicitly keeps its value. With ``--resume DIR`` the settings come
+    from ``DIR/config.json``; a flag given on the command line must agree with it, except the
+    run-control flags (``RUN_CONTROL``).
     """
     parser = build_parser()
     args = _parsed(parser, argv)
+    given = _given_flags(argv)
     if args["resume"] is not None:
         saved = saved_config(args["resume"])
         if isinstance(saved, str):
             parser.error(saved)
-        explicit = build_parser()
-        explicit.set_defaults(**{k: _UNSET for k in args})
-        given = {k: v for k, v in _parsed(explicit, argv).items() if v is not _UNSET}
         run = {k: v for k, v in saved.items() if k not in RUN_CONTROL}
         clash = [k for k in run if k in given and given[k] != run[k]]
         if clash:
             parser.error(f"--resume {args['resume']}: the run was started with "
                          + ", ".join(f"--{k.replace('_', '-')} {run[k]}" for k in clash)
                          + "; leave these flags out (a resumed run keeps its settings)")
-        args |= run
+        args |= dict(budget=Config.budget) | run  # a run saved before --budget used cpu's
         if "checkpoint_every" not in given:
             args["checkpoint_every"] = saved.get("checkpoint_every", 0)
+    else:
+        args |= budget_values(resolve_budget(args["budget"], platform), given)
     cfg = Config(**args)
     problem = check_config(cfg)
     if problem:
@@ -303,6 +355,9 @@ def check_config(cfg: Config) -> str | None:
         return f"--d-model must be --heads × an even head size, got {cfg.d_model}, {cfg.heads}"
     if not 0 < cfg.fraction <= 1:
         return f"--fraction must be in (0, 1], got {cfg.fraction}"
+    if cfg.budget not in BUDGETS:
+        return (f"--budget must be one of {', '.join(BUDGETS)} in a Config, got {cfg.budget!r} "
+                f"(parse_args resolves auto)")
     if cfg.resume is not None:
         return _check_resume(cfg)
     if cfg.out and not cfg.overwrite and any(
@@ -517,10 +572,11 @@ def make_optimizer(name: str, cfg: Config) -> tuple[optax.GradientTransformation
     """Returns the optax transformation for ``name`` and the hyperparameters it used.
 
     The same settings give the same (stateless) transformation object, so that the jitted step
-    compiled for one run serves the next one in the same process (a stopped and a resumed run).
+    compiled for one run serves the next one in the same process (a stopped and a resumed run,
+    another seed: the seed does not enter the transformation).
     """
     key = (name, tuple((k, v) for k, v in dataclasses.asdict(cfg).items()
-                       if k not in RUN_CONTROL))
+                       if k not in RUN_CONTROL + ("seed", "seeds")))
     if key not in _TX_CACHE:
         _TX_CACHE[key] = _make_optimizer(name, cfg)
     tx, hp = _TX_CACHE[key]
@@ -568,7 +624,8 @@ def _timed(fn, *args) -> float:
 
 
 class Checkpoints:
-    """The orbax checkpoints of one optimizer's run, in ``<run>/checkpoints/<name>/<step>/``.
+    """The orbax checkpoints of one optimizer's run, in ``<run>/checkpoints/<label>/<step>/``
+    (``run_label``: the optimizer's name, with ``-seed<k>`` when the run has several seeds).
 
     Each holds ``state`` (the model's and the ``nnx.Optimizer``'s state as pure dicts of arrays,
     restored onto the shardings of the live objects) and ``record`` (JSON: the step reached, the
@@ -627,15 +684,20 @@ def _train_steps(name: str, cfg: Config, data: dict, model, optimizer, rec: dict
     time_at = set(np.linspace(1, cfg.steps - 1, cfg.timing_reps).astype(int)) if cfg.steps > 1 \
         else set()
     first = jnp.asarray(windows(data["train"], data["train_starts"][0], cfg.seq_len))
-    jax.block_until_ready(grad_step(model, first))  # compiled (once for all runs) before timing
+    # nnx.jit walks the graph of its arguments at every call, at a cost that grows with the
+    # number of leaves (Dion3's state has several per matrix) and not with their size; a cached
+    # partial walks the model and the optimizer once, so the step times time the step.
+    step_fn = nnx.cached_partial(train_step, model, optimizer)
+    grad_fn = nnx.cached_partial(grad_step, model)
+    jax.block_until_ready(grad_fn(first))  # compiled (once for all runs) before timing
     bar = _common.Progress(last - rec["step"], name, cfg.progress)
     losses, t0 = [], time.perf_counter()
     for step in range(rec["step"], last):
         batch = jnp.asarray(windows(data["train"], data["train_starts"][step], cfg.seq_len))
         if step in time_at:
-            rec["grad_s"].append(_timed(grad_step, model, batch))
+            rec["grad_s"].append(_timed(grad_fn, batch))
         t = time.perf_counter()
-        losses.append(jax.block_until_ready(train_step(model, optimizer, batch)))
+        losses.append(jax.block_until_ready(step_fn(batch)))
         rec["step_s"].append(time.perf_counter() - t)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             rec["heldout_curve"].append(
@@ -660,8 +722,14 @@ def _sync_record(rec: dict, step: int, losses: list, t0: float) -> None:
     rec["step"] = step
 
 
+def run_label(name: str, cfg: Config) -> str:
+    """The name of one optimizer's run for ``cfg.seed``: ``name`` alone with one seed, else
+    ``name-seed<k>`` (its progress lines and its checkpoint folder)."""
+    return name if cfg.seeds == 1 else f"{name}-seed{cfg.seed}"
+
+
 def run_one(name: str, cfg: Config, data: dict, run_dir: str | None = None):
-    """Trains one model with optimizer ``name`` on the shared batch order.
+    """Trains one model with optimizer ``name`` on the batch order of ``cfg.seed``.
 
     Returns ``(record, model)``; the record is ``None`` when ``--stop-after`` stopped the run
     before ``--steps``. With ``--checkpoint-every`` or ``--stop-after`` checkpoints are saved
@@ -670,14 +738,15 @@ def run_one(name: str, cfg: Config, data: dict, run_dir: str | None = None):
     model = ByteLM(cfg, nnx.Rngs(cfg.seed))  # the same initialization for every optimizer
     tx, hp = make_optimizer(name, cfg)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    label = run_label(name, cfg)
     saving = cfg.checkpoint_every > 0 or cfg.stop_after is not None
-    ckpt = Checkpoints(run_dir, name) if run_dir and (saving or cfg.resume) else None
+    ckpt = Checkpoints(run_dir, label) if run_dir and (saving or cfg.resume) else None
     rec = _new_record(cfg)
     if cfg.resume and ckpt.latest_step() is not None:
         rec = ckpt.restore(model, optimizer)
-        print(f"{name}: resumed at step {rec['step']} from {cfg.resume}")
+        print(f"{label}: resumed at step {rec['step']} from {cfg.resume}")
     try:
-        _train_steps(name, cfg, data, model, optimizer, rec, ckpt if saving else None)
+        _train_steps(label, cfg, data, model, optimizer, rec, ckpt if saving else None)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -691,7 +760,7 @@ def _finish_record(name: str, hp: dict, rec: dict, model, data: dict) -> dict:
     if not all(math.isfinite(x) for x in losses):
         print(f"warning: {name} produced a non-finite training loss")
     return dict(
-        optimizer=name, hyperparameters=hp, train_losses=losses,
+        optimizer=name, seed=rec["seed"], hyperparameters=hp, train_losses=losses,
         heldout_curve=[tuple(e) for e in rec["heldout_curve"]],
         train_loss=evaluate(model, data["train_eval"]),
         heldout_loss=evaluate(model, data["heldout_final"]), seconds=rec["seconds"],
@@ -713,6 +782,7 @@ def prepare_data(cfg: Config) -> dict:
     return dict(
         train=train,
         info=info,
+        high=high,
         train_starts=train_starts(cfg.seed, cfg.steps, cfg.batch, high),
         train_eval=tr.reshape(cfg.final_eval_batches, cfg.batch, -1),
         heldout_final=held.reshape(cfg.final_eval_batches, cfg.batch, -1),
@@ -748,28 +818,131 @@ def optimizer_cells(step_ms: float, grad_ms: float) -> tuple[str, str]:
     return f"{diff:+.1f}" + ("*" if diff < 0 else ""), share
 
 
-def format_table(results: list[dict]) -> str:
-    """The results table: losses, step time and the optimizer's part of it."""
-    header = (f"{'optimizer':<9} {'lr':>7} {'μ':>6} {'train loss':>10} {'held-out':>9} "
-              f"{'step ms':>8} {'fwd+bwd ms':>10} {'optimizer ms':>12} {'optimizer %':>11} "
-              f"{'time (s)':>8}")
-    lines = [header, "-" * len(header)]
+def by_optimizer(results: list[dict]) -> dict[str, list[dict]]:
+    """The records grouped by optimizer, in the order the optimizers first appear."""
+    groups: dict[str, list[dict]] = {}
     for r in results:
-        hp = r["hyperparameters"]
+        groups.setdefault(r["optimizer"], []).append(r)
+    return groups
+
+
+def mean_std(values) -> tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; nan for a single value)."""
+    x = np.asarray(values, dtype=np.float64)
+    return float(x.mean()), float(x.std(ddof=1)) if x.size > 1 else float("nan")
+
+
+def format_table(results: list[dict]) -> str:
+    """The results table, one row per optimizer: losses, step time and the optimizer's part.
+
+    With several seeds the held-out loss is the mean ± sample standard deviation over them, the
+    train loss their mean, the step times the medians of the per-seed medians and the time the
+    sum; a last column counts the seeds.
+    """
+    groups = by_optimizer(results)
+    several = any(len(g) > 1 for g in groups.values())
+    held_w = 15 if several else 9
+    header = (f"{'optimizer':<9} {'lr':>7} {'μ':>6} {'train loss':>10} "
+              f"{'held-out' + (' mean±std' if several else ''):>{held_w}} "
+              f"{'step ms':>8} {'fwd+bwd ms':>10} {'optimizer ms':>12} {'optimizer %':>11} "
+              f"{'time (s)':>8}" + (f" {'seeds':>5}" if several else ""))
+    lines = [header, "-" * len(header)]
+    for name, group in groups.items():
+        hp = group[0]["hyperparameters"]
         mu = hp.get("mu", hp.get("b1"))
-        opt_ms, share = optimizer_cells(r["step_ms"], r["grad_ms"])
+        step_ms = float(np.median([r["step_ms"] for r in group]))
+        grad_ms = float(np.median([r["grad_ms"] for r in group]))
+        held, sd = mean_std([r["heldout_loss"] for r in group])
+        held_cell = f"{held:.4f}±{sd:.4f}" if len(group) > 1 else f"{held:.4f}"
+        opt_ms, share = optimizer_cells(step_ms, grad_ms)
         lines.append(
-            f"{r['optimizer']:<9} {hp['lr']:>7.3g} {mu:>6.3g} {r['train_loss']:>10.4f} "
-            f"{r['heldout_loss']:>9.4f} {r['step_ms']:>8.1f} {r['grad_ms']:>10.1f} "
-            f"{opt_ms:>12} {share:>11} {r['seconds']:>8.1f}")
+            f"{name:<9} {hp['lr']:>7.3g} {mu:>6.3g} "
+            f"{np.mean([r['train_loss'] for r in group]):>10.4f} {held_cell:>{held_w}} "
+            f"{step_ms:>8.1f} {grad_ms:>10.1f} {opt_ms:>12} {share:>11} "
+            f"{sum(r['seconds'] for r in group):>8.1f}" + (f" {len(group):>5}" if several else ""))
     lines += [
-        "(nats/byte on fixed windows after training; μ is b1 for adamw; step ms: median jitted "
-        "step;",
+        "(nats/byte on fixed windows after training" + ("; held-out: mean ± sample std over the "
+                                                        "seeds" if several else "")
+        + "; μ is b1 for adamw; step ms: median jitted step;",
         " fwd+bwd ms: median jitted forward + backward alone, timed between the same run's steps;",
         " optimizer ms: step - fwd+bwd as measured, * when negative (the step timed below "
         "forward + backward alone);",
-        " optimizer %: (step - fwd+bwd) / step, for a positive difference only)"]
+        " optimizer %: (step - fwd+bwd) / step, for a positive difference only"
+        + ("; times: medians over the seeds, time (s): all seeds, compilation included)"
+           if several else ")")]
     return "\n".join(lines)
+
+
+def paired_differences(results: list[dict]) -> list[str]:
+    """One line per other optimizer: Dion3's (else the first optimizer's) held-out loss minus
+    its, per seed (same initialization and batches), as mean ± sample std and a verdict."""
+    groups = by_optimizer(results)
+    ref = "dion3" if "dion3" in groups else next(iter(groups))
+    mine = {r["seed"]: r["heldout_loss"] for r in groups[ref]}
+    lines = []
+    for name, group in groups.items():
+        diffs = [mine[r["seed"]] - r["heldout_loss"] for r in group if r["seed"] in mine]
+        if name == ref or len(diffs) < 2:
+            continue
+        mean, sd = mean_std(diffs)
+        lower = sum(d < 0 for d in diffs)
+        if lower in (0, len(diffs)) and abs(mean) > sd:
+            verdict = (f"{ref} {'ahead' if mean < 0 else 'behind'} on every seed, by more "
+                       f"than the std of the differences")
+        else:
+            verdict = "a tie within the seed-to-seed spread"
+        lines.append(f"  held-out {ref} - {name}: {mean:+.4f} ± {sd:.4f} over {len(diffs)} seeds "
+                     f"({ref} lower on {lower} of {len(diffs)}): {verdict}")
+    return lines
+
+
+GPU_EVIDENCE = ('docs/TRAINING.md, "The main job on a GPU" (each run recorded there with its '
+                'command, commit, date and GPU)')
+
+
+def closing_lines(cfg: Config, results: list[dict], n_params: int) -> list[str]:
+    """What the run can show and what it cannot, in plain words, and where the GPU evidence is."""
+    names = ", ".join(by_optimizer(results))
+    size = (f"{n_params / 1e6:.2f}M-parameter model, {cfg.steps} steps "
+            f"({cfg.batch * cfg.seq_len * cfg.steps / 1e6:.1f}M bytes), {cfg.seeds} seed"
+            + ("s" if cfg.seeds > 1 else ""))
+    lines = [f"What this run can show ({cfg.budget} budget: {size}):",
+             f"- that {names} train this model from the same initialization on the same batches, "
+             f"and what a step and its optimizer update cost on this machine (step ms, "
+             f"optimizer %)."]
+    pairs = paired_differences(results)
+    if pairs:
+        lines += ["- the ranking as far as the seeds resolve it (paired by seed):", *pairs]
+    lines.append("What it cannot show:")
+    median = lambda group, key: float(np.median([r[key] for r in group]))
+    unresolved = [n for n, g in by_optimizer(results).items()
+                  if not median(g, "step_ms") > median(g, "grad_ms")]
+    if unresolved:
+        lines.append(f"- the optimizer's cost for {', '.join(unresolved)}: the step timed at or "
+                     "below forward + backward alone, so the timings did not resolve it (other "
+                     "load on the machine makes them noisy).")
+    if cfg.budget == "cpu":
+        lines += [
+            "- which optimizer trains better: one seed, and at the default CPU budget three seeds "
+            "spread by 0.02-0.03 nats/byte (docs/TRAINING.md, \"Seed check\"), so no difference "
+            "in the table is a ranking." if cfg.seeds == 1 else
+            "- whether this ranking holds for a larger model and a longer run.",
+            "- what the optimizers cost at scale: at this size the polar factors are small next "
+            "to the forward and backward passes; Dion3's step saves time at large matrix shapes "
+            "(docs/BENCHMARKS.md).",
+            "The GPU evidence: on a GPU `bash scripts/train.sh` trains the quality study's "
+            "25M-parameter model for 1800 steps with 3 seeds (--budget gpu); what has been "
+            "recorded on a GPU is in " + GPU_EVIDENCE + "."]
+    else:
+        lines += [
+            "- the paper's scale (1B+ parameters, billions of tokens), where optimizers can rank "
+            "differently; the learning rates are the quality study's 300-step bests "
+            "(docs/QUALITY.md), not re-tuned for this budget.",
+            f"- Dion3's saving in the optimizer step: at width {cfg.d_model} the polar factors "
+            "are cheap; it shows at large matrix shapes (docs/BENCHMARKS.md)."
+            + ("" if cfg.seeds > 1 else " With one seed, no difference here is a ranking."),
+            "What has been recorded on a GPU: " + GPU_EVIDENCE + "."]
+    return lines
 
 
 def plot_curves(results: list[dict], path: str, cfg: Config) -> None:
@@ -780,21 +953,24 @@ def plot_curves(results: list[dict], path: str, cfg: Config) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, r in enumerate(results):
+    for i, (name, group) in enumerate(by_optimizer(results).items()):
         color = f"C{i}"
-        x = np.asarray(r["train_losses"])
-        k = max(1, min(25, x.size // 20))
-        smooth = np.convolve(x, np.ones(k) / k, mode="valid")
-        ax.plot(np.arange(k, x.size + 1), smooth, color=color, alpha=0.6, lw=1,
-                label=f"{r['optimizer']} train (lr {r['hyperparameters']['lr']:.3g})")
-        steps, held = zip(*r["heldout_curve"])
-        ax.plot(steps, held, "o-", color=color, lw=2, ms=4, label=f"{r['optimizer']} held-out")
+        for j, r in enumerate(group):  # one curve per seed, labelled once
+            x = np.asarray(r["train_losses"])
+            k = max(1, min(25, x.size // 20))
+            smooth = np.convolve(x, np.ones(k) / k, mode="valid")
+            ax.plot(np.arange(k, x.size + 1), smooth, color=color, alpha=0.6, lw=1,
+                    label=None if j else f"{name} train (lr {r['hyperparameters']['lr']:.3g})")
+            steps, held = zip(*r["heldout_curve"])
+            ax.plot(steps, held, "o-", color=color, lw=2, ms=4,
+                    label=None if j else f"{name} held-out")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     finals = [r["heldout_loss"] for r in results]
     ax.set_ylim(min(finals) - 0.2, min(finals) + 2.0)
     ax.set_title(f"byte LM on stdlib sources: d={cfg.d_model}, L={cfg.layers}, "
-                 f"T={cfg.seq_len}, B={cfg.batch}, {cfg.steps} steps", fontsize=10)
+                 f"T={cfg.seq_len}, B={cfg.batch}, {cfg.steps} steps"
+                 + (f", {cfg.seeds} seeds" if cfg.seeds > 1 else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -854,6 +1030,30 @@ def output_dir(cfg: Config) -> str:
     return out
 
 
+def run_all(cfg: Config, data: dict, out: str) -> dict:
+    """Every optimizer for every seed, seed after seed: ``{run_label: (record, model)}``.
+
+    Each seed has its own initialization and batch order, the same for every optimizer.
+    """
+    runs = {}
+    for seed in range(cfg.seed, cfg.seed + cfg.seeds):
+        seed_cfg = dataclasses.replace(cfg, seed=seed)
+        seed_data = dict(data, train_starts=train_starts(seed, cfg.steps, cfg.batch,
+                                                         data["high"]))
+        for name in cfg.names:
+            label = run_label(name, seed_cfg)
+            rec, model = runs[label] = run_one(name, seed_cfg, seed_data, out)
+            if rec is not None:
+                print(f"{label}: held-out {rec['heldout_loss']:.4f} (train "
+                      f"{rec['train_loss']:.4f}), step {rec['step_ms']:.1f} ms, forward + "
+                      f"backward {rec['grad_ms']:.1f} ms, {rec['seconds']:.0f} s", flush=True)
+        done = [rec for rec, _ in runs.values() if rec is not None]
+        if 0 < seed - cfg.seed < cfg.seeds - 1 and len(done) == len(runs):
+            # A long run shows its table so far (the final one follows the last seed).
+            print(f"after seeds {cfg.seed}-{seed}:\n{format_table(done)}", flush=True)
+    return runs
+
+
 def train(cfg: Config) -> dict:
     """Runs every optimizer in ``cfg.optimizers`` and writes the table, JSON and PNG.
 
@@ -876,10 +1076,10 @@ def train(cfg: Config) -> dict:
           f"from {info['root']}")
     print(f"model: {n_params / 1e6:.2f}M parameters, d_model={cfg.d_model}, layers={cfg.layers}, "
           f"heads={cfg.heads}, seq_len={cfg.seq_len}; batch={cfg.batch}, steps={cfg.steps} "
-          f"({cfg.batch * cfg.seq_len * cfg.steps / 1e6:.1f}M bytes); device={jax.devices()[0]}; "
-          f"output: {out}")
-    runs = {name: run_one(name, cfg, data, out) for name in cfg.names}
-    models = {name: model for name, (_, model) in runs.items()}
+          f"({cfg.batch * cfg.seq_len * cfg.steps / 1e6:.1f}M bytes); budget={cfg.budget}, "
+          f"seeds={cfg.seeds}; device={jax.devices()[0]}; output: {out}")
+    runs = run_all(cfg, data, out)
+    models = {label: model for label, (_, model) in runs.items()}
     results = [rec for rec, _ in runs.values()]
     if None in results:
         print(f"stopped after step {cfg.stop_after} of {cfg.steps}; checkpoints in "
@@ -893,8 +1093,10 @@ def train(cfg: Config) -> dict:
               f"run's are written with the suffix {suffix}")
     written = write_outputs(out, cfg, info, results, suffix)
     print(written["table"])
+    closing = closing_lines(cfg, results, n_params)
+    print("\n".join(closing))
     return dict(results=results, out=out, data=info, params=n_params, models=models,
-                stopped=False, **written)
+                stopped=False, closing=closing, **written)
 
 
 def main(argv: list[str] | None = None) -> dict:

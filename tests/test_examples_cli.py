@@ -21,6 +21,7 @@ import datetime
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -276,3 +277,43 @@ def test_train_multipod_progress_names_the_step_of_the_loss():
     assert stream.getvalue().splitlines() == [
         "train: step 2/8 (0 s) loss=1.0000 (step 0)", "train: step 4/8 (0 s) loss=1.0000 (step 0)",
         "train: step 6/8 (0 s) loss=0.1667 (step 5)", "train: step 8/8 (0 s) loss=0.1250 (step 7)"]
+
+
+def _fake(path, text: str) -> None:
+    path.write_text("#!/bin/sh\n" + text)
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("case", ["gpu python3", "gpu, python3 without it", "no gpu",
+                                  "DION3_PYTHON"])
+def test_train_sh_picks_the_python_that_sees_the_gpu(tmp_path, case):
+    """scripts/train.sh on a machine with an NVIDIA GPU runs the python3 whose JAX sees it (the
+    pinned environment holds JAX's CPU build), says so, and else uses the pinned environment;
+    DION3_PYTHON overrides both. Fakes stand in for nvidia-smi, python3 and the environment."""
+    root, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (root / "scripts").mkdir(parents=True)
+    bin_dir.mkdir()
+    for name in ("train.sh", "setup_env.sh"):
+        shutil.copy(os.path.join(ROOT, "scripts", name), root / "scripts" / name)
+    venv = root / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    _fake(venv / "python", 'echo "pinned python ran: $*"\n')  # setup_env's checks pass too
+    (root / ".venv" / ".dion3_installed").touch()
+    gpu = case != "no gpu"
+    _fake(bin_dir / "nvidia-smi", f'echo "{"GPU 0: Fake GPU (UUID: GPU-0)" if gpu else ""}"\n')
+    sees = 0 if case != "gpu, python3 without it" else 1
+    _fake(bin_dir / "python3", f'if [ "$1" = "-" ]; then cat >/dev/null; echo "jax 0.11.2"; '
+                               f'exit {sees}; fi\necho "system python3 ran: $*"\n')
+    _fake(bin_dir / "mine", 'echo "DION3_PYTHON ran: $*"\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("DION3_VENV", "DION3_PYTHON")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    if case == "DION3_PYTHON":
+        env["DION3_PYTHON"] = str(bin_dir / "mine")
+    proc = subprocess.run(["bash", str(root / "scripts" / "train.sh"), "--steps", "3"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    ran = {"gpu python3": "system python3", "gpu, python3 without it": "pinned python",
+           "no gpu": "pinned python", "DION3_PYTHON": "DION3_PYTHON"}[case]
+    assert f"{ran} ran: examples/train_lm.py --steps 3" in proc.stdout, proc.stdout
+    assert ("JAX sees it (jax 0.11.2)" in proc.stdout) == (case == "gpu python3")
+    assert ("does not see it" in proc.stderr) == (case == "gpu, python3 without it")

@@ -256,3 +256,112 @@ def test_one_hot_embedding_equals_the_gather_and_its_scatter_gradient(train_lm, 
     np.add.at(want, np.asarray(tokens).ravel(), cot.reshape(-1, 8))
     tol = 1e-6 if dtype == "float32" else 2e-2  # bfloat16 cotangents (8 bits of mantissa)
     np.testing.assert_allclose(grad, want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets, seeds and the closing lines.
+
+def test_budget_follows_the_platform_and_explicit_flags_win(train_lm):
+    """--budget auto picks the gpu preset on a GPU (the platform faked here) and the defaults on
+    a CPU; a flag given explicitly keeps its value; the gpu warm-up is 10% of the steps."""
+    assert train_lm.parse_args([], platform="cpu") == train_lm.Config()
+    assert train_lm.parse_args([]).budget == train_lm.resolve_budget("auto")
+    gpu = train_lm.parse_args([], platform="gpu")
+    want = dict(budget="gpu", d_model=512, layers=8, heads=8, seq_len=512, batch=32,
+                compute_dtype="bfloat16", steps=1800, warmup=180, seeds=3, adamw_lr=2e-3,
+                adamw_b1=0.9, normuon_lr=0.04, fraction=0.25, seed=0)
+    assert {k: getattr(gpu, k) for k in want} == want
+    # The quality study's Dion3 settings follow from NorMuon's by the transfer rules.
+    assert gpu.matrix_lr("dion3") == pytest.approx(0.08)
+    assert gpu.matrix_mu("dion3") == pytest.approx(0.95**4)
+    short = train_lm.parse_args(["--steps", "300", "--seeds", "1", "--d-model", "256"],
+                                platform="gpu")
+    assert (short.steps, short.warmup, short.seeds, short.d_model, short.layers) == \
+        (300, 30, 1, 256, 8)
+    assert train_lm.parse_args(["--budget", "gpu", "--warmup", "7"], platform="cpu").warmup == 7
+    assert train_lm.parse_args(["--budget", "cpu"], platform="gpu") == train_lm.Config()
+    assert [train_lm.resolve_budget("auto", p) for p in ("gpu", "cpu", "tpu")] == \
+        ["gpu", "cpu", "cpu"]
+    # The budget a Config names must be a preset ("auto" is the command line's alone).
+    assert "--budget" in train_lm.check_config(train_lm.Config(budget="auto"))
+
+
+def _records(losses: dict, steps_ms: dict | None = None) -> list[dict]:
+    """Result records ``{optimizer: [held-out loss per seed]}``, seed-major as train() makes."""
+    names = list(losses)
+    return [dict(optimizer=n, seed=s, hyperparameters=dict(lr=0.01, mu=0.9), train_loss=1.0,
+                 heldout_loss=losses[n][s], seconds=2.0, step_ms=(steps_ms or {}).get(n, 10.0),
+                 grad_ms=8.0)
+            for s in range(len(losses[names[0]])) for n in names]
+
+
+def test_table_and_paired_differences_over_seeds(train_lm):
+    """Mean ± sample std of the held-out loss per optimizer, and Dion3 minus each other one per
+    seed, against numpy on random losses (seed printed)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    base = rng.uniform(0.7, 0.8, 3)
+    losses = {"dion3": base - 0.05, "normuon": base + rng.uniform(-0.01, 0.01, 3),
+              "adamw": base}
+    table = train_lm.format_table(_records(losses)).splitlines()
+    assert "held-out mean±std" in table[0] and table[0].split()[-1] == "seeds"
+    rows = {line.split()[0]: line.split() for line in table[2:5]}
+    for name, x in losses.items():
+        assert rows[name][4] == f"{np.mean(x):.4f}±{np.std(x, ddof=1):.4f}", name
+        assert rows[name][-1] == "3" and rows[name][9] == "6.0"  # seconds summed over seeds
+    lines = train_lm.paired_differences(_records(losses))
+    assert len(lines) == 2
+    d = losses["dion3"] - losses["adamw"]  # -0.05 on every seed, spread ~0
+    assert f"{d.mean():+.4f} ± {d.std(ddof=1):.4f} over 3 seeds" in lines[1]
+    assert "lower on 3 of 3" in lines[1] and "ahead on every seed" in lines[1]
+    # Signs that disagree between seeds are a tie, whatever the mean.
+    mixed = {"dion3": np.array([0.70, 0.80, 0.75]), "normuon": np.array([0.75, 0.70, 0.76])}
+    (line,) = train_lm.paired_differences(_records(mixed))
+    assert "lower on 2 of 3" in line and "a tie within the seed-to-seed spread" in line
+    # One seed: no difference line at all.
+    assert train_lm.paired_differences(_records({"dion3": [0.7], "adamw": [0.8]})) == []
+
+
+def test_closing_lines_say_what_the_run_cannot_show(train_lm):
+    """The CPU run points at the GPU evidence, a section docs/TRAINING.md has; the GPU run
+    states the paired differences and its own limits."""
+    cpu = train_lm.closing_lines(train_lm.Config(), _records({"dion3": [1.43], "adamw": [1.44]}),
+                                 850_000)
+    text = "\n".join(cpu)
+    assert "What it cannot show:" in text and "no difference in the table is a ranking" in text
+    assert "0.85M-parameter model, 400 steps (0.8M bytes), 1 seed" in text
+    assert train_lm.GPU_EVIDENCE in text and "1800 steps with 3 seeds" in text
+    assert "paired by seed" not in text and "did not resolve it" not in text
+    slow_adamw = _records({"dion3": [1.43], "adamw": [1.44]}, {"adamw": 7.5})  # fwd+bwd 8 ms
+    text = "\n".join(train_lm.closing_lines(train_lm.Config(), slow_adamw, 850_000))
+    assert "the optimizer's cost for adamw: the step timed at or below" in text
+    with open(os.path.join(os.path.dirname(_PATH), "..", "docs", "TRAINING.md")) as f:
+        assert "\n## The main job on a GPU\n" in f.read()
+
+    gpu_cfg = train_lm.parse_args([], platform="gpu")
+    losses = {"dion3": [0.76, 0.77, 0.78], "normuon": [0.77, 0.78, 0.79],
+              "adamw": [0.80, 0.81, 0.80]}
+    text = "\n".join(train_lm.closing_lines(gpu_cfg, _records(losses), 25_400_000))
+    assert "gpu budget: 25.40M-parameter model, 1800 steps (29.5M bytes), 3 seeds" in text
+    assert "held-out dion3 - normuon: -0.0100 ± 0.0000 over 3 seeds" in text
+    assert "not re-tuned for this budget" in text and "What has been recorded on a GPU" in text
+    assert "no difference in the table is a ranking" not in text
+
+
+@pytest.mark.slow
+def test_seed_k_of_a_several_seed_run_is_the_run_with_that_seed(train_lm, tmp_path):
+    """--seeds 2 trains seed 0 then seed 1, each with its own checkpoint folder; seed 1's run is
+    bitwise the single run with --seed 1 (same initialization, same batches)."""
+    tiny = dict(TINY, optimizers="adamw", steps=4, eval_every=2)
+    both = train_lm.train(train_lm.Config(**tiny, seeds=2, checkpoint_every=2,
+                                          out=str(tmp_path / "both")))
+    assert [(r["optimizer"], r["seed"]) for r in both["results"]] == [("adamw", 0), ("adamw", 1)]
+    assert sorted(os.listdir(tmp_path / "both" / "checkpoints")) == ["adamw-seed0",
+                                                                     "adamw-seed1"]
+    one = train_lm.train(train_lm.Config(**tiny, seed=1, out=str(tmp_path / "one")))
+    assert one["results"][0]["train_losses"] == both["results"][1]["train_losses"]
+    assert one["results"][0]["heldout_loss"] == both["results"][1]["heldout_loss"]
+    assert both["results"][0]["train_losses"][0] != both["results"][1]["train_losses"][0]
+    assert both["table"].splitlines()[0].split()[-1] == "seeds"
+    assert any("What it cannot show" in line for line in both["closing"])
