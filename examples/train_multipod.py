@@ -146,7 +146,7 @@ def _mesh(text: str) -> tuple[int, int, int, int]:
         sizes = ()
     if len(sizes) not in (2, 4):
         raise argparse.ArgumentTypeError(
-            f"must look like 2x2x2x1 (DCN x FSDP x TP x EXPERT) or 2x4 (DCN x FSDP), "
+            f"must look like 2x4 (DCN x FSDP) or 2x2x2x1 (DCN x FSDP x TP x EXPERT), "
             f"got {text!r}")
     if min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")

@@ -57,6 +57,32 @@ def _expected_spec(path: str) -> P:
     return spec
 
 
+def test_mesh_flag_takes_four_sizes_or_the_two_of_dcn_and_fsdp(capsys):
+    parse = train_multipod.parse_args
+    assert parse(["--no-progress"]).mesh == (2, 2, 2, 1)
+    assert parse(["--mesh", "2x4"]).mesh == (2, 4, 1, 1)
+    assert parse(["--mesh", "1x2x2x2"]).mesh == (1, 2, 2, 2)
+    cases = [
+        (["--mesh", "2x2x2"], "must look like 2x4 (DCN x FSDP) or 2x2x2x1"),
+        (["--mesh", "2x0x2x2"], "every size must be >= 1"),
+        (["--mesh", "1x2x2x2", "--experts", "3"],
+         "--experts 3 must be divisible by the expert size 2 of --mesh 1x2x2x2"),
+        (["--mesh", "1x1x8x1", "--hidden", "36", "--heads", "3", "--mlp", "64"],
+         "--hidden 36 must be divisible by the tp size 8 of --mesh 1x1x8x1"),
+        (["--mesh", "1x2x4x1", "--mlp", "34"],
+         "--mlp 34 must be divisible by the tp size 4 of --mesh 1x2x4x1"),
+        (["--mesh", "1x2x4x1", "--d-out", "6"],
+         "--d-out 6 must be divisible by the tp size 4 of --mesh 1x2x4x1"),
+        (["--heads", "5"], "--hidden 64 must be divisible by --heads 5"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+
+
 def _is_dion3_state(x) -> bool:
     return isinstance(x, dion3_jax.ScaleByDion3State)
 
@@ -137,7 +163,7 @@ def test_dion3_gradients_are_not_all_reduced_over_dcn():
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "train_multipod.py")
 RUN = ["--steps", "6", "--log-every", "1", "--no-progress", "--fraction", "0.25"]
-# Measured: max |params difference| 2.9e-4 (kernels of order 0.3), losses 1e-5 relative: the
+# Measured: max |params difference| 2.8e-4 (kernels of order 0.1), losses 2e-5 relative: the
 # cross-process all-reduces run through gloo in another order, and six steps of top-k row
 # selection and Newton-Schulz carry the last-bit differences forward.
 PARAM_TOL, LOSS_RTOL = 1e-3, 1e-3
@@ -189,7 +215,7 @@ def _log(out, i) -> str:
     return "".join(ln for ln in text.splitlines(True) if not ln.startswith("[Gloo]"))
 
 
-@pytest.mark.slow  # ~30 s on 2 CPU cores: the pair of processes and two in-process runs
+@pytest.mark.slow  # ~90 s on 2 CPU cores: the pair of processes and two in-process runs
 def test_two_processes_equal_the_single_process_run(tmp_path):
     import json
 
@@ -211,12 +237,14 @@ def test_two_processes_equal_the_single_process_run(tmp_path):
     ref = json.loads((tmp_path / "single" / "results.json").read_text())
     assert ref["processes"] == 1
 
-    assert sorted(dist) == sorted(single) and len(dist) == len(EXPECTED_SPECS)
-    err = {k: float(np.max(np.abs(dist[k] - single[k]))) for k in single}
-    assert max(err.values()) < PARAM_TOL, err
     d_loss = np.array([l for _, l in info["losses"]])
     s_loss = np.array([l for _, l in ref["losses"]])
+    assert sorted(dist) == sorted(single) and len(dist) == len(EXPECTED_SPECS)
+    err = {k: float(np.max(np.abs(dist[k] - single[k]))) for k in single}
+    print(f"max |params difference| {max(err.values()):.2g}, max |loss difference| relative "
+          f"{np.max(np.abs(d_loss - s_loss) / s_loss):.2g}")
+    assert max(err.values()) < PARAM_TOL, err
     np.testing.assert_allclose(d_loss, s_loss, rtol=LOSS_RTOL)
-    assert d_loss[-1] < d_loss[0] - 0.3  # it trained
+    assert d_loss[-1] < 0.75 * d_loss[0]  # it trained
     # The tolerance can tell runs apart: one step fewer is far outside it.
     assert max(float(np.max(np.abs(short[k] - single[k]))) for k in single) > 10 * PARAM_TOL
