@@ -106,6 +106,7 @@ LOGICAL_RULES = {
 #: Every Dion3 matrix is the last two axes, (in, out); an expert stack's first axis is a batch.
 DIMENSION_NUMBERS = dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)
 
+
 @dataclasses.dataclass
 class Config:
     mesh: tuple[int, int, int, int] = (2, 2, 2, 1)   # (dcn, fsdp, tp, expert)
