@@ -12,37 +12,52 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""Train a Flax NNX model with Dion3 on a ("dcn", "fsdp") mesh: FSDP inside a pod, compressed
-data-parallel sync across pods.
+"""Train a Flax NNX model with Dion3 on a ("dcn", "fsdp", "tp", "expert") mesh: FSDP, tensor
+and expert sharding inside a pod, compressed data-parallel sync across pods.
 
-The mesh has a slow axis ``dcn`` (pods, linked by the data-center network) and a fast axis
-``fsdp`` (devices of one pod). Parameters are sharded over ``fsdp`` and replicated over ``dcn``;
-the batch is split over both. The training step runs inside ``jax.shard_map(...,
-axis_names={"dcn"})``, so each pod computes the gradient of its own half of the batch and the
-gradients of the Dion3 matrices are NOT all-reduced over ``dcn``: Dion3
-(``mesh_options=dion3_jax.MeshOptions(shard_axis="fsdp", replica_axis="dcn")``)
-averages only the selected rows ``M[I, :]`` of the momentum across pods, a ``1/f`` saving of DCN
-bytes. The row set ``I`` is drawn from a key shared by the pods (``replica_selection="random"``), so
-the update equals the fully synchronized one; ``"norms"`` all-reduces the row norms instead. The
-few non-matrix leaves (biases, the head: AdamW) are averaged over ``dcn`` as usual. Before a
-checkpoint, :func:`dion3_jax.synchronize_momentum` makes the pods' momenta equal.
+The mesh has a slow axis ``dcn`` (pods, linked by the data-center network) and three fast axes
+of the devices of one pod: ``fsdp``, ``tp`` and ``expert``. The model has self-attention over a
+short sequence made from the input, an MLP and a mixture of experts whose expert kernels are
+stacked ``(experts, in, out)``. Each kernel carries logical axis names
+(``nnx.with_partitioning``), mapped to mesh axes by :data:`LOGICAL_RULES` (MaxText-like:
+``embed`` → fsdp; ``mlp``, ``heads``, ``vocab`` → tp; ``exp`` → expert) under
+``nnx.logical_axis_rules``. So q/k/v ``("embed", "heads")`` and the MLP's up kernel are
+``P("fsdp", "tp")``, o and down ``P("tp", "fsdp")``, the expert stacks ``P("expert", "fsdp",
+"tp")`` and ``P("expert", "tp", "fsdp")``, the router ``P("fsdp", None)``. Parameters and the
+optimizer state keep these shardings and are replicated over ``dcn``. The forward pass
+all-gathers each weight (``jax.sharding.reshard(w, P())``) and is data-parallel: the batch is
+split over every device. The tp and expert axes thus shard the weights and Dion3's work on them,
+not the forward pass's matmuls.
+
+The training step runs inside ``jax.shard_map(..., axis_names={"dcn"})``, so each pod computes
+the gradient of its own part of the batch and the gradients of the Dion3 matrices are NOT
+all-reduced over ``dcn``: Dion3 (``mesh_options=dion3_jax.MeshOptions(shard_axis=("fsdp", "tp",
+"expert"), replica_axis="dcn")``) averages only the selected rows ``M[I, :]`` of the momentum
+across pods, a ``1/f`` saving of DCN bytes. The row set ``I`` is drawn from a key shared by the
+pods (``replica_selection="random"``), so the update equals the fully synchronized one;
+``"norms"`` all-reduces the row norms instead. The non-matrix leaves (the head: AdamW) are
+averaged over ``dcn`` as usual. Before a checkpoint, :func:`dion3_jax.synchronize_momentum` makes
+the pods' momenta equal.
 
 The task is a synthetic teacher-student regression (a random two-layer tanh network plus noise),
-so the script needs no data. On CPU it simulates 8 devices as a 2 × 4 mesh by default::
+so the script needs no data. On CPU it simulates 8 devices as a 2 × 2 × 2 × 1 mesh by default;
+``--mesh DCNxFSDP`` (two numbers) means tp = expert = 1::
 
-    python examples/train_multipod.py                          # 2 x 4 on 8 CPU devices
+    python examples/train_multipod.py                          # 2x2x2x1 on 8 CPU devices
+    python examples/train_multipod.py --mesh 1x2x2x2           # experts over 2 devices
     python examples/train_multipod.py --mesh 4x2 --fraction 0.125 --steps 300
-    python examples/train_multipod.py --mesh 2x4 --replica-selection norms
+    python examples/train_multipod.py --replica-selection norms
 
 Several processes (hosts): ``--distributed`` calls ``jax.distributed.initialize`` first (with
 ``--coordinator``, ``--num-processes`` and ``--process-id``, or the cluster's own variables when
 they are left out). The mesh is built from every process's devices, ordered by process, so with
-one process per pod ``--mesh <processes>x<devices per process>`` puts "dcn" across the processes.
+one process per pod a mesh of ``<processes>`` pods (the first number of ``--mesh``) puts "dcn"
+across the processes.
 The run is the single-process run on as many devices (``tests/test_train_multipod.py``). On CPUs
 the collectives go through gloo, with ``--cpu-devices-per-process`` devices each. Only process 0
 prints and writes::
 
-    # two processes on one machine, 4 CPU devices each: the 2 x 4 run of 8 devices
+    # two processes on one machine, 4 CPU devices each: the 2x2x2x1 run of 8 devices
     python examples/train_multipod.py --distributed --coordinator localhost:12345 \
         --num-processes 2 --process-id 0 &
     python examples/train_multipod.py --distributed --coordinator localhost:12345 \
@@ -78,16 +93,33 @@ if importlib.util.find_spec("dion3_jax") is None:  # a source checkout without `
 import dion3_jax  # noqa: E402
 import _common  # noqa: E402
 
+#: The mesh axes, slow to fast: pods, then FSDP, tensor and expert parallelism inside a pod.
+AXES = ("dcn", "fsdp", "tp", "expert")
+#: Logical axis name of a kernel → mesh axis (MaxText-like); names not listed stay unsharded.
+LOGICAL_RULES = {
+    "embed": "fsdp",     # model width
+    "mlp": "tp",         # MLP and expert hidden width
+    "heads": "tp",       # attention heads (q/k/v outputs, o inputs)
+    "vocab": "tp",       # the head's outputs
+    "exp": "expert",     # the expert axis of expert-stacked kernels
+}
+#: Every Dion3 matrix is the last two axes, (in, out); an expert stack's first axis is a batch.
+DIMENSION_NUMBERS = dion3_jax.DimensionNumbers(reduction_axis=-2, output_axis=-1)
+
 
 @dataclasses.dataclass
 class Config:
-    mesh: tuple[int, int] = (2, 4)      # (dcn, fsdp)
+    mesh: tuple[int, int, int, int] = (2, 2, 2, 1)   # (dcn, fsdp, tp, expert)
     cpu_devices: int = 8
     d_in: int = 32
-    hidden: int = 64
-    layers: int = 3
+    seq: int = 4                        # tokens made from each input vector
+    hidden: int = 64                    # model width ("embed")
+    heads: int = 4
+    mlp: int = 64                       # MLP and expert hidden width ("mlp")
+    experts: int = 4
+    layers: int = 1                     # blocks of attention, MLP and mixture of experts
     d_out: int = 16
-    batch: int = 64                     # global batch (split over dcn × fsdp)
+    batch: int = 64                     # global batch (split over every device)
     steps: int = 200
     lr: float = 0.02
     adam_lr: float = 3e-3
@@ -107,14 +139,24 @@ class Config:
     restore: str | None = None          # continue from an orbax checkpoint
 
 
-def _mesh(text: str) -> tuple[int, int]:
+def _mesh(text: str) -> tuple[int, int, int, int]:
+    """``DCNxFSDPxTPxEXPERT``, or the two-number form ``DCNxFSDP`` (tp = expert = 1)."""
     try:
-        dcn, fsdp = (int(t) for t in text.lower().split("x"))
+        sizes = tuple(int(t) for t in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must look like 2x4 (DCN x FSDP), got {text!r}") from None
-    if dcn < 1 or fsdp < 1:
-        raise argparse.ArgumentTypeError(f"both sizes must be >= 1, got {text!r}")
-    return dcn, fsdp
+        sizes = ()
+    if len(sizes) not in (2, 4):
+        raise argparse.ArgumentTypeError(
+            f"must look like 2x4 (DCN x FSDP) or 2x2x2x1 (DCN x FSDP x TP x EXPERT), "
+            f"got {text!r}")
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
+    return sizes + (1,) * (4 - len(sizes))
+
+
+def mesh_text(mesh: tuple[int, ...]) -> str:
+    """``--mesh`` as written: the two-number form when tp and expert are 1."""
+    return "x".join(map(str, mesh[:2] if mesh[2:] == (1, 1) else mesh))
 
 
 def parse_args(argv=None) -> Config:
@@ -122,12 +164,17 @@ def parse_args(argv=None) -> Config:
     c = Config()
     p = _common.make_parser(__doc__)
     p.add_argument("--mesh", type=_mesh, default="x".join(map(str, c.mesh)),
-                   help="mesh shape DCNxFSDP (pods x devices per pod)")
+                   help="mesh shape DCNxFSDPxTPxEXPERT (pods, then a pod's FSDP, tensor and "
+                        "expert axes); DCNxFSDP means tp = expert = 1")
     p.add_argument("--cpu-devices", type=_common.positive_int, default=c.cpu_devices,
                    help="simulated CPU devices when running on CPU")
     sizes = {"d_in": "input width of the teacher-student task (divisible by the fsdp size)",
-             "hidden": "hidden width (divisible by the fsdp size)",
-             "layers": "hidden layers", "d_out": "output width",
+             "seq": "tokens made from each input vector",
+             "hidden": "model width (divisible by --heads and by the fsdp and tp sizes)",
+             "heads": "attention heads", "mlp": "MLP and expert hidden width (divisible by tp)",
+             "experts": "experts of the mixture (divisible by the expert size)",
+             "layers": "blocks (attention, MLP, mixture of experts)",
+             "d_out": "output width (divisible by the tp size)",
              "batch": "global batch (divisible by the number of devices)",
              "steps": "training steps", "log_every": "steps between logged losses"}
     for name, text in sizes.items():
@@ -184,29 +231,33 @@ def _add_run_flags(p: argparse.ArgumentParser, c: Config) -> None:
 
 def _check_sizes(a) -> str | None:
     """What is wrong with the batch and widths for the mesh (a sentence), or ``None``: the batch
-    is split over every device, the weights' first or second axis over "fsdp"."""
-    dcn, fsdp = a.mesh
-    if a.batch % (dcn * fsdp):
-        return (f"--batch {a.batch} must be divisible by the {dcn * fsdp} devices of "
-                f"--mesh {dcn}x{fsdp}")
-    for flag, value in (("--d-in", a.d_in), ("--hidden", a.hidden)):
-        if value % fsdp:
-            return (f"{flag} {value} must be divisible by the fsdp size {fsdp} of --mesh "
-                    f"{dcn}x{fsdp} (the weights are sharded over it)")
+    is split over every device, each kernel axis over the mesh axis its logical name maps to."""
+    dcn, fsdp, tp, expert = a.mesh
+    text, n = mesh_text(a.mesh), dcn * fsdp * tp * expert
+    if a.batch % n:
+        return f"--batch {a.batch} must be divisible by the {n} devices of --mesh {text}"
+    checks = (("--d-in", a.d_in, "fsdp", fsdp), ("--hidden", a.hidden, "fsdp", fsdp),
+              ("--hidden", a.hidden, "tp", tp), ("--mlp", a.mlp, "tp", tp),
+              ("--d-out", a.d_out, "tp", tp), ("--experts", a.experts, "expert", expert))
+    for flag, value, axis, size in checks:
+        if value % size:
+            return (f"{flag} {value} must be divisible by the {axis} size {size} of --mesh "
+                    f"{text} (the weights are sharded over it)")
+    if a.hidden % a.heads:
+        return f"--hidden {a.hidden} must be divisible by --heads {a.heads}"
     return None
 
 
 def device_problem(cfg: Config) -> str | None:
     """What keeps the mesh off this run's devices (a sentence), or ``None``; call it once the
     backend has started (:func:`start_backend`)."""
-    dcn, fsdp = cfg.mesh
-    n, found = dcn * fsdp, jax.device_count()
+    n, found, text = int(np.prod(cfg.mesh)), jax.device_count(), mesh_text(cfg.mesh)
     if jax.process_count() > 1 and n != found:
-        return (f"--mesh {dcn}x{fsdp} must use all {found} devices of the "
+        return (f"--mesh {text} must use all {found} devices of the "
                 f"{jax.process_count()} processes")
     if n > found:
         hint = f"; on CPU, pass --cpu-devices {n}" if jax.default_backend() == "cpu" else ""
-        return f"--mesh {dcn}x{fsdp} needs {n} devices, found {found}{hint}"
+        return f"--mesh {text} needs {n} devices, found {found}{hint}"
     return None
 
 
@@ -225,44 +276,112 @@ def _check_distributed(a) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Model: an MLP whose weights are all-gathered for the forward pass (FSDP, Explicit sharding).
+# Model: attention, an MLP and a mixture of experts whose kernels carry logical axis names
+# (nnx.with_partitioning), placed on the mesh by LOGICAL_RULES. The forward pass all-gathers each
+# weight (FSDP style, Explicit sharding) and is data-parallel over every device.
 
 
-class Dense(nnx.Module):
-    def __init__(self, d_in: int, d_out: int, *, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out)) / np.sqrt(d_in))
-        self.bias = nnx.Param(jnp.zeros((d_out,)))
+def kernel(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:
+    """A weight of ``shape`` drawn N(0, 1/fan_in), annotated with its logical axis ``names``."""
+    init = nnx.with_partitioning(nnx.initializers.normal(1.0 / np.sqrt(shape[-2])), names)
+    return nnx.Param(init(rngs.params(), shape))
+
+
+def gathered(w: nnx.Param) -> jax.Array:
+    """The whole weight: all-gathered over the mesh axes it is sharded on (FSDP, TP, experts)."""
+    w = w[...]
+    if not jax.sharding.get_abstract_mesh().empty:
+        w = jax.sharding.reshard(w, P())
+    return w
+
+
+def rms_norm(x):
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+
+
+class Attention(nnx.Module):
+    """Bidirectional multi-head self-attention over the short sequence."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        d = cfg.hidden
+        self.heads = cfg.heads
+        self.q, self.k, self.v = (kernel(rngs, (d, d), ("embed", "heads")) for _ in range(3))
+        self.o = kernel(rngs, (d, d), ("heads", "embed"))
 
     def __call__(self, x):
-        w = self.kernel[...]
-        if not jax.sharding.get_abstract_mesh().empty:   # FSDP: gather the weight to use it
-            w = jax.sharding.reshard(w, P())
-        return x @ w + self.bias[...]
+        b, s, d = x.shape
+        q, k, v = (jnp.reshape(x @ gathered(w), (b, s, self.heads, d // self.heads))
+                   for w in (self.q, self.k, self.v))
+        att = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(d // self.heads))
+        return jnp.reshape(jnp.einsum("bhst,bthd->bshd", att, v), (b, s, d)) @ gathered(self.o)
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
-        self.inp = Dense(cfg.d_in, cfg.hidden, rngs=rngs)
-        self.layers = nnx.List([Dense(cfg.hidden, cfg.hidden, rngs=rngs)
-                                for _ in range(cfg.layers)])
-        self.head = Dense(cfg.hidden, cfg.d_out, rngs=rngs)
+        self.up = kernel(rngs, (cfg.hidden, cfg.mlp), ("embed", "mlp"))
+        self.down = kernel(rngs, (cfg.mlp, cfg.hidden), ("mlp", "embed"))
 
     def __call__(self, x):
-        x = jnp.tanh(self.inp(x))
-        for layer in self.layers:
-            x = x + jnp.tanh(layer(x))
-        return self.head(x)
+        return jax.nn.gelu(x @ gathered(self.up)) @ gathered(self.down)
 
 
-def param_specs(params, cfg: Config):
-    """FSDP specs: matrices sharded over "fsdp" (alternating rows / columns), vectors replicated."""
-    def spec(path, x):
-        if x.ndim < 2:
-            return P()
-        name = jax.tree_util.keystr(path)
-        rows = "layers" in name and int(path[1].key) % 2 == 1  # odd hidden layers: output axis
-        return P(None, "fsdp") if rows else P("fsdp", None)
-    return jax.tree_util.tree_map_with_path(spec, params)
+class MoE(nnx.Module):
+    """A dense soft mixture of experts: every expert sees every token, weighted by the router."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        e, d, ff = cfg.experts, cfg.hidden, cfg.mlp
+        self.router = kernel(rngs, (d, e), ("embed", None))
+        self.experts_up = kernel(rngs, (e, d, ff), ("exp", "embed", "mlp"))
+        self.experts_down = kernel(rngs, (e, ff, d), ("exp", "mlp", "embed"))
+
+    def __call__(self, x):
+        gates = jax.nn.softmax(x @ gathered(self.router))                    # (b, s, e)
+        h = jax.nn.gelu(jnp.einsum("bsd,edf->bsef", x, gathered(self.experts_up)))
+        y = jnp.einsum("bsef,efd->bsed", h, gathered(self.experts_down))
+        return jnp.einsum("bsed,bse->bsd", y, gates)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual branches: attention, then the MLP, then the mixture of experts."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.moe = MoE(cfg, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(rms_norm(x))
+        x = x + self.mlp(rms_norm(x))
+        return x + self.moe(rms_norm(x))
+
+
+class Student(nnx.Module):
+    """Input vector → ``seq`` tokens (one projection) → blocks → mean over tokens → head."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.seq = cfg.seq
+        # Its input axis plays the embedding's role (fsdp), its output the MLP's (tp).
+        self.inp = kernel(rngs, (cfg.d_in, cfg.seq * cfg.hidden), ("embed", "mlp"))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.layers)])
+        self.head = kernel(rngs, (cfg.hidden, cfg.d_out), ("embed", "vocab"))
+
+    def __call__(self, x):
+        h = x @ gathered(self.inp)
+        h = jnp.reshape(h, (x.shape[0], self.seq, h.shape[-1] // self.seq))
+        for block in self.blocks:
+            h = block(h)
+        return jnp.mean(rms_norm(h), axis=1) @ gathered(self.head)
+
+
+def build_model(cfg: Config):
+    """The student's graph, its parameters (a dict of host arrays) and their ``PartitionSpec``s:
+    the logical names of each kernel mapped to mesh axes by :data:`LOGICAL_RULES`."""
+    with nnx.use_eager_sharding(False):   # placed below, by global_array (any process count)
+        model = Student(cfg, rngs=nnx.Rngs(cfg.seed))
+    graphdef, state = nnx.split(model, nnx.Param)
+    with nnx.logical_axis_rules(tuple(LOGICAL_RULES.items())):
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    return graphdef, nnx.to_pure_dict(state), specs
 
 
 def teacher(cfg: Config):
@@ -308,18 +427,19 @@ def make_train_step(graphdef, tx, labels, mesh):
 
 
 def make_mesh(cfg: Config) -> Mesh:
-    """The ``("dcn", "fsdp")`` mesh. Over several processes: every device, ordered by process,
-    so that pod r (row r) is made of whole processes' devices (one process per pod when
-    ``--mesh`` is ``<processes>x<devices per process>``)."""
-    dcn, fsdp = cfg.mesh
+    """The ``("dcn", "fsdp", "tp", "expert")`` mesh. Over several processes: every device,
+    ordered by process, so that pod r (index r along "dcn") is made of whole processes' devices
+    (one process per pod when the mesh has as many pods as processes)."""
+    n, text = int(np.prod(cfg.mesh)), mesh_text(cfg.mesh)
     if jax.process_count() == 1:
-        return jax.make_mesh((dcn, fsdp), ("dcn", "fsdp"), devices=jax.devices()[:dcn * fsdp])
-    if dcn * fsdp != jax.device_count():
-        raise ValueError(f"--mesh {dcn}x{fsdp} must use all {jax.device_count()} devices of the "
+        return jax.make_mesh(cfg.mesh, AXES, devices=jax.devices()[:n],
+                             axis_types=(AxisType.Explicit,) * len(AXES))
+    if n != jax.device_count():
+        raise ValueError(f"--mesh {text} must use all {jax.device_count()} devices of the "
                          f"{jax.process_count()} processes")
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return Mesh(np.array(devices).reshape(dcn, fsdp), ("dcn", "fsdp"),
-                axis_types=(AxisType.Explicit,) * 2)
+    return Mesh(np.array(devices).reshape(cfg.mesh), AXES,
+                axis_types=(AxisType.Explicit,) * len(AXES))
 
 
 def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -330,37 +450,34 @@ def global_array(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def setup(cfg: Config) -> dict:
     """Mesh, sharded params, optimizer state and the jitted step (``jax.set_mesh`` is the
     caller's)."""
-    dcn, fsdp = cfg.mesh
-    n = dcn * fsdp
+    n, text = int(np.prod(cfg.mesh)), mesh_text(cfg.mesh)
     if len(jax.devices()) < n:
-        raise ValueError(f"--mesh {dcn}x{fsdp} needs {n} devices, found {len(jax.devices())}")
+        raise ValueError(f"--mesh {text} needs {n} devices, found {len(jax.devices())}")
     if cfg.batch % n:
         raise ValueError(f"--batch {cfg.batch} must be divisible by the {n} devices")
     mesh = make_mesh(cfg)
-    model = MLP(cfg, rngs=nnx.Rngs(cfg.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    specs = param_specs(params, cfg)
+    graphdef, params, specs = build_model(cfg)
     params = jax.tree.map(lambda x, s: global_array(np.asarray(x), NamedSharding(mesh, s)),
                           params, specs)
-    labels = dion3_jax.default_param_labels(params)
+    labels = dion3_jax.default_param_labels(params, DIMENSION_NUMBERS)
     mesh_options = dion3_jax.MeshOptions(
-        shard_axis="fsdp", replica_axis="dcn", selection_scope=cfg.selection_scope,
+        shard_axis=AXES[1:], replica_axis="dcn", selection_scope=cfg.selection_scope,
         replica_selection=cfg.replica_selection, seed=cfg.seed)
     tx = dion3_jax.dion3(cfg.lr, cfg.fraction, adam_learning_rate=cfg.adam_lr,
-                         mesh_options=mesh_options)
+                         dimension_numbers=DIMENSION_NUMBERS, mesh_options=mesh_options)
     with jax.set_mesh(mesh):
         opt_state = tx.init(params)
     return {"mesh": mesh, "params": params, "opt_state": opt_state, "labels": labels,
-            "train_step": make_train_step(graphdef, tx, labels, mesh),
-            "data_sharding": NamedSharding(mesh, P(("dcn", "fsdp"), None)),
+            "specs": specs, "train_step": make_train_step(graphdef, tx, labels, mesh),
+            "data_sharding": NamedSharding(mesh, P(AXES, None)),
             "batch": teacher(cfg)}
 
 
 def train(cfg: Config) -> dict:
     """Trains and returns ``{"losses": [(step, loss)], "table": str, "seconds": float, ...}``.
 
-    ``params`` and ``opt_state`` are the final global arrays (momentum synchronized over "dcn").
+    ``params`` and ``opt_state`` are the final global arrays (momentum synchronized over "dcn"),
+    ``train_step`` the jitted step (its ``_cache_size()`` is the number of compiles).
     """
     s = setup(cfg)
     params, opt_state, train_step = s["params"], s["opt_state"], s["train_step"]
@@ -384,7 +501,7 @@ def train(cfg: Config) -> dict:
             save(cfg.save, params, opt_state, first + cfg.steps)
     table = format_table(losses, cfg, seconds)
     return {"losses": losses, "table": table, "seconds": seconds, "params": params,
-            "opt_state": opt_state}
+            "opt_state": opt_state, "train_step": train_step}
 
 
 def log_loss(bar: _common.Progress, losses: list, step: int, loss: float) -> None:
@@ -439,7 +556,8 @@ def write_results(out: str, cfg: Config, result: dict) -> None:
 
 
 def format_table(losses, cfg: Config, seconds: float) -> str:
-    lines = [f"Dion3 f={cfg.fraction} on a {cfg.mesh[0]}x{cfg.mesh[1]} (dcn, fsdp) mesh, "
+    lines = [f"Dion3 f={cfg.fraction} on a {'x'.join(map(str, cfg.mesh))} "
+             f"({', '.join(AXES)}) mesh, "
              f"selection {cfg.selection_scope}, replica selection {cfg.replica_selection}: "
              f"{cfg.steps} steps in {seconds:.1f} s",
              "| step | train loss (MSE) |", "|---:|---:|"]

@@ -12,18 +12,23 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""examples/train_multipod.py in a short configuration on 8 simulated CPU devices (2 × 4), and as
-two processes joined by jax.distributed (--distributed) against the single-process run."""
+"""examples/train_multipod.py in a short configuration on 8 simulated CPU devices (the default
+2x2x2x1 mesh of dcn, fsdp, tp and expert axes, and 1x2x2x2), and as two processes joined by
+jax.distributed (--distributed) against the single-process run."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
+
+import dion3_jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import train_multipod  # noqa: E402
@@ -32,30 +37,114 @@ pytestmark = [pytest.mark.tooling,
               pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")]
 
 
+#: What LOGICAL_RULES make of each kernel's logical names (path suffix → spec).
+EXPECTED_SPECS = {
+    "['inp']": P("fsdp", "tp"),                       # ("embed", "mlp")
+    "['attn']['q']": P("fsdp", "tp"),                 # ("embed", "heads")
+    "['attn']['k']": P("fsdp", "tp"),
+    "['attn']['v']": P("fsdp", "tp"),
+    "['attn']['o']": P("tp", "fsdp"),                 # ("heads", "embed")
+    "['mlp']['up']": P("fsdp", "tp"),                 # ("embed", "mlp")
+    "['mlp']['down']": P("tp", "fsdp"),               # ("mlp", "embed")
+    "['moe']['router']": P("fsdp", None),             # ("embed", None)
+    "['moe']['experts_up']": P("expert", "fsdp", "tp"),    # ("exp", "embed", "mlp")
+    "['moe']['experts_down']": P("expert", "tp", "fsdp"),  # ("exp", "mlp", "embed")
+    "['head']": P("fsdp", "tp"),                      # ("embed", "vocab")
+}
+
+
+def _expected_spec(path: str) -> P:
+    (spec,) = [v for k, v in EXPECTED_SPECS.items() if path.endswith(k)]
+    return spec
+
+
+def test_mesh_flag_takes_four_sizes_or_the_two_of_dcn_and_fsdp(capsys):
+    parse = train_multipod.parse_args
+    assert parse(["--no-progress"]).mesh == (2, 2, 2, 1)
+    assert parse(["--mesh", "2x4"]).mesh == (2, 4, 1, 1)
+    assert parse(["--mesh", "1x2x2x2"]).mesh == (1, 2, 2, 2)
+    cases = [
+        (["--mesh", "2x2x2"], "must look like 2x4 (DCN x FSDP) or 2x2x2x1"),
+        (["--mesh", "2x0x2x2"], "every size must be >= 1"),
+        (["--mesh", "1x2x2x2", "--experts", "3"],
+         "--experts 3 must be divisible by the expert size 2 of --mesh 1x2x2x2"),
+        (["--mesh", "1x1x8x1", "--hidden", "36", "--heads", "3", "--mlp", "64"],
+         "--hidden 36 must be divisible by the tp size 8 of --mesh 1x1x8x1"),
+        (["--mesh", "1x2x4x1", "--mlp", "34"],
+         "--mlp 34 must be divisible by the tp size 4 of --mesh 1x2x4x1"),
+        (["--mesh", "1x2x4x1", "--d-out", "6"],
+         "--d-out 6 must be divisible by the tp size 4 of --mesh 1x2x4x1"),
+        (["--heads", "5"], "--hidden 64 must be divisible by --heads 5"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+
+
+def _is_dion3_state(x) -> bool:
+    return isinstance(x, dion3_jax.ScaleByDion3State)
+
+
+@functools.cache
+def _short_run(mesh: str):
+    """The config, a fresh ``setup`` (the state before any step) and a 40-step run of ``main``
+    on ``mesh``: one compile of the step, shared by the tests of this module."""
+    args = ["--mesh", mesh, "--steps", "40", "--log-every", "10", "--no-progress"]
+    cfg = train_multipod.parse_args(args)
+    return cfg, train_multipod.setup(cfg), train_multipod.main(args)
+
+
 @pytest.mark.slow
-def test_short_run_loss_goes_down():
-    out = train_multipod.main(["--steps", "40", "--log-every", "10", "--no-progress"])
+@pytest.mark.parametrize("mesh", ["2x2x2x1", "1x2x2x2"])
+def test_short_run_loss_goes_down_and_keeps_the_shardings(mesh):
+    cfg, s, out = _short_run(mesh)
+    assert dict(zip(s["mesh"].axis_names, s["mesh"].devices.shape)) == dict(
+        zip(train_multipod.AXES, cfg.mesh))
     losses = [l for _, l in out["losses"]]
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.5 * losses[0], out["table"]
     assert "| step |" in out["table"]
+    assert out["train_step"]._cache_size() == 1   # one compile for all 40 steps
+
+    # The params carry their logical names' specs, before and after the steps; the optimizer
+    # state keeps the shardings that init gave it (momenta like the params).
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(s["params"])]
+    assert len(paths) == len(EXPECTED_SPECS)
+    for path, p0, p1 in zip(paths, jax.tree.leaves(s["params"]), jax.tree.leaves(out["params"])):
+        want = NamedSharding(s["mesh"], _expected_spec(path))
+        assert p0.sharding.is_equivalent_to(want, p0.ndim), (path, p0.sharding)
+        assert p1.sharding.is_equivalent_to(want, p1.ndim), (path, p1.sharding)
+    before, after = jax.tree.leaves(s["opt_state"]), jax.tree.leaves(out["opt_state"])
+    assert len(before) == len(after)
+    for x0, x1 in zip(before, after):
+        assert x1.sharding.is_equivalent_to(x0.sharding, x1.ndim), (x0.sharding, x1.sharding)
+    (dion3_state,) = [x for x in jax.tree.leaves(out["opt_state"], is_leaf=_is_dion3_state)
+                      if _is_dion3_state(x)]
+    momenta = {jax.tree_util.keystr(k): m
+               for k, m in jax.tree_util.tree_leaves_with_path(dion3_state.momentum)}
+    assert sorted(momenta) == sorted(p for p in paths if p != "['head']")   # head: AdamW
+    for path, m in momenta.items():
+        assert m.sharding.is_equivalent_to(
+            NamedSharding(s["mesh"], _expected_spec(path)), m.ndim), (path, m.sharding)
     # Replicas hold identical weights (one value per array, equal on every device).
     for leaf in jax.tree.leaves(out["params"]):
         shards = {}
-        for s in leaf.addressable_shards:
-            key = str(s.index)
+        for sh in leaf.addressable_shards:
+            key = str(sh.index)
             if key in shards:
-                np.testing.assert_array_equal(np.asarray(s.data), shards[key])
-            shards[key] = np.asarray(s.data)
+                np.testing.assert_array_equal(np.asarray(sh.data), shards[key])
+            shards[key] = np.asarray(sh.data)
 
 
 @pytest.mark.slow
 def test_dion3_gradients_are_not_all_reduced_over_dcn():
-    cfg = train_multipod.parse_args(["--steps", "1", "--fraction", "0.125"])
-    s = train_multipod.setup(cfg)
-    x, y = (jax.device_put(a, s["data_sharding"]) for a in s["batch"](0))
+    cfg, s, out = _short_run("2x2x2x1")   # its step, compiled once (this lowering reuses it)
+    x, y = (train_multipod.global_array(a, s["data_sharding"]) for a in s["batch"](0))
     with jax.set_mesh(s["mesh"]):
-        hlo = s["train_step"].lower(s["params"], s["opt_state"], x, y).compile().as_text()
+        hlo = out["train_step"].lower(out["params"], out["opt_state"], x, y).compile().as_text()
     dcn = 0
     for line in hlo.splitlines():
         m = re.search(r"= (.*) all-reduce(?:-start)?\(", line)
@@ -64,11 +153,15 @@ def test_dion3_gradients_are_not_all_reduced_over_dcn():
                 dcn += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
     labels = jax.tree.leaves(s["labels"])
     leaves = jax.tree.leaves(s["params"])
-    dion3_elems = sum(p.size for p, l in zip(leaves, labels) if l == "dion3") // cfg.mesh[1]
+    dion3_elems = sum(p.addressable_shards[0].data.size   # one device's shards
+                      for p, l in zip(leaves, labels) if l == "dion3")
     other_elems = sum(p.size for p, l in zip(leaves, labels) if l != "dion3")
     # Per device: the AdamW leaves, the loss and the selected momentum rows only (≈ f of the
-    # device's Dion3 shard), never the Dion3 gradients themselves.
-    assert dcn <= other_elems + 1 + 0.2 * dion3_elems, (dcn, other_elems, dion3_elems)
+    # device's Dion3 shards: measured exactly f), never the Dion3 gradients themselves.
+    print(f"all-reduced over dcn per device: {dcn} elements; AdamW leaves {other_elems}, "
+          f"Dion3 shards {dion3_elems}, f = {cfg.fraction}")
+    bound = other_elems + 1 + 1.2 * cfg.fraction * dion3_elems
+    assert 0 < dcn <= bound, (dcn, other_elems, dion3_elems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +170,7 @@ def test_dion3_gradients_are_not_all_reduced_over_dcn():
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "train_multipod.py")
 RUN = ["--steps", "6", "--log-every", "1", "--no-progress", "--fraction", "0.25"]
-# Measured: max |params difference| 2.9e-4 (kernels of order 0.3), losses 1e-5 relative: the
+# Measured: max |params difference| 2.8e-4 (kernels of order 0.1), losses 2e-5 relative: the
 # cross-process all-reduces run through gloo in another order, and six steps of top-k row
 # selection and Newton-Schulz carry the last-bit differences forward.
 PARAM_TOL, LOSS_RTOL = 1e-3, 1e-3
@@ -129,7 +222,7 @@ def _log(out, i) -> str:
     return "".join(ln for ln in text.splitlines(True) if not ln.startswith("[Gloo]"))
 
 
-@pytest.mark.slow  # ~30 s on 2 CPU cores: the pair of processes and two in-process runs
+@pytest.mark.slow  # ~60 s on 2 CPU cores: the pair of processes and two in-process runs
 def test_two_processes_equal_the_single_process_run(tmp_path):
     import json
 
@@ -151,12 +244,14 @@ def test_two_processes_equal_the_single_process_run(tmp_path):
     ref = json.loads((tmp_path / "single" / "results.json").read_text())
     assert ref["processes"] == 1
 
-    assert sorted(dist) == sorted(single) and len(dist) == 10
-    err = {k: float(np.max(np.abs(dist[k] - single[k]))) for k in single}
-    assert max(err.values()) < PARAM_TOL, err
     d_loss = np.array([l for _, l in info["losses"]])
     s_loss = np.array([l for _, l in ref["losses"]])
+    assert sorted(dist) == sorted(single) and len(dist) == len(EXPECTED_SPECS)
+    err = {k: float(np.max(np.abs(dist[k] - single[k]))) for k in single}
+    print(f"max |params difference| {max(err.values()):.2g}, max |loss difference| relative "
+          f"{np.max(np.abs(d_loss - s_loss) / s_loss):.2g}")
+    assert max(err.values()) < PARAM_TOL, err
     np.testing.assert_allclose(d_loss, s_loss, rtol=LOSS_RTOL)
-    assert d_loss[-1] < d_loss[0] - 0.3  # it trained
+    assert d_loss[-1] < 0.75 * d_loss[0]  # it trained
     # The tolerance can tell runs apart: one step fewer is far outside it.
     assert max(float(np.max(np.abs(short[k] - single[k]))) for k in single) > 10 * PARAM_TOL
