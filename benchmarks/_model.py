@@ -50,6 +50,14 @@ FULL = dict(layers=8, d=4096, ff=11008)
 SMALL = dict(layers=2, d=64, ff=176)
 
 
+def add_model_arguments(ap, fractions=(1.0, 0.25, 0.125)) -> None:
+    """``--layers``, ``--d``, ``--ff`` (the 7B shapes by default) and ``--fractions``."""
+    ap.add_argument("--layers", type=int, default=FULL["layers"])
+    ap.add_argument("--d", type=int, default=FULL["d"], help="model width")
+    ap.add_argument("--ff", type=int, default=FULL["ff"], help="MLP width")
+    ap.add_argument("--fractions", type=float, nargs="+", default=list(fractions))
+
+
 def model_shapes(layers: int, d: int, ff: int) -> dict[str, tuple[int, int]]:
     shapes = {}
     for i in range(layers):

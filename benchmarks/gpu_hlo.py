@@ -68,7 +68,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import dion3_jax
 from bench_commits import imported, old_dirs
-from _model import compile_step, model_shapes, shape_bytes_by_dtype
+from _model import add_model_arguments, compile_step, model_shapes, shape_bytes_by_dtype
 
 #: What XLA needs to know of an H200 to compile for it (an ``xla.GpuTargetConfigProto`` in text
 #: form): 132 SMs of compute capability 9.0, 228 KiB of shared memory per SM (227 KiB for one
@@ -214,10 +214,7 @@ def _census_lines(name: str, seconds: float, found: list[Pass], top: int) -> lis
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d", type=int, default=4096, help="model width")
-    ap.add_argument("--ff", type=int, default=11008, help="MLP width")
-    ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25, 0.125])
+    add_model_arguments(ap)
     ap.add_argument("--top", type=int, default=8, help="largest groups listed per variant")
     ap.add_argument("--old-dir", nargs="+", default=[], metavar="DIR",
                     help="also the Dion3 step of these versions (bench_commits.py --export-to), "

@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from _model import compile_step, dion3_jax, model_shapes
+from _model import add_model_arguments, compile_step, dion3_jax, model_shapes
 from bench_step import COLLECTIVES, collective_stats
 from gpu_hlo import H200_TARGET
 
@@ -79,10 +79,7 @@ def census(shapes: dict, mesh: Mesh, fraction: float) -> tuple[dict, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d", type=int, default=4096, help="model width")
-    ap.add_argument("--ff", type=int, default=11008, help="MLP width")
-    ap.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25, 0.125])
+    add_model_arguments(ap)
     a = ap.parse_args(argv)
     shapes = model_shapes(a.layers, a.d, a.ff)
     kinds = list(COLLECTIVES)
