@@ -50,7 +50,7 @@ if importlib.util.find_spec("dion3_jax") is None:  # a source checkout without `
 
 import _common  # noqa: E402
 
-COEFFICIENTS = ("polar_express", "you", "jordan")
+COEFFICIENTS = ("polar_express", "polar_express_4", "you", "jordan")
 
 
 def parse_args(argv=None):
