@@ -96,8 +96,9 @@ class MeshOptions(NamedTuple):
         (top-k of the row ℓ1 norms summed over replicas; only the norms are all-reduced).
       seed: int seed of the ``"random"`` replica selection.
       param_specs: the leaves' ``PartitionSpec`` s (one spec, a tree or a callable; under Auto
-        axes a leaf it does not cover is replicated), required when mesh axes are Auto (traced values carry
-        no sharding there; without it ``init`` and ``update`` raise rather than guess a layout).
+        axes a leaf it does not cover is replicated), required when mesh axes are Auto (traced
+        values carry no sharding there; without it ``init`` and ``update`` raise rather than
+        guess a layout).
         Under Explicit axes the shardings are read from the leaves.
       replica_wire_dtype: under compressed sync, the dtype the selected rows' average crosses
         ``replica_axis`` in: None (the default: the momentum's dtype, float32 unless
@@ -277,7 +278,8 @@ def resolve_context(mesh, shard_axis, replica_axis, leaves) -> Context:
 # Leaf specs
 
 
-def _entries(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
+def spec_entries(spec, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """A ``PartitionSpec``'s mesh axes for each of ``ndim`` leaf axes (empty: unsharded)."""
     spec = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
     out: list[tuple[str, ...]] = []
     for e in spec[:ndim]:
@@ -331,7 +333,7 @@ def leaf_specs(ctx: Context, leaves, param_specs, tree) -> list[tuple[tuple[str,
             if spec is None and isinstance(getattr(x, "sharding", None),
                                            jax.sharding.NamedSharding):
                 spec = x.sharding.spec
-        ent = _entries(spec if spec is not None else P(), ndim)
+        ent = spec_entries(spec if spec is not None else P(), ndim)
         ent = tuple(tuple(a for a in e if a in ctx.axis_names) for e in ent)
         out.append(ent)
     return out

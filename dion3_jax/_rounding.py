@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dion3_jax._distributed import spec_entries
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES, random_bits
 
 #: The writes of one step, each with bits of its own.
@@ -60,12 +61,6 @@ def _offset(axes: tuple[str, ...], extent: int) -> jax.Array | int:
     return jax.lax.axis_index(axes) * extent if axes else 0
 
 
-def _entries(spec) -> tuple[tuple[str, ...], ...]:
-    """A ``PartitionSpec``'s mesh axes per leaf axis (empty: unsharded)."""
-    return tuple(() if e is None or e is P.UNCONSTRAINED else (e,) if isinstance(e, str)
-                 else tuple(e) for e in spec)
-
-
 def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
                   shape: tuple[int, ...], spec: P = P()) -> jax.Array:
     """uint32 random bits for this device's shard of a leaf's momentum.
@@ -82,7 +77,7 @@ def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
     Returns:
       Bits shaped ``shape``, equal for an element whatever the mesh.
     """
-    entries = _entries(spec) + ((),) * (len(shape) - len(spec))
+    entries = spec_entries(spec, len(shape))
     idx = [jax.lax.broadcasted_iota(jnp.uint32, shape, i)
            + jnp.asarray(_offset(e, n), jnp.uint32) for i, (e, n) in enumerate(zip(entries, shape))]
     sizes = [n * (math.prod(jax.lax.axis_size(a) for a in e) if e else 1)

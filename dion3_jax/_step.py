@@ -804,8 +804,9 @@ def scatter_and_apply(plan: Plan, grads, dirs, row_src) -> list[jax.Array]:
         d = u.lr_scale * dirs[u.uid]
         ublk[u.leaf][u.block] = d if u.full else _selection.place_rows(
             d, row_src[u.uid], u.layout.row_axis, base=ublk[u.leaf][u.block])
-    return _leaves(plan, _filled(ublk), [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
-                                for g in grads])
+    return _leaves(plan, _filled(ublk),
+                   [jax.ShapeDtypeStruct(jnp.shape(g), _rules.update_dtype(g.dtype))
+                    for g in grads])
 
 
 def _leaves(plan: Plan, blocks: Blocks | None, like) -> list[jax.Array]:
