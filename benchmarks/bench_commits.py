@@ -46,6 +46,10 @@ Usage (repository root; the old commit must be in this checkout's git history)::
     python benchmarks/bench_commits.py --commit HEAD~1 --export-to DIR_A --suffix _a
     python benchmarks/bench_commits.py --commit HEAD~2 --export-to DIR_B --suffix _b
     python benchmarks/bench_commits.py --old-dir DIR_A DIR_B --fractions 0.125
+    python benchmarks/bench_commits.py --commit HEAD~1 --fractions 0.25 --mu-dtype bfloat16
+
+Each compile also prints the step's arguments (parameters, state, gradients) and arguments plus
+temporaries, in GiB, from XLA's memory analysis of the compiled step.
 """
 
 from __future__ import annotations
@@ -172,35 +176,51 @@ def working_tree_version() -> str:
     return head + ("+changes" if dirty else "")
 
 
-def stepper(dion3, fraction: float, params, grads, options=None, tx=None):
+def stepper(dion3, fraction: float, params, grads, options=None, tx=None, mu_dtype=None):
     """Compiles one version's step (XLA compiler ``options``) and returns ``(run, cold
-    start)`` (``_model.ColdStart``: the seconds of trace, lowering and compile); ``tx``
-    replaces the version's transformation (the AdamW row).
+    start, memory)`` (``_model.ColdStart``: the seconds of trace, lowering and compile;
+    :func:`step_memory`); ``tx`` replaces the version's transformation (the AdamW row);
+    ``mu_dtype`` is passed to ``scale_by_dion3`` (None: its default).
 
     ``run()`` applies one step to this version's own copy of the parameters and its state (both
     donated and carried from call to call) and returns them.
     """
     if tx is None:
-        tx = optax.chain(dion3.scale_by_dion3(fraction), optax.scale(-1e-3))
+        kwargs = {} if mu_dtype is None else {"mu_dtype": mu_dtype}
+        tx = optax.chain(dion3.scale_by_dion3(fraction, **kwargs), optax.scale(-1e-3))
     step, cold = _model.compile_step(tx, params, grads, options=options)
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def run():
         carry[:] = step(carry[0], carry[1], grads)
         return carry
-    return run, cold
+    return run, cold, step_memory(step)
+
+
+def step_memory(compiled) -> tuple[float, float]:
+    """``(state GiB, peak GiB)`` of a compiled step from XLA's memory analysis: the donated
+    parameters and optimizer state it takes (arguments less the gradients, which are not
+    donated, are counted as well), and those plus its temporaries (the step's peak on one
+    device); NaN where the backend gives no analysis."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return float("nan"), float("nan")
+    args = stats.argument_size_in_bytes
+    return args / 2**30, (args + stats.temp_size_in_bytes) / 2**30
 
 
 def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
-                  options=None, adamw=None) -> dict:
+                  options=None, adamw=None, mu_dtype=None) -> dict:
     """Compiles every version's step at one fraction and times them in interleaved rounds
     (``adamw``: AdamW's step function, timed in the same rounds). Returns the fraction, each
     version's milliseconds (``ms``) and AdamW's (``adamw_ms``, or None)."""
     runs = {} if adamw is None else {"adamw": adamw}
     for name, dion3 in versions.items():
-        runs[name], cold = stepper(dion3, fraction, params, grads, options)
+        runs[name], cold, (args_gib, peak_gib) = stepper(dion3, fraction, params, grads, options,
+                                                          mu_dtype=mu_dtype)
         print(f"  f={fraction:g} {name}: cold start {cold.total:.1f} s (trace {cold.trace:.1f}, "
-              f"lower {cold.lower:.1f}, compile {cold.compile:.1f})", flush=True)
+              f"lower {cold.lower:.1f}, compile {cold.compile:.1f}); arguments "
+              f"{args_gib:.2f} GiB, with temporaries {peak_gib:.2f} GiB", flush=True)
     ms = median_ms_interleaved(runs, reps=reps)
     print(f"  f={fraction:g}: " + ", ".join(f"{n} {ms[n]:.2f} ms" for n in versions), flush=True)
     return {"fraction": fraction, "ms": {n: ms[n] for n in versions},
@@ -233,6 +253,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10; 3 small)")
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
     p.add_argument("--adamw", action="store_true", help="time optax.adamw in the same rounds")
+    p.add_argument("--mu-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="every version's momentum dtype (default: scale_by_dion3's)")
     p.add_argument("--export-to", default=None,
                    help="only export the old commit's renamed packages into this directory and "
                         "exit (for a copy of the repository without git history)")
@@ -273,7 +295,8 @@ def main(argv=None) -> list[dict]:
               flush=True)
         adamw = (stepper(None, 0, params, grads, options, tx=optax.adamw(1e-3))[0]
                  if a.adamw else None)
-        rows = [time_fraction(versions, f, params, grads, reps, options, adamw)
+        mu_dtype = None if a.mu_dtype is None else jnp.dtype(a.mu_dtype)
+        rows = [time_fraction(versions, f, params, grads, reps, options, adamw, mu_dtype)
                 for f in a.fractions]
     print()
     print_table(rows, list(versions), a.adamw)
