@@ -47,6 +47,7 @@ Usage (repository root; the old commit must be in this checkout's git history)::
     python benchmarks/bench_commits.py --commit HEAD~2 --export-to DIR_B --suffix _b
     python benchmarks/bench_commits.py --old-dir DIR_A DIR_B --fractions 0.125
     python benchmarks/bench_commits.py --commit HEAD~1 --fractions 0.25 --mu-dtype bfloat16
+    python benchmarks/bench_commits.py --commit HEAD --fractions 1 --polar pe5+bound "pe4+bound r-"
 
 Each compile also prints the step's arguments (parameters, state, gradients) and arguments plus
 temporaries, in GiB, from XLA's memory analysis of the compiled step.
@@ -176,6 +177,22 @@ def working_tree_version() -> str:
     return head + ("+changes" if dirty else "")
 
 
+class PolarVariant:
+    """The working tree's ``dion3_jax`` with a polar of ``bench_polar_steps.VARIANTS`` (its
+    ``scale_by_dion3`` gets ``orthogonalizer=make_orthogonalizer(**options)``), timed as one more
+    version."""
+
+    def __init__(self, dion3, name: str):
+        from bench_polar_steps import VARIANTS
+
+        self.__file__ = dion3.__file__
+        self._dion3, self._options = dion3, VARIANTS[name]
+
+    def scale_by_dion3(self, fraction, **kwargs):
+        polar = self._dion3.make_orthogonalizer(**self._options)
+        return self._dion3.scale_by_dion3(fraction, orthogonalizer=polar, **kwargs)
+
+
 def stepper(dion3, fraction: float, params, grads, options=None, tx=None, mu_dtype=None):
     """Compiles one version's step (XLA compiler ``options``) and returns ``(run, cold
     start, memory)`` (``_model.ColdStart``: the seconds of trace, lowering and compile;
@@ -229,12 +246,14 @@ def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
 
 def print_table(rows: list[dict], names: list[str], adamw: bool) -> None:
     """The markdown table: per fraction, [AdamW's ms,] each version's ms [and its ratio to
-    AdamW], then ``new / name`` for each older version."""
-    olds = [n for n in names if n != "new"]
+    AdamW], then ``new / name`` for each older version and ``name / new`` for each polar
+    variant (``new NAME``)."""
+    variants = [n for n in names if n.startswith("new ")]
+    olds = [n for n in names if n != "new" and n not in variants]
     head = ["fraction"] + (["AdamW ms"] if adamw else [])
     for n in names:
         head += [f"{n} ms"] + ([f"{n} × AdamW"] if adamw else [])
-    head += [f"new / {n}" for n in olds]
+    head += [f"new / {n}" for n in olds] + [f"{n} / new" for n in variants]
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
@@ -243,6 +262,7 @@ def print_table(rows: list[dict], names: list[str], adamw: bool) -> None:
         for n in names:
             cells += [f"{ms[n]:.2f}"] + ([f"{ms[n] / r['adamw_ms']:.3f}"] if adamw else [])
         cells += [f"{ms['new'] / ms[n]:.3f}" for n in olds]
+        cells += [f"{ms[n] / ms['new']:.3f}" for n in variants]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -253,6 +273,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--reps", type=int, default=None, help="timed rounds (default 10; 3 small)")
     p.add_argument("--small", action="store_true", help="tiny model (CPU smoke check)")
     p.add_argument("--adamw", action="store_true", help="time optax.adamw in the same rounds")
+    p.add_argument("--polar", nargs="+", default=[], metavar="VARIANT",
+                   help="also the working tree with these polars of bench_polar_steps.py "
+                        "(e.g. 'pe4+bound r-'), each one more version in the same rounds")
     p.add_argument("--mu-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="every version's momentum dtype (default: scale_by_dion3's)")
     p.add_argument("--export-to", default=None,
@@ -283,6 +306,8 @@ def main(argv=None) -> list[dict]:
         for name, (d, suffix, _) in olds.items():
             versions[name] = imported(d, suffix)
         versions["new"] = importlib.import_module("dion3_jax")
+        for name in a.polar:
+            versions[f"new {name}"] = PolarVariant(versions["new"], name)
         dev = jax.devices()[0]
         options = ({"xla_gpu_per_fusion_autotune_cache_dir": os.path.join(tmp_cache, "autotune")}
                    if dev.platform == "gpu" else None)
