@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import shlex
 import statistics
 
@@ -147,6 +148,17 @@ def tables(groups: dict) -> tuple[str, str]:
     return configs, pairs
 
 
+def _rates(runs: list[dict]) -> str:
+    """The learning rates, μ rule and weight decay the runs share, read off the first run."""
+    if not runs:
+        return "the study's best learning rates"
+    r = runs[0]
+    lr = r["lr"] * math.sqrt(r["fraction"])  # the lr at f = 1 (lr·√f is kept)
+    return (f"the study's best learning rates: NorMuon's best lr {lr:.3g} moved to f by "
+            f"`dion3_jax.transfer_learning_rate`, μ = `dion3_jax.momentum_for_fraction(f)`, "
+            f"weight decay {r['wd']:g}, the AdamW branch at lr {r['adam_lr']:g}")
+
+
 def section(paths: list[str]) -> str:
     """The Markdown section from the ``--plan floor`` results files ``paths``."""
     meta, runs = _load(paths)
@@ -160,9 +172,7 @@ def section(paths: list[str]) -> str:
         "Generated from " + ", ".join(f"`{p}`" for p in paths) + ". Two candidate changes of "
         "Dion3 against its defaults, on the same model, data and "
         f"{meta['steps']}-step schedule as above ({mdl['compute_dtype']} activations, float32 "
-        "parameters), at the study's best learning rates: NorMuon's best lr 0.04 moved to f by "
-        "`dion3_jax.transfer_learning_rate`, μ = `dion3_jax.momentum_for_fraction(f)`, weight "
-        "decay 0.01, the AdamW branch at lr 2e-3. The polar: "
+        f"parameters), at {_rates(runs)}. The polar: "
         "`orthogonalizer=dion3_jax.make_orthogonalizer(preconditioning=\"norm_bound\")`, the "
         "default coefficients with one scale per matrix read off the first Gram matrix "
         "(`docs/POLAR.md`), at f = 1 and 1/4. The momentum: `mu_dtype=jnp.bfloat16`, rounded "
@@ -174,7 +184,10 @@ def section(paths: list[str]) -> str:
         "batch order): mean ± sample standard deviation of candidate − default over the seeds "
         "both finished. The verdict is \"within the seed spread\" when the mean difference is no "
         "larger than the seed spread (the larger of the two configurations' standard deviations "
-        "over those seeds), else \"ahead\" (lower loss) or \"behind\".", "",
+        "over those seeds), else \"ahead\" (lower loss) or \"behind\". The spread is that of "
+        "the seeds, not of the differences: a change that is lower on every seed by less than "
+        "the spread is within it, and the differences' own standard deviation says how steady "
+        "it is.", "",
         pairs, "",
         "```bash", command, "```", "",
         _table(["", ""], [

@@ -261,3 +261,17 @@ def test_floor_flags(capsys):
         with pytest.raises(SystemExit) as e:
             quality_study.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_floor_results_resume(tmp_path):
+    """``--resume`` reads the floor fields back: every finished floor run is found again."""
+    planner = quality_study.Planner(300, 599)
+    runs = _floor_runs(planner)[:9]
+    path = tmp_path / "floor.jsonl"
+    lines = [dict(type="meta", plan="floor")] + [
+        dict(type="run", **r.record(), final_heldout=1.0, step_ms=1.0) for r in runs]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    fresh = quality_study.Planner(300, 599)
+    assert quality_study.load_runs(str(path), fresh) == 9
+    assert set(fresh.results) == {r.key() for r in runs}
+    assert floor_report.is_floor_results(str(path))
