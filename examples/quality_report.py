@@ -16,7 +16,9 @@
 
 Needs numpy and matplotlib, no accelerator; every number in the document comes from the results
 files. Results of ``--plan rounding`` among them become the section "bf16 parameters: rounding"
-(``examples/rounding_report.py``). ``quality_study.py --report`` runs the same report::
+(``examples/rounding_report.py``), those of ``--plan floor`` the section "Past the floor: polar
+rescaling and 16-bit momentum" (``examples/floor_report.py``). ``quality_study.py --report`` runs
+the same report::
 
     python examples/quality_report.py RESULTS.jsonl [MORE.jsonl ...] [--notes NOTES.md]
         [--doc docs/QUALITY.md] [--plots docs/quality] [--command "..."]
@@ -493,16 +495,19 @@ def write_report(paths: list[str] | str, doc: str, plots: str, command: str | No
 
 def report(paths: list[str], doc: str = DEFAULT_DOC, plots: str = DEFAULT_PLOTS,
            command: str | None = None, notes: str | None = None) -> str:
-    """Writes ``doc`` from results files: the study's, then the section of the ``--plan
-    rounding`` files among them (before the notes' closing part); returns ``doc``.
+    """Writes ``doc`` from results files: the study's, then the sections of the ``--plan
+    rounding`` and ``--plan floor`` files among them (before the notes' closing part); returns
+    ``doc``.
 
     Raises:
       SystemExit: when no file holds results of ``--plan study``.
     """
+    import floor_report
     import rounding_report
 
     rounding = [p for p in paths if rounding_report.is_rounding_results(p)]
-    studies = [p for p in paths if p not in rounding]
+    floor = [p for p in paths if p not in rounding and floor_report.is_floor_results(p)]
+    studies = [p for p in paths if p not in rounding and p not in floor]
     if not studies:
         raise SystemExit("no results of --plan study among " + " ".join(paths))
     text = ""
@@ -510,6 +515,8 @@ def report(paths: list[str], doc: str = DEFAULT_DOC, plots: str = DEFAULT_PLOTS,
         with open(notes) as f:
             text = f.read()
     head, _, tail = text.partition(NOTES_MARK)
+    if floor:
+        tail = floor_report.section(floor) + "\n\n" + tail.lstrip()
     if rounding:
         tail = rounding_report.section(rounding) + "\n\n" + tail.lstrip()
     return write_report(studies, doc, plots, command, preamble=head, conclusions=tail,
@@ -539,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _common.make_parser(__doc__)
     p.add_argument("results", metavar="JSONL", nargs="+",
-                   help="results files of quality_study.py (--plan study, and --plan rounding)")
+                   help="results files of quality_study.py (--plan study, rounding and floor)")
     add_report_flags(p)
     return p
 

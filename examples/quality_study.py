@@ -33,11 +33,16 @@ The parameters are float32 and the activations bfloat16 unless ``--param-dtype b
 stores the parameters in bfloat16 (``--rounding`` then says how the update is added:
 ``examples/param_rounding.py``). ``--plan rounding`` runs another, fixed plan instead: Dion3
 f = 1/4, NorMuon and AdamW at the study's best learning rates, each with float32 master weights
-and with bfloat16 parameters rounded once and twice, three seeds each.
+and with bfloat16 parameters rounded once and twice, three seeds each. ``--plan floor`` tests two
+candidate changes of Dion3 against its defaults at the same learning rates, three seeds each:
+the polar with ``preconditioning="norm_bound"`` (``docs/POLAR.md``) at f = 1 and 1/4, and a
+bfloat16 momentum (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8; every
+configuration's seed 0 runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
 
 Every optimizer config is compiled once, ahead of time and in parallel: the learning rate, μ and
-weight decay live in the optimizer state (``optax.inject_hyperparams``; ``fraction`` is static),
-and the warm-up + cosine schedule is computed inside the step from the step counter.
+weight decay live in the optimizer state (``optax.inject_hyperparams``; ``fraction``, the polar
+and the momentum dtype are static), and the warm-up + cosine schedule is computed inside the step
+from the step counter.
 
 Usage::
 
@@ -45,10 +50,13 @@ Usage::
     python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
     python examples/quality_study.py --plan rounding --out runs/quality/rounding.jsonl
+    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 21 runs
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
 plots under ``docs/quality/``; results of ``--plan rounding`` (given among the files) become the
-section "bf16 parameters: rounding" (``examples/rounding_report.py``).
+section "bf16 parameters: rounding" (``examples/rounding_report.py``), and those of ``--plan
+floor`` the section "Past the floor: polar rescaling and 16-bit momentum"
+(``examples/floor_report.py``).
 """
 
 from __future__ import annotations
@@ -108,9 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=_common.positive_int, default=512,
                    help="context length in bytes")
     p.add_argument("--batch", type=_common.positive_int, default=32, help="sequences per step")
-    p.add_argument("--plan", default="study", choices=["study", "rounding"],
+    p.add_argument("--plan", default="study", choices=["study", "rounding", "floor"],
                    help="study: the adaptive plan of the three phases; rounding: every optimizer "
-                        "under the three parameter-storage variants of examples/param_rounding.py")
+                        "under the three parameter-storage variants of examples/param_rounding.py;"
+                        " floor: Dion3's norm_bound polar and bfloat16 momentum against the "
+                        "defaults")
+    p.add_argument("--seeds", type=_common.positive_int, default=3,
+                   help="seeds 0, 1, ... of every configuration (--plan rounding and floor)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="activation dtype")
     p.add_argument("--param-dtype", default="float32", choices=list(param_rounding.PARAM_DTYPES),
@@ -147,6 +159,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--param-dtype bfloat16")
     if args.plan == "rounding" and (args.param_dtype, args.rounding) != ("float32", "once"):
         p.error("--plan rounding runs every --param-dtype and --rounding itself: pass neither")
+    if args.plan == "floor" and (args.param_dtype, args.rounding) != ("float32", "once"):
+        p.error("--plan floor runs float32 parameters: pass neither --param-dtype nor --rounding")
+    if args.plan == "study" and args.seeds != 3:
+        p.error("--seeds is for the fixed plans (--plan rounding, floor); the study plans its "
+                "own seeds")
     if args.d_model % args.heads or (args.d_model // args.heads) % 2:
         p.error(f"--d-model must be --heads × an even head size, got {args.d_model}, {args.heads}")
     for flag in ("report", "resume", "notes"):
@@ -180,6 +197,8 @@ class Run:
     lr_mult: float = 1.0  # lr / transferred lr (Dion3 grid)
     param_dtype: str = "float32"  # examples/param_rounding.py
     rounding: str = "once"
+    polar: str = "default"  # Dion3's polar: "default" or a preconditioning (--plan floor)
+    mu_dtype: str = "float32"  # Dion3's momentum dtype (--plan floor)
 
     @property
     def family(self) -> str:
@@ -187,19 +206,46 @@ class Run:
 
     @property
     def step_name(self) -> str:
-        """The compiled step: the family, and the parameter storage unless float32."""
-        if self.param_dtype == "float32":
-            return self.family
-        return f"{self.family} {self.param_dtype} {self.rounding}"
+        """The compiled step: the family, then the parameter storage unless float32, the polar
+        unless the default and the momentum dtype unless float32."""
+        name = self.family
+        if self.param_dtype != "float32":
+            name += f" {self.param_dtype} {self.rounding}"
+        if self.polar != "default":
+            name += f" polar {self.polar}"
+        if self.mu_dtype != "float32":
+            name += f" momentum {self.mu_dtype}"
+        return name
 
     def key(self) -> tuple:
         return (self.opt, self.fraction, round(self.mu, 6), round(self.lr, 9), round(self.wd, 9),
-                round(self.adam_lr, 9), self.steps, self.seed, self.param_dtype, self.rounding)
+                round(self.adam_lr, 9), self.steps, self.seed, self.param_dtype, self.rounding,
+                self.polar, self.mu_dtype)
+
+    def record(self) -> dict:
+        """The run's fields for a JSON line; the Dion3 options of ``--plan floor`` only where they
+        differ from the defaults (so the other plans' lines stay as they were)."""
+        rec = dataclasses.asdict(self)
+        for f in FLOOR_FIELDS:
+            if rec[f.name] == f.default:
+                del rec[f.name]
+        return rec
+
+
+#: The fields of --plan floor, left out of a run's JSON line at their defaults.
+FLOOR_FIELDS = tuple(f for f in dataclasses.fields(Run) if f.name in ("polar", "mu_dtype"))
 
 
 def config_name(r: dict) -> str:
     """A readable name of a run's configuration (everything but the seed)."""
-    return _optimizer_name(r) + param_rounding.config_suffix(r)
+    return _optimizer_name(r) + param_rounding.config_suffix(r) + _floor_suffix(r)
+
+
+def _floor_suffix(r: dict) -> str:
+    """What a name adds for a non-default polar or momentum dtype ("" for the defaults)."""
+    polar, mu_dtype = r.get("polar", "default"), r.get("mu_dtype", "float32")
+    return ((f", {polar} polar" if polar != "default" else "")
+            + (f", {mu_dtype} momentum" if mu_dtype != "float32" else ""))
 
 
 def _optimizer_name(r: dict) -> str:
@@ -208,7 +254,8 @@ def _optimizer_name(r: dict) -> str:
     if r["opt"] == "normuon":
         s = f"NorMuon lr {r['lr']:.3g}, wd {r['wd']:g}"
         return s + (f", {r['steps']} steps" if r["phase"] == "time" else "")
-    return (f"Dion3 f=1/{round(1 / r['fraction'])} μ {r['mu']:.4g} lr {r['lr']:.3g} "
+    f = "1" if r["fraction"] == 1 else f"1/{round(1 / r['fraction'])}"
+    return (f"Dion3 f={f} μ {r['mu']:.4g} lr {r['lr']:.3g} "
             f"wd {r['wd']:.3g}")
 
 
@@ -221,10 +268,15 @@ class Planner:
     #: The best peak learning rates of the study's sweeps (docs/QUALITY.md), for --plan rounding.
     BEST_ADAMW_LR, BEST_NORMUON_LR = 2e-3, 0.04
     ROUNDING_OPTS = ("dion3", "normuon", "adamw")
+    #: --plan floor: Dion3's (f, polar, momentum dtype), each candidate beside its default.
+    FLOOR_CONFIGS = ((1.0, "default", "float32"), (1.0, "norm_bound", "float32"),
+                     (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
+                     (0.25, "default", "bfloat16"),
+                     (0.125, "default", "float32"), (0.125, "default", "bfloat16"))
 
     def __init__(self, steps: int, max_steps: int, param_dtype: str = "float32",
-                 rounding: str = "once"):
-        self.steps, self.max_steps = steps, max_steps
+                 rounding: str = "once", seeds: int = 3):
+        self.steps, self.max_steps, self.seeds = steps, max_steps, seeds
         self.storage = dict(param_dtype=param_dtype, rounding=rounding)  # of the study's runs
         self.results: dict[tuple, dict] = {}
         self.step_ms: dict[str, float] = {}  # the first measured (equal-time runs use it)
@@ -289,11 +341,24 @@ class Planner:
                    seed, self.steps, f, dion3_jax.momentum_for_fraction(f), "pow",
                    self.MATRIX_WD, adam_lr=adam_lr, **storage)
 
+    def floor_run(self, fraction: float, polar: str, mu_dtype: str, seed: int) -> Run:
+        """A run of --plan floor: Dion3 at ``fraction`` as :meth:`rounding_run` builds it
+        (float32 parameters), with the polar's ``preconditioning`` (``"default"``: the library's
+        default orthogonalizer) and the momentum dtype ``mu_dtype``."""
+        import dion3_jax
+
+        return Run("floor", "dion3",
+                   dion3_jax.transfer_learning_rate(self.BEST_NORMUON_LR, 1.0, fraction), seed,
+                   self.steps, fraction, dion3_jax.momentum_for_fraction(fraction), "pow",
+                   self.MATRIX_WD, adam_lr=self.BEST_ADAMW_LR, polar=polar, mu_dtype=mu_dtype)
+
     def examples(self, plan: str) -> dict[str, Run]:
         """One run per compiled step of ``plan``, by step name (their values are set per run)."""
         if plan == "rounding":
             runs = [self.rounding_run(opt, 0, *v) for opt in self.ROUNDING_OPTS
                     for v in param_rounding.VARIANTS]
+        elif plan == "floor":
+            runs = [self.floor_run(*c, 0) for c in self.FLOOR_CONFIGS]
         else:
             runs = [self.adamw(1e-3, 0), self.normuon(0.02, 0)]
             runs += [Run("x", "dion3", 0.04, 0, self.steps, f, adam_lr=1e-3, **self.storage)
@@ -321,10 +386,15 @@ class Planner:
     def phases(self, plan: str = "study"):
         """(phase name, a function returning its runs), in priority order."""
         if plan == "rounding":
-            for seed in range(3):
+            for seed in range(self.seeds):
                 yield f"rounding seed {seed}", lambda seed=seed: [
                     self.rounding_run(opt, seed, *v) for opt in self.ROUNDING_OPTS
                     for v in param_rounding.VARIANTS]
+            return
+        if plan == "floor":  # every configuration's seed 0 first: a time limit keeps seeds
+            for seed in range(self.seeds):
+                yield f"floor seed {seed}", lambda seed=seed: [
+                    self.floor_run(*c, seed) for c in self.FLOOR_CONFIGS]
             return
         yield "adamw lr sweep", lambda: [self.adamw(lr, 0) for lr in self.ADAMW_LRS]
         yield "adamw sweep edge", lambda: list(self._extend(self.adamw, self.ADAMW_LRS))
@@ -381,18 +451,35 @@ class Planner:
 # ---------------------------------------------------------------------------------------------
 
 
-def _make_tx(family: str, param_dtype: str = "float32"):
-    """An ``inject_hyperparams`` optimizer for a family; values are set per run in the state.
+def _make_tx(family: str, param_dtype: str = "float32", polar: str = "default",
+             mu_dtype: str = "float32"):
+    """An ``inject_hyperparams`` optimizer for a compiled step (a family, parameter storage,
+    Dion3's polar and momentum dtype); the values are set per run in the state.
 
     For 16-bit parameters it runs on float32 copies (``param_rounding.float32_view``).
     """
-    make = _make_base_tx(family)
+    make = _make_base_tx(family, polar, mu_dtype)
     if param_dtype == "float32":
         return make
     return lambda run: param_rounding.float32_view(make(run))
 
 
-def _make_base_tx(family: str):
+def _dion3_options(polar: str, mu_dtype: str) -> dict:
+    """Dion3's static options for a non-default polar (a ``preconditioning`` of the default
+    coefficients) or momentum dtype; empty for the defaults."""
+    import jax.numpy as jnp
+
+    import dion3_jax
+
+    options = {}
+    if polar != "default":
+        options["orthogonalizer"] = dion3_jax.make_orthogonalizer(preconditioning=polar)
+    if mu_dtype != "float32":
+        options["mu_dtype"] = jnp.dtype(mu_dtype)
+    return options
+
+
+def _make_base_tx(family: str, polar: str = "default", mu_dtype: str = "float32"):
     import optax
 
     import dion3_jax
@@ -400,6 +487,9 @@ def _make_base_tx(family: str):
     def inject(fn, *static):
         return optax.inject_hyperparams(fn, static_args=static, hyperparam_dtype=_f32())
 
+    if (polar, mu_dtype) != ("default", "float32") and not family.startswith("dion3@"):
+        raise ValueError(f"polar {polar!r} and mu_dtype {mu_dtype!r} are Dion3's options; "
+                         f"{family} takes only the defaults")
     if family == "adamw":
         mask = lambda p: _tree_map(lambda x: x.ndim >= 2, p)
         return lambda run: inject(optax.adamw, "mask")(
@@ -408,8 +498,9 @@ def _make_base_tx(family: str):
                               adam_learning_rate=run.adam_lr, adam_b1=0.9, adam_b2=0.95)
     if family == "normuon":
         return lambda run: inject(dion3_jax.normuon)(**kwargs(run))
-    fraction = float(family.split("@")[1])
-    return lambda run: inject(dion3_jax.dion3, "fraction")(fraction=fraction, **kwargs(run))
+    fraction, options = float(family.split("@")[1]), _dion3_options(polar, mu_dtype)
+    return lambda run: inject(dion3_jax.dion3, "fraction", *options)(
+        fraction=fraction, **kwargs(run), **options)
 
 
 def _f32():
@@ -538,7 +629,7 @@ class Trainer:
 
         starts, lowered = self._starts(0), {}
         for name, run in examples.items():
-            make = _make_tx(run.family, run.param_dtype)
+            make = _make_tx(run.family, run.param_dtype, run.polar, run.mu_dtype)
             params = self.params(0, run.param_dtype)
             tx = make(run)
             step = jax.jit(self._step_fn(tx, run.rounding), donate_argnums=(0, 1))
@@ -608,7 +699,7 @@ class Trainer:
             curve.append((stop, self.evaluate(params, run.param_dtype), round(train_s, 4)))
         train_losses = [float(x) for x in jax.device_get(losses)]
         return dict(
-            **dataclasses.asdict(run), family=run.family, config=None,
+            **run.record(), family=run.family, config=None,
             final_heldout=curve[-1][1], heldout_curve=curve,
             train_curve=_block_means(train_losses, 10), step_ms=1e3 * train_s / run.steps,
             train_s=train_s,
@@ -691,7 +782,8 @@ def study(args: argparse.Namespace) -> str:
     if os.path.exists(args.out):
         raise SystemExit(f"{args.out} exists; pass a new --out (results are never overwritten)")
     trainer = Trainer(args)
-    planner = Planner(args.steps, trainer.max_steps, args.param_dtype, args.rounding)
+    planner = Planner(args.steps, trainer.max_steps, args.param_dtype, args.rounding,
+                      args.seeds)
     for path in args.resume or []:
         print(f"resumed {load_runs(path, planner)} runs from {path}", flush=True)
     if args.steps > trainer.max_steps:
@@ -727,7 +819,7 @@ def _run_phases(args, trainer, planner, emit, start) -> None:
             guess = planner.last_ms.get(run.step_name, 50.0) * run.steps / 1e3 + 1.0
             left = args.time_budget - (time.perf_counter() - start)
             if guess > left:
-                emit(dict(type="skip", phase=phase, run=dataclasses.asdict(run), left_s=left))
+                emit(dict(type="skip", phase=phase, run=run.record(), left_s=left))
                 print(f"[{phase}] skip {run} ({left:.0f} s left)", flush=True)
                 continue
             rec = trainer.train(run)
