@@ -169,13 +169,14 @@ def section(paths: list[str]) -> str:
     command = shlex.join(["python3", "examples/quality_study.py", *meta["argv"]])
     return "\n".join([
         TITLE, "",
-        "Generated from " + ", ".join(f"`{p}`" for p in paths) + ". Two candidate changes of "
+        "Generated from " + ", ".join(f"`{p}`" for p in paths) + ". Candidate changes of "
         "Dion3 against its defaults, on the same model, data and "
         f"{meta['steps']}-step schedule as above ({mdl['compute_dtype']} activations, float32 "
-        f"parameters), at {_rates(runs)}. The polar: "
+        f"parameters), at {_rates(runs)}. The polars: `norm_bound`, "
         "`orthogonalizer=dion3_jax.make_orthogonalizer(preconditioning=\"norm_bound\")`, the "
         "default coefficients with one scale per matrix read off the first Gram matrix "
-        "(`docs/POLAR.md`), at f = 1 and 1/4. The momentum: `mu_dtype=jnp.bfloat16`, rounded "
+        "(`docs/POLAR.md`), and `pe4_bound`, the same rescaling before the 4-step "
+        "`coefficients=\"polar_express_4\"` with `restarts=()`, at f = 1 and 1/4. The momentum: `mu_dtype=jnp.bfloat16`, rounded "
         "stochastically (`docs/HYPERPARAMETERS.md`), at f = 1/4 and 1/8. Held-out nats/byte "
         "after the last step, mean ± sample standard deviation over seeds; step ms is the median "
         "over the configuration's runs.", "",

@@ -33,10 +33,10 @@ The parameters are float32 and the activations bfloat16 unless ``--param-dtype b
 stores the parameters in bfloat16 (``--rounding`` then says how the update is added:
 ``examples/param_rounding.py``). ``--plan rounding`` runs another, fixed plan instead: Dion3
 f = 1/4, NorMuon and AdamW at the study's best learning rates, each with float32 master weights
-and with bfloat16 parameters rounded once and twice, three seeds each. ``--plan floor`` tests two
+and with bfloat16 parameters rounded once and twice, three seeds each. ``--plan floor`` tests
 candidate changes of Dion3 against its defaults at the same learning rates, three seeds each:
-the polar with ``preconditioning="norm_bound"`` (``docs/POLAR.md``) at f = 1 and 1/4, and a
-bfloat16 momentum (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8; every
+two polars (``POLARS``: ``preconditioning="norm_bound"``, and the 4-step ``polar_express_4``
+after it with no restart; ``docs/POLAR.md``) at f = 1 and 1/4, and a bfloat16 momentum (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8; every
 configuration's seed 0 runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
 
 Every optimizer config is compiled once, ahead of time and in parallel: the learning rate, μ and
@@ -270,8 +270,9 @@ class Planner:
     ROUNDING_OPTS = ("dion3", "normuon", "adamw")
     #: --plan floor: Dion3's (f, polar, momentum dtype), each candidate beside its default.
     FLOOR_CONFIGS = ((1.0, "default", "float32"), (1.0, "norm_bound", "float32"),
+                     (1.0, "pe4_bound", "float32"),
                      (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
-                     (0.25, "default", "bfloat16"),
+                     (0.25, "pe4_bound", "float32"), (0.25, "default", "bfloat16"),
                      (0.125, "default", "float32"), (0.125, "default", "bfloat16"))
 
     def __init__(self, steps: int, max_steps: int, param_dtype: str = "float32",
@@ -464,16 +465,25 @@ def _make_tx(family: str, param_dtype: str = "float32", polar: str = "default",
     return lambda run: param_rounding.float32_view(make(run))
 
 
+#: --plan floor's polars other than the default, as ``make_orthogonalizer`` options:
+#: ``norm_bound``, the default coefficients after the scalar rescaling; ``pe4_bound``, the
+#: 4-step ``polar_express_4`` coefficients after the same rescaling, with no restart.
+POLARS = {
+    "norm_bound": dict(preconditioning="norm_bound"),
+    "pe4_bound": dict(coefficients="polar_express_4", restarts=(), preconditioning="norm_bound"),
+}
+
+
 def _dion3_options(polar: str, mu_dtype: str) -> dict:
-    """Dion3's static options for a non-default polar (a ``preconditioning`` of the default
-    coefficients) or momentum dtype; empty for the defaults."""
+    """Dion3's static options for a non-default polar (:data:`POLARS`) or momentum dtype; empty
+    for the defaults."""
     import jax.numpy as jnp
 
     import dion3_jax
 
     options = {}
     if polar != "default":
-        options["orthogonalizer"] = dion3_jax.make_orthogonalizer(preconditioning=polar)
+        options["orthogonalizer"] = dion3_jax.make_orthogonalizer(**POLARS[polar])
     if mu_dtype != "float32":
         options["mu_dtype"] = jnp.dtype(mu_dtype)
     return options

@@ -13,7 +13,7 @@
 # limitations under the License.
 # ==============================================================================
 """``quality_study.py --plan floor``: Dion3's norm_bound polar and bfloat16 momentum against the
-defaults. The plan's 21 runs and their order, one compiled step per configuration, JSON lines of
+defaults. The plan's runs and their order, one compiled step per configuration, JSON lines of
 the other plans unchanged, and the report's section computed from the runs."""
 
 from __future__ import annotations
@@ -43,24 +43,26 @@ import floor_report  # noqa: E402
 import quality_study  # noqa: E402
 
 CONFIGS = [(1.0, "default", "float32"), (1.0, "norm_bound", "float32"),
+           (1.0, "pe4_bound", "float32"),
            (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
-           (0.25, "default", "bfloat16"), (0.125, "default", "float32"),
-           (0.125, "default", "bfloat16")]
+           (0.25, "pe4_bound", "float32"), (0.25, "default", "bfloat16"),
+           (0.125, "default", "float32"), (0.125, "default", "bfloat16")]
+N = len(CONFIGS)
 
 
 def _floor_runs(planner) -> list:
     return [run for _, plan in planner.phases("floor") for run in plan()]
 
 
-def test_floor_plan_is_21_runs_seed_by_seed():
+def test_floor_plan_is_every_configuration_seed_by_seed():
     import dion3_jax
 
     planner = quality_study.Planner(300, 599)
     runs = _floor_runs(planner)
-    assert len(runs) == 21 and len({r.key() for r in runs}) == 21
-    assert [r.seed for r in runs] == [0] * 7 + [1] * 7 + [2] * 7
+    assert len(runs) == 3 * N and len({r.key() for r in runs}) == 3 * N
+    assert [r.seed for r in runs] == [0] * N + [1] * N + [2] * N
     for seed in range(3):
-        assert [(r.fraction, r.polar, r.mu_dtype) for r in runs[7 * seed:7 * seed + 7]] == CONFIGS
+        assert [(r.fraction, r.polar, r.mu_dtype) for r in runs[N * seed:N * seed + N]] == CONFIGS
     for r in runs:  # Planner.rounding_run's Dion3 run, at every f
         f = r.fraction
         assert (r.opt, r.phase, r.steps, r.param_dtype, r.rounding) == (
@@ -74,19 +76,20 @@ def test_floor_plan_is_21_runs_seed_by_seed():
         0.25, "default", "float32", 1))
     assert dataclasses.replace(same, phase="rounding") == ref
     # --seeds cuts the plan to its first seeds.
-    assert len(_floor_runs(quality_study.Planner(300, 599, seeds=2))) == 14
+    assert len(_floor_runs(quality_study.Planner(300, 599, seeds=2))) == 2 * N
 
 
 def test_floor_configurations_are_distinct_compiled_steps():
     planner = quality_study.Planner(300, 599)
     examples = planner.examples("floor")
-    assert len(examples) == 7
+    assert len(examples) == N
     assert sorted((r.fraction, r.polar, r.mu_dtype) for r in examples.values()) == sorted(CONFIGS)
-    assert set(examples) == {"dion3@1", "dion3@1 polar norm_bound", "dion3@0.25",
-                             "dion3@0.25 polar norm_bound", "dion3@0.25 momentum bfloat16",
+    assert set(examples) == {"dion3@1", "dion3@1 polar norm_bound", "dion3@1 polar pe4_bound",
+                             "dion3@0.25", "dion3@0.25 polar norm_bound",
+                             "dion3@0.25 polar pe4_bound", "dion3@0.25 momentum bfloat16",
                              "dion3@0.125", "dion3@0.125 momentum bfloat16"}
     names = {quality_study.config_name(r.record()) for r in examples.values()}
-    assert len(names) == 7
+    assert len(names) == N
     assert "Dion3 f=1/4 μ 0.8145 lr 0.08 wd 0.01, norm_bound polar" in names
     assert "Dion3 f=1/8 μ 0.6634 lr 0.113 wd 0.01, bfloat16 momentum" in names
     # The other plans' step names and JSON lines are as before the floor fields existed.
@@ -202,7 +205,7 @@ def _rows(section: str, first: str) -> dict[str, list[str]]:
     return rows
 
 
-@pytest.mark.slow  # ~1-2 min on two CPU cores: compiles 7 Dion3 steps of the tiny model
+@pytest.mark.slow  # ~1-2 min on two CPU cores: compiles 9 Dion3 steps of the tiny model
 def test_tiny_floor_plan_end_to_end(tmp_path):
     """``--plan floor --tiny --seeds 2`` trains every configuration for real on the CPU, and
     ``--report`` on its lines writes the section with the differences of those lines."""
@@ -216,10 +219,10 @@ def test_tiny_floor_plan_end_to_end(tmp_path):
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert recs[0]["type"] == "meta" and recs[0]["plan"] == "floor"
     runs = [r for r in recs if r["type"] == "run"]
-    assert [r["seed"] for r in runs] == [0] * 7 + [1] * 7
-    assert [floor_report.config_key(r) for r in runs[:7]] == CONFIGS
+    assert [r["seed"] for r in runs] == [0] * N + [1] * N
+    assert [floor_report.config_key(r) for r in runs[:N]] == CONFIGS
     assert all(math.isfinite(r["final_heldout"]) for r in runs)
-    assert len(set(recs[1]["compile_s"])) == 7 + 2  # the steps, the evaluation and the grad
+    assert len(set(recs[1]["compile_s"])) == N + 2  # the steps, the evaluation and the grad
 
     doc = tmp_path / "QUALITY.md"
     study = os.path.join(ROOT, "docs", "quality", "h200_results.jsonl")
@@ -230,14 +233,14 @@ def test_tiny_floor_plan_end_to_end(tmp_path):
     section = text[text.index(floor_report.TITLE):]
     loss = {(*floor_report.config_key(r), r["seed"]): r["final_heldout"] for r in runs}
     configs = _rows(section, "configuration")
-    assert len(configs) == 7
+    assert len(configs) == N
     for key in CONFIGS:
         xs = [loss[(*key, s)] for s in (0, 1)]
         cells = configs[floor_report.config_label(key)]
         assert cells[0] == f"{np.mean(xs):.4f} ± {np.std(xs, ddof=1):.4f} (n=2)"
         assert cells[1] == ", ".join(f"{x:.4f}" for x in xs)
     pairs = _rows(section, "candidate")
-    assert len(pairs) == 4
+    assert len(pairs) == 6
     for key in CONFIGS:
         if key[1:] == ("default", "float32"):
             continue
