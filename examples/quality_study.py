@@ -50,7 +50,7 @@ Usage::
     python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
     python examples/quality_study.py --plan rounding --out runs/quality/rounding.jsonl
-    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 21 runs
+    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 27 runs
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
 plots under ``docs/quality/``; results of ``--plan rounding`` (given among the files) become the
