@@ -422,3 +422,25 @@ def test_kernel_model_reproduces_its_calibration_and_counts_the_polar():
         mk.Product("syrk", 32, 4096, 4096, 5), mk.Product("sym_matmul", 32, 4096, 4096, 5)]
     assert mk.in_xla(mk.Product("sym_matmul", 8, 512, 512, 14))
     assert not mk.in_xla(mk.Product("sym_matmul", 32, 512, 512, 14))
+
+
+def test_bench_commits_memory_and_polar_variant_columns(capsys):
+    """``step_memory`` reads XLA's analysis of a compiled step (its arguments' bytes exactly),
+    and a polar variant (``--polar``) gets a ``name / new`` ratio column, not a ``new / name``
+    one."""
+    import jax
+    import numpy as np
+
+    bench_commits = _benchmark("bench_commits")
+    a, b = np.ones((64, 32), np.float32), np.ones((32, 16), np.float32)
+    compiled = jax.jit(lambda x, y: x @ y).lower(a, b).compile()
+    args_gib, peak_gib = bench_commits.step_memory(compiled)
+    assert args_gib * 2**30 == pytest.approx(a.nbytes + b.nbytes)
+    assert peak_gib >= args_gib
+    rows = [{"fraction": 0.25, "adamw_ms": None,
+             "ms": {"old": 4.0, "new": 2.0, "new pe4+bound r-": 1.5}}]
+    bench_commits.print_table(rows, ["old", "new", "new pe4+bound r-"], adamw=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("| fraction | old ms | new ms | new pe4+bound r- ms | new / old "
+                        "| new pe4+bound r- / new |")
+    assert lines[2] == "| 0.25 | 4.00 | 2.00 | 1.50 | 0.500 | 0.750 |"
