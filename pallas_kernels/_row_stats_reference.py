@@ -70,11 +70,13 @@ def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | N
     bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
     stochastic = bits is not None and jnp.dtype(dtype) in STOCHASTIC_DTYPES
     m, g, scale = m.astype(jnp.float32), g.astype(jnp.float32), scale.astype(jnp.float32)
-    s = _split_sum(scale, m, g) if stochastic else scale * m + g
+    plain = scale * m + g
+    s = _split_sum(scale, m, g) if stochastic else plain
     # Eight element ops, as a deep model's step runs this once per matrix; a NaN operand makes
-    # ``s`` NaN, which both branches keep.
+    # ``s`` NaN, which both branches keep (``plain``: an ``inf`` times a zero ``lo`` of
+    # :func:`_split_sum` would be NaN).
     finite = jnp.maximum(jnp.abs(m), jnp.abs(g)) < np.float32(np.inf)
-    s = lax.select(finite, lax.clamp(-bound, s, bound), s)
+    s = lax.select(finite, lax.clamp(-bound, s, bound), plain)
     if not stochastic:
         return s.astype(dtype)
     return stochastic_round(s, dtype, bits)

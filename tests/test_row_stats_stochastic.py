@@ -1,0 +1,228 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The statistics pass on a 16-bit momentum, rounded stochastically inside the Mosaic GPU kernel.
+
+The kernel hashes each element's counter words itself (``pallas_kernels._counter``); through
+GPU interpret mode on the CPU its ``S`` is bit for bit the jnp reference's (bfloat16 and float16,
+both row axes, several strips and chunks, counters that wrap modulo 2³², values that round up,
+down, saturate or are not finite) and its row sums are those of its ``S``. A leaf's blocks'
+counters (``dion3_jax._rounding.block_counters``) give the leaf's bits, on one device and in
+``shard_map``; the step through the interpreted kernel gives XLA's momentum bit for bit. Which
+implementation runs: ``"auto"`` takes the Mosaic kernel on Hopper; the Pallas-Triton kernel and
+a bits array raise. The kernel on a GPU is in ``tests/test_kernels_gpu.py``.
+"""
+
+import functools
+
+import jax
+from jax.sharding import (AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P,
+                          use_abstract_mesh)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dion3_jax
+import pallas_kernels
+from dion3_jax import _layout, _rounding
+from pallas_kernels import accumulate_rows_implementation, accumulate_rows_reference
+from pallas_kernels._counter import RowCounter, counter_bits
+from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig, accumulate_rows_mosaic
+from seeds import module_seed
+
+#: Fresh random inputs per run, printed with every test (tests/seeds.py).
+SEED = module_seed()
+
+H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
+#: Small blocks: three strips, three chunks of one step (axis 2), or two of two (axis 1).
+_SMALL = {2: MosaicRowStatsConfig(strip=16, step=64, chunk=64, stages=2),
+          1: MosaicRowStatsConfig(strip=64, step=16, chunk=32, stages=2)}
+_SHAPES = {2: (2, 192, 48), 1: (1, 128, 64)}
+#: Per dtype: the saturation bound of ``S`` (float16's largest finite value; bfloat16's 2⁷⁹).
+_BOUND = {jnp.bfloat16: 2.0 ** 79, jnp.float16: 65504.0}
+
+
+def _words(rng, shape) -> jax.Array:
+    return jnp.asarray(rng.integers(0, 2 ** 32, shape, dtype=np.uint64).astype(np.uint32))
+
+
+def _inputs(rng, shape, row_axis, dtype):
+    """A 16-bit momentum and a float32 gradient 1/64 its size (most sums fall between two
+    16-bit values), with sums that saturate and non-finite entries; per-row decays."""
+    m = rng.standard_normal(shape).astype(np.float32)
+    g = rng.standard_normal(shape).astype(np.float32) / 64
+    m[0, 1, :4], g[0, 1, :4] = _BOUND[dtype] * 0.9, _BOUND[dtype] * 0.5       # saturate
+    m[0, 2, :4], g[0, 2, :4] = -_BOUND[dtype] * 0.9, -_BOUND[dtype] * 0.5
+    m[0, 3, 5], g[0, 4, 6], m[0, 5, 7] = np.inf, -np.inf, np.nan
+    d = rng.choice([0.8145, 0.95, 1.0], (shape[0], shape[row_axis])).astype(np.float32)
+    return jnp.asarray(m).astype(dtype), jnp.asarray(g), jnp.asarray(d)
+
+
+def _counter(rng, shape, row_axis, steps):
+    return RowCounter(_words(rng, (2,)), _words(rng, (shape[0], 2, shape[row_axis])), steps)
+
+
+def _kernel(m, g, d, row_axis, counter):
+    s, l1, sq = jax.jit(functools.partial(accumulate_rows_mosaic, row_axis=row_axis,
+                                          config=_SMALL[row_axis], interpret=True))(
+        m, g, d, counter=counter)
+    return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
+
+
+def _bits16(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint16)
+
+
+@pytest.mark.parametrize("row_axis", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_interpreted_kernel_rounds_as_the_reference(row_axis, dtype):
+    """``S`` bit for bit the reference's; it is not round-to-nearest's (the bits are used) and
+    another key gives another ``S``; saturated sums stay at the bound, ``inf``/NaN stay; the
+    row sums are those of the kernel's ``S`` (float64, within float32 summation error)."""
+    rng = np.random.default_rng(SEED)
+    shape = _SHAPES[row_axis]
+    m, g, d = _inputs(rng, shape, row_axis, dtype)
+    counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0))
+    got = _kernel(m, g, d, row_axis, counter)
+    want = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=counter)
+    assert got[0].dtype == dtype
+    np.testing.assert_array_equal(_bits16(got[0]), _bits16(want[0]))
+    nearest = accumulate_rows_reference(m, g, d, row_axis=row_axis)[0]
+    assert np.mean(_bits16(got[0]) != _bits16(nearest)) > 0.1
+    other = RowCounter(counter.key ^ np.uint32(1), counter.rows, counter.steps)
+    assert np.mean(_bits16(_kernel(m, g, d, row_axis, other)[0]) != _bits16(got[0])) > 0.1
+    s = np.asarray(got[0], np.float64)
+    np.testing.assert_array_equal(np.abs(s[0, 1:3, :4]), _BOUND[dtype])
+    assert s[0, 3, 5] == np.inf and s[0, 4, 6] == -np.inf and np.isnan(s[0, 5, 7])
+    summed = 3 - row_axis
+    finite = np.where(np.isfinite(s), s, 0.0)
+    for got_sum, want_sum, x in ((got[1], want[1], np.abs(finite)),
+                                 (got[2], want[2], (finite * 2.0 ** -32) ** 2)):
+        ok = np.all(np.isfinite(s), axis=summed)
+        np.testing.assert_allclose(np.asarray(got_sum)[ok], x.sum(summed)[ok],
+                                   rtol=shape[summed] * 2.0 ** -23)
+        np.testing.assert_allclose(np.asarray(got_sum)[ok], np.asarray(want_sum)[ok],
+                                   rtol=shape[summed] * 2.0 ** -23)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_counter_rows_words_place_each_element(dtype):
+    """Elements whose counter words are equal round equally: a counter whose rows' words are
+    shifted by one step along the row gives the reference's ``S`` shifted by one element (so
+    the kernel reads each element's own words, not a block's or a chunk's)."""
+    rng = np.random.default_rng(SEED + 1)
+    row_axis, shape = 1, _SHAPES[1]
+    m = jnp.ones(shape, dtype)
+    g = jnp.full(shape, float(jnp.finfo(dtype).eps) / 2, jnp.float32)    # halfway: S rounds
+    # up or down with probability 1/2
+    d = jnp.ones((shape[0], shape[1]), jnp.float32)
+    counter = _counter(rng, shape, row_axis, (0, 1))
+    shifted = RowCounter(counter.key, counter.rows.at[:, 1].add(np.uint32(1)), (0, 1))
+    a = _bits16(_kernel(m, g, d, row_axis, counter)[0])
+    b = _bits16(_kernel(m, g, d, row_axis, shifted)[0])
+    np.testing.assert_array_equal(b[:, :, :-1], a[:, :, 1:])
+    assert 0.2 < np.mean(a != a[0, 0, 0]) < 0.8        # both neighbours occur
+
+
+_LAYOUTS = [((64, 48), None, None, None),
+            ((3, 32, 48), None, None, None),
+            ((48, 64), _layout.DimensionNumbers(reduction_axis=1, output_axis=0), None, None),
+            ((32, 4, 16), _layout.DimensionNumbers(reduction_axis=0, output_axis=(1, 2)), 4,
+             None),
+            ((2, 64, 16), _layout.DimensionNumbers(reduction_axis=2, output_axis=1), 4, None),
+            ((32, 48), None, None, (16, 32)),
+            ((3, 3, 8, 16), _layout.DimensionNumbers(reduction_axis=(0, 1, 2), output_axis=3),
+             None, None)]
+
+
+@pytest.mark.parametrize("shape,dn,heads,splits", _LAYOUTS)
+def test_block_counters_give_the_leafs_bits(shape, dn, heads, splits):
+    """Per block of a leaf (stacked, transposed, heads, split, merged reduction axes), the
+    counter's bits are the leaf's bits in that block."""
+    layout = _layout.make_layout(shape, dn, heads, splits)
+    whole = layout.to_blocks(_rounding.momentum_bits(SEED, jnp.int32(3), 2, _rounding.SUM,
+                                                     shape))
+    counters = _rounding.block_counters(SEED, jnp.int32(3), 2, _rounding.SUM, layout)
+    for want, counter, block in zip(whole, counters, layout.blocks):
+        got = counter_bits(counter, want.shape, block.row_axis)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_block_counters_are_none_where_the_words_do_not_step_evenly():
+    """Reduction axes ``(1, 3)`` of a 4-D leaf: along a row the ``hi`` word jumps by 6 and the
+    ``lo`` word by 1 in turn, so the block has no counter."""
+    dn = _layout.DimensionNumbers(reduction_axis=(1, 3), output_axis=(0, 2))
+    layout = _layout.make_layout((4, 8, 6, 5), dn)
+    assert _rounding.block_counters(SEED, jnp.int32(0), 0, _rounding.SUM, layout) == [None]
+
+
+@pytest.mark.parametrize("spec", [P("a", None, None), P(None, "b", None), P(None, None, "b"),
+                                  P(None, ("a", "b"), None), P("b", None, "a")])
+def test_block_counters_of_a_shard_give_the_leafs_bits(spec):
+    """Inside ``shard_map``, each device's block counters give the slice of the whole leaf's
+    bits at its shard (the shard's offsets enter the rows' words)."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:8])
+    shape = (8, 16, 32)
+    whole = _rounding.momentum_bits(SEED, jnp.int32(4), 1, _rounding.SUM, shape)
+    local = tuple(n // int(np.prod([mesh.shape[a] for a in
+                                    ((e,) if isinstance(e, str) else e or ())]))
+                  for n, e in zip(shape, tuple(spec)))
+    layout = _layout.make_layout(local)
+
+    def bits(c):
+        [counter] = _rounding.block_counters(SEED, c, 1, _rounding.SUM, layout, spec)
+        [block] = layout.blocks
+        return layout.from_blocks([counter_bits(counter, block.shape, block.row_axis)], local)
+
+    sharded = jax.jit(jax.shard_map(bits, mesh=mesh, in_specs=P(), out_specs=spec))(
+        jnp.int32(4))
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(whole))
+
+
+def test_auto_takes_the_mosaic_kernel_for_a_16_bit_momentum_on_hopper():
+    """On an H200 ``"auto"`` and ``"mosaic"`` take the Mosaic kernel for a stochastically
+    rounded momentum; ``"pallas_triton"`` raises; on the CPU ``"auto"`` is XLA."""
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    with use_abstract_mesh(mesh):
+        for row_axis in (1, 2):
+            assert accumulate_rows_implementation((4096, 4096), row_axis, "auto",
+                                                  stochastic=True) == "mosaic"
+            assert accumulate_rows_implementation((4096, 4096), row_axis, "mosaic",
+                                                  stochastic=True) == "mosaic"
+        assert accumulate_rows_implementation((40, 64), 2, "auto", stochastic=True) == "xla"
+        with pytest.raises(ValueError, match=r"'pallas_triton' needs a momentum rounded to "
+                                             r"nearest"):
+            accumulate_rows_implementation((4096, 4096), 2, "pallas_triton", stochastic=True)
+    assert accumulate_rows_implementation((4096, 4096), 2, "auto", stochastic=True) == "xla"
+
+
+def test_accumulate_rows_routes_counters_and_bits():
+    """``counter=`` through ``"auto"`` on the CPU is the reference's; a bits array for a named
+    kernel, both at once, or a counter for the Pallas-Triton kernel raise."""
+    rng = np.random.default_rng(SEED + 2)
+    shape = (1, 64, 32)
+    m, g, d = _inputs(rng, shape, 1, jnp.bfloat16)
+    counter = _counter(rng, shape, 1, (0, 1))
+    s, _, _ = pallas_kernels.accumulate_rows(m, g, d, row_axis=1, counter=counter)
+    want = accumulate_rows_reference(m, g, d, row_axis=1, counter=counter)[0]
+    np.testing.assert_array_equal(_bits16(s), _bits16(want))
+    bits = counter_bits(counter, shape, 1)
+    with pytest.raises(ValueError, match="not both"):
+        pallas_kernels.accumulate_rows(m, g, d, row_axis=1, bits=bits, counter=counter)
+    with pytest.raises(ValueError, match="'pallas_triton' needs a momentum rounded to nearest"):
+        pallas_kernels.accumulate_rows(m, g, d, row_axis=1, implementation="pallas_triton",
+                                       interpret=True, counter=counter)
