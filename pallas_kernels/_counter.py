@@ -72,7 +72,7 @@ def step_words(steps: tuple[int, int]) -> tuple[np.uint32, np.uint32]:
     return np.uint32(steps[0] % 2 ** 32), np.uint32(steps[1] % 2 ** 32)
 
 
-def counter_bits(counter: RowCounter, shape: tuple[int, int, int], row_axis: int) -> jax.Array:
+def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:
     """The uint32 random bits of ``(batch, a, b)`` matrices described by ``counter``.
 
     Args:

@@ -120,12 +120,12 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
     """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``; with ``counter_steps``, ``refs``
     starts with the counter's key and rows and its scratch ends with a slot for the rows'
     words, and ``S`` is rounded stochastically with bits hashed here."""
-    if counter_steps is None:
-        key_gmem = words_gmem = w_smem = None
-        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar, g_bar = refs
-    else:
+    stochastic = counter_steps is not None
+    if stochastic:
         (key_gmem, words_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, w_smem,
          m_bar, g_bar) = refs
+    else:
+        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar, g_bar = refs
     k, i, c = lax.axis_index("k"), lax.axis_index("i"), lax.axis_index("c")
     rows = pl.ds(i * strip, strip)
     summed = 1 if row_axis == 1 else 0              # the block's summed axis
@@ -142,14 +142,14 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
         plgpu.copy_gmem_to_smem(g_gmem.at[at(t)], g_smem.at[slot], g_bar.at[slot])
 
     plgpu.copy_gmem_to_smem(d_gmem.at[k, rows], v_smem.at[0], m_bar.at[stages])
-    if w_smem is not None:
+    if stochastic:
         plgpu.copy_gmem_to_smem(words_gmem.at[k, :, rows], w_smem, m_bar.at[stages + 1])
     for t in range(min(stages, steps)):
         fetch(t, t)
     plgpu.barrier_wait(m_bar.at[stages])
     d = lax.broadcast_in_dim(plgpu.load(v_smem.at[0], layout=vector, optimized=False), block,
                              (1 - summed,))
-    if w_smem is not None:
+    if stochastic:
         plgpu.barrier_wait(m_bar.at[stages + 1])
         key = (key_gmem[0], key_gmem[1])
         words = [plgpu.load(w_smem.at[w], layout=vector, optimized=False) for w in (0, 1)]
@@ -158,7 +158,7 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(m_bar.at[slot])
         plgpu.barrier_wait(g_bar.at[slot])
-        bits = (None if w_smem is None else
+        bits = (None if not stochastic else
                 _block_bits(key, words, (c * steps + t) * step, block, summed, counter_steps))
         s = scaled_sum(plgpu.load(m_smem.at[slot], layout=wgmma),
                        plgpu.load(g_smem.at[slot], layout=wgmma), d, bits)
@@ -217,26 +217,27 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
     batch, n, summed = m.shape[0], m.shape[row_axis], m.shape[3 - row_axis]
     block = (strip, step) if row_axis == 1 else (step, strip)
     stages = min(config.stages, chunk // step)
-    stochastic = counter is not None and jnp.dtype(m.dtype) in STOCHASTIC_DTYPES
-    if stochastic:
+    if jnp.dtype(m.dtype) not in STOCHASTIC_DTYPES:
+        counter = None
+    if counter is not None:
         check_counter(counter, batch, n)
     partial = jax.ShapeDtypeStruct((batch, summed // chunk, n), jnp.float32)
     kernel = plgpu.kernel(
         functools.partial(_body, row_axis=row_axis, strip=strip, step=step,
                           steps=chunk // step, stages=stages,
-                          counter_steps=counter.steps if stochastic else None),
+                          counter_steps=None if counter is None else counter.steps),
         out_type=(partial, partial),
         scratch_types=[plgpu.SMEM((stages, *block), m.dtype),
                        plgpu.SMEM((stages, *block), g.dtype),
                        plgpu.SMEM((stages, *block), m.dtype),
                        plgpu.SMEM((2, strip), jnp.float32),
-                       *([plgpu.SMEM((2, strip), jnp.uint32)] if stochastic else []),
+                       *([] if counter is None else [plgpu.SMEM((2, strip), jnp.uint32)]),
                        plgpu.Barrier(num_barriers=stages + 2),
                        plgpu.Barrier(num_barriers=stages)],
         grid=(batch, n // strip, summed // chunk), grid_names=("k", "i", "c"),
         interpret=mosaic_interpret_params(interpret), kernel_name="accumulate_rows")
     s = jax.new_ref(m)
-    words = ((counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32))
-             if stochastic else ())
+    words = (() if counter is None else
+             (counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)))
     l1, sq = kernel(scale.astype(jnp.float32), s, g, *words)
     return s[...], l1, sq

@@ -77,7 +77,7 @@ def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | N
     # :func:`_split_sum` would be NaN).
     finite = jnp.maximum(jnp.abs(m), jnp.abs(g)) < np.float32(np.inf)
     s = lax.select(finite, lax.clamp(-bound, s, bound), plain)
-    if not stochastic:
+    if bits is None or not stochastic:
         return s.astype(dtype)
     return stochastic_round(s, dtype, bits)
 

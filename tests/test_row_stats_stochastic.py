@@ -87,8 +87,8 @@ def _bits16(x) -> np.ndarray:
 @pytest.mark.parametrize("row_axis", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_interpreted_kernel_rounds_as_the_reference(row_axis, dtype):
-    """``S`` bit for bit the reference's; it is not round-to-nearest's (the bits are used) and
-    another key gives another ``S``; saturated sums stay at the bound, ``inf``/NaN stay; the
+    """``S`` bit for bit the reference's, which is not round-to-nearest's and not that of
+    another key (so the kernel hashes the key and the words); saturated sums stay at the bound, ``inf``/NaN stay; the
     row sums are those of the kernel's ``S`` (float64, within float32 summation error)."""
     rng = np.random.default_rng(SEED)
     shape = _SHAPES[row_axis]
@@ -101,7 +101,8 @@ def test_interpreted_kernel_rounds_as_the_reference(row_axis, dtype):
     nearest = accumulate_rows_reference(m, g, d, row_axis=row_axis)[0]
     assert np.mean(_bits16(got[0]) != _bits16(nearest)) > 0.1
     other = RowCounter(counter.key ^ np.uint32(1), counter.rows, counter.steps)
-    assert np.mean(_bits16(_kernel(m, g, d, row_axis, other)[0]) != _bits16(got[0])) > 0.1
+    other_s = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=other)[0]
+    assert np.mean(_bits16(other_s) != _bits16(got[0])) > 0.1
     s = np.asarray(got[0], np.float64)
     np.testing.assert_array_equal(np.abs(s[0, 1:3, :4]), _BOUND[dtype])
     assert s[0, 3, 5] == np.inf and s[0, 4, 6] == -np.inf and np.isnan(s[0, 5, 7])
@@ -133,6 +134,20 @@ def test_counter_rows_words_place_each_element(dtype):
     b = _bits16(_kernel(m, g, d, row_axis, shifted)[0])
     np.testing.assert_array_equal(b[:, :, :-1], a[:, :, 1:])
     assert 0.2 < np.mean(a != a[0, 0, 0]) < 0.8        # both neighbours occur
+
+
+def test_interpreted_kernel_has_no_data_race():
+    """GPU interpret mode's race detector finds none with the rows' words' copy and barrier."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    rng = np.random.default_rng(SEED + 4)
+    shape = _SHAPES[2]
+    m, g, d = _inputs(rng, shape, 2, jnp.bfloat16)
+    jax.block_until_ready(accumulate_rows_mosaic(
+        m, g, d, row_axis=2, config=_SMALL[2], counter=_counter(rng, shape, 2, (1, 0)),
+        interpret=InterpretGPUParams(detect_races=True)))
+    assert interpret_pallas_call.get_races().races_found is False
 
 
 _LAYOUTS = [((64, 48), None, None, None),
@@ -226,3 +241,84 @@ def test_accumulate_rows_routes_counters_and_bits():
     with pytest.raises(ValueError, match="'pallas_triton' needs a momentum rounded to nearest"):
         pallas_kernels.accumulate_rows(m, g, d, row_axis=1, implementation="pallas_triton",
                                        interpret=True, counter=counter)
+
+
+def _xla_polar():
+    return dion3_jax.make_orthogonalizer(backend="xla")
+
+
+def test_the_step_through_the_interpreted_kernel_gives_xlas_momentum(monkeypatch):
+    """Two steps of a bfloat16 momentum (a matrix and a stack of two) at f = 1, the statistics
+    pass through the interpreted Mosaic kernel with the blocks' counters: the momentum is the
+    XLA step's bit for bit, and the updates agree (the row sums add up in another order)."""
+    rng = np.random.default_rng(SEED + 3)
+    grads = [{"w": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
+              "k": jnp.asarray(rng.standard_normal((2, 64, 32)), jnp.float32)}
+             for _ in range(2)]
+
+    def run():
+        tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=jnp.bfloat16,
+                                      orthogonalizer=_xla_polar())
+        state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
+        for g in grads:
+            updates, state = jax.jit(tx.update)(g, state)
+        return state.full_momentum(), updates
+
+    want_m, want_u = run()
+    calls = []
+    real = pallas_kernels.accumulate_rows
+
+    def interpreted(*args, **kwargs):
+        calls.append(kwargs["counter"])
+        return real(*args, **{**kwargs, "implementation": "mosaic", "interpret": True})
+
+    monkeypatch.setattr(pallas_kernels, "accumulate_rows_implementation",
+                        lambda *args, **kwargs: "mosaic")
+    monkeypatch.setattr(pallas_kernels, "accumulate_rows", interpreted)
+    got_m, got_u = run()
+    assert calls and all(c is not None for c in calls)      # both leaves, each trace
+    for k in grads[0]:
+        assert got_m[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(_bits16(got_m[k]), _bits16(want_m[k]))
+        np.testing.assert_allclose(np.asarray(got_u[k]), np.asarray(want_u[k]), rtol=1e-4,
+                                   atol=1e-6)
+
+
+def _lower_for_h200(params, mu_dtype, **kwargs):
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    with use_abstract_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=mu_dtype, orthogonalizer=_xla_polar(),
+                                      **kwargs)
+        state = jax.eval_shape(tx.init, params)
+        return jax.jit(tx.update).trace(params, state).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mu_dtype", [jnp.bfloat16, jnp.float16])
+def test_the_step_lowers_for_h200_with_the_kernel_for_16_bit_momenta(mu_dtype):
+    """By default a bfloat16 or float16 momentum's statistics pass is the Mosaic kernel in the
+    step lowered for an H200, as a float32 one's is (two groups: two statistics and two
+    payload kernels at f = 1)."""
+    params = {"up": jax.ShapeDtypeStruct((128, 320), jnp.float32),
+              "down": jax.ShapeDtypeStruct((320, 128), jnp.float32)}
+    assert _lower_for_h200(params, mu_dtype).count("custom_call @mosaic_gpu") == 4
+
+
+def test_a_named_kernel_that_cannot_round_raises_naming_the_leaf():
+    """``"pallas_triton"`` with a bfloat16 momentum, and ``"mosaic"`` for a leaf whose bits do
+    not step evenly along its blocks' rows, raise a ``ValueError`` that names the leaf;
+    ``"auto"`` runs that leaf's pass in XLA."""
+    params = {"up": jax.ShapeDtypeStruct((128, 320), jnp.float32)}
+    with pytest.raises(ValueError, match=r"\['up'\] \(bfloat16 momentum\): .*'pallas_triton' "
+                                         r"needs a momentum rounded to nearest"):
+        _lower_for_h200(params, jnp.bfloat16, pass_implementation="pallas_triton")
+    uneven = {"conv": jax.ShapeDtypeStruct((64, 4, 2, 16), jnp.float32)}
+    dn = _layout.DimensionNumbers(reduction_axis=(1, 3), output_axis=(0, 2))
+    with pytest.raises(ValueError, match=r"\['conv'\] \(bfloat16 momentum\): .*'mosaic' needs "
+                                         r"random bits that step evenly"):
+        _lower_for_h200(uneven, jnp.bfloat16, pass_implementation="mosaic",
+                        dimension_numbers=dn)
+    assert "custom_call @mosaic_gpu" in _lower_for_h200(uneven, jnp.float32,
+                                                        dimension_numbers=dn)
+    text = _lower_for_h200(uneven, jnp.bfloat16, dimension_numbers=dn)
+    assert text.count("custom_call @mosaic_gpu") == 1       # the payload pass only
