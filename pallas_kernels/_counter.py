@@ -26,6 +26,7 @@ same words from the same description, hashed by ``threefry2x32_p``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import functools
 
@@ -72,6 +73,19 @@ def step_words(steps: tuple[int, int]) -> tuple[np.uint32, np.uint32]:
     return np.uint32(steps[0] % 2 ** 32), np.uint32(steps[1] % 2 ** 32)
 
 
+def element_words(first: Sequence[jax.Array], j: jax.Array, steps: tuple[int, int]
+                  ) -> list[jax.Array]:
+    """The ``(hi, lo)`` words of the elements at index ``j`` (uint32) along their rows, whose
+    first elements' words are ``first`` (shaped like ``j``): what :func:`counter_bits` and the
+    kernels hash."""
+    out = []
+    for w, step in zip(first, step_words(steps)):
+        if step:
+            w = w + (j if step == 1 else j * step)
+        out.append(w)
+    return out
+
+
 def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:
     """The uint32 random bits of ``(batch, a, b)`` matrices described by ``counter``.
 
@@ -94,8 +108,6 @@ def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> 
     """
     summed = 3 - row_axis
     j = jax.lax.broadcasted_iota(jnp.uint32, shape, summed)
-    words = []
-    for w, step in enumerate(step_words(counter.steps)):
-        first = jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed)
-        words.append(first + j * step)
-    return random_bits(counter.key.astype(jnp.uint32), *words)
+    first = [jnp.broadcast_to(jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed),
+                              shape) for w in (0, 1)]
+    return random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
-from pallas_kernels._counter import RowCounter, check_counter, step_words
+from pallas_kernels._counter import RowCounter, check_counter, element_words
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 from pallas_kernels._threefry import threefry2x32
@@ -106,13 +106,8 @@ def _block_bits(key, words, j0, block: tuple[int, int], summed: int,
     wgmma = plgpu.Layout.WGMMA
     j = plgpu.layout_cast(lax.broadcasted_iota(jnp.uint32, block, summed), wgmma)
     j = j + lax.convert_element_type(j0, jnp.uint32)
-    out = []
-    for first, step in zip(words, step_words(steps)):
-        w = lax.broadcast_in_dim(first, block, (1 - summed,))
-        if step:
-            w = w + (j if step == 1 else j * step)
-        out.append(w)
-    return threefry2x32(key[0], key[1], *out)
+    first = [lax.broadcast_in_dim(w, block, (1 - summed,)) for w in words]
+    return threefry2x32(key[0], key[1], *element_words(first, j, steps))
 
 
 def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
