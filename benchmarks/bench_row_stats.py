@@ -25,8 +25,8 @@ from the XLA form's (``S`` is checked bitwise).
 
 A bfloat16 or float16 momentum is rounded stochastically, as the step rounds it: XLA computes
 the Threefry bits of each element's counter words, the Mosaic kernel hashes them itself from a
-``RowCounter`` (``pallas_kernels/_counter.py``; the rows' words of the step's 2-D leaves); the
-Pallas-Triton kernel rounds to nearest only and is left out for them.
+``RowCounter`` (``pallas_kernels/_counter.py``; the rows' words of the step's 2-D leaves), and
+so does the Pallas-Triton kernel.
 
 Variants: ``pallas_triton`` and ``xla`` (the other implementations), ``mosaic`` (the kernel's
 ``CONFIGS``) and ``mosaic:STRIP,STEP,CHUNK,STAGES`` (any other block configuration, e.g.
@@ -97,10 +97,8 @@ def pass_fn(variant: str, row_axis: int, interpret: bool):
     return jax.jit(run, donate_argnums=0)
 
 
-def takes(variant: str, shape, row_axis: int, dtype=jnp.float32) -> bool:
+def takes(variant: str, shape, row_axis: int) -> bool:
     impl, config = parse_variant(variant)
-    if impl == "pallas_triton":
-        return jnp.dtype(dtype) == jnp.float32
     if impl != "mosaic":
         return True
     return _row_stats_mosaic.blocks(shape, row_axis, config) is not None
@@ -158,8 +156,8 @@ def measure(groups, variants, row_axes, dtypes, *, reps, interpret) -> list[dict
             for dtype in dtypes:
                 ref = None
                 for v in variants:
-                    if (not takes(v, tuple(shape), row_axis, dtype)
-                            or (interpret and v == "pallas_triton")):
+                    if not takes(v, tuple(shape), row_axis) or (interpret
+                                                                 and v == "pallas_triton"):
                         continue
                     label = f"axis {row_axis} {name} {jnp.dtype(dtype).name} {v}"
                     try:

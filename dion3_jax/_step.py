@@ -266,8 +266,8 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
     Where that pass would run in XLA, and for the other blocks, ``S`` is summed in the leaf's
     own shape (which lets XLA write it in place of a donated momentum of any layout) and left
     to XLA to fuse into its readers. A 16-bit momentum is rounded stochastically (random bits
-    of the step ``count``, :func:`_momentum_bits`); the Mosaic kernel hashes the same bits
-    itself from its blocks' counters (:func:`_rounding.block_counters`).
+    of the step ``count``, :func:`_momentum_bits`); the kernels hash the same bits themselves
+    from the blocks' counters (:func:`_rounding.block_counters`).
 
     Returns:
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.

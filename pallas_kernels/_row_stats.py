@@ -88,8 +88,8 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       implementation: what the caller asks for, as in :func:`accumulate_rows`.
       interpret: whether the kernel would run through an interpreter (CPU tests).
       stochastic: whether ``S`` is a 16-bit momentum rounded stochastically with the bits of
-        a counter (``counter`` of :func:`accumulate_rows`): the Mosaic kernel hashes them
-        itself, the Pallas-Triton kernel rounds to nearest only.
+        a counter (``counter`` of :func:`accumulate_rows`), which both kernels hash themselves
+        (so it changes no choice; a bits array is for XLA only, :func:`accumulate_rows`).
 
     Returns:
       ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
@@ -102,18 +102,15 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       >>> accumulate_rows_implementation((64, 256), 1, "xla")
       'xla'
     """
+    del stochastic  # both kernels take a counter
     fits = {"mosaic": _row_stats_mosaic.blocks(shape, row_axis) is not None,
-            "pallas_triton": (not stochastic
-                              and _row_stats_triton.blocks(shape, row_axis) is not None)}
+            "pallas_triton": _row_stats_triton.blocks(shape, row_axis) is not None}
     needs = {"mosaic": f"an extent along axis 1 that is a multiple of 64 and a minor axis with "
                        f"a power-of-two divisor of at least 16, got {shape} "
                        f"(row_axis={row_axis})",
              "pallas_triton": f"a minor axis with a power-of-two divisor of at least "
                               f"{_row_stats_triton.MIN_MINOR}, got {shape} "
                               f"(row_axis={row_axis})"}
-    if stochastic:
-        needs["pallas_triton"] = ("a momentum rounded to nearest (it does not round "
-                                  "stochastically; the Mosaic kernel and XLA do)")
     return _dispatch.resolve_pass("accumulate_rows", implementation, fits, needs, interpret,
                                   auto=AUTO)
 
@@ -146,7 +143,7 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       counter: the random bits as a :class:`pallas_kernels._counter.RowCounter` (a key and
         each row's counter words): a bfloat16 or float16 ``S`` is rounded stochastically with
         :func:`pallas_kernels._counter.counter_bits`; the Mosaic kernel hashes them in
-        registers, bit for bit XLA's. Not with ``bits``.
+        registers (both kernels), bit for bit XLA's. Not with ``bits``.
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
@@ -185,6 +182,6 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         s, l1, sq = _row_stats_mosaic.accumulate_rows_mosaic(
             m, g, scale, row_axis=row_axis, interpret=interpret, counter=counter)
     else:
-        s, l1, sq = _row_stats_triton.accumulate_rows_triton(m, g, scale, row_axis=row_axis,
-                                                             interpret=interpret)
+        s, l1, sq = _row_stats_triton.accumulate_rows_triton(
+            m, g, scale, row_axis=row_axis, interpret=interpret, counter=counter)
     return (s, l1, sq) if partial_sums else (s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1))

@@ -288,16 +288,19 @@ def test_statistics_kernel_agrees_with_float64(impl, row_axis, shape, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif("mosaic" not in _AVAILABLE, reason="needs a Hopper GPU")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("impl", ["mosaic", "pallas_triton"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("row_axis,shape", [(2, (2, 4096, 11008)), (1, (2, 11008, 4096)),
                                             (2, (3, 256, 96)), (1, (3, 64, 48))])
-def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(dtype, row_axis, shape):
-    """A 16-bit momentum through the Mosaic kernel, rounded stochastically with bits it hashes
+def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(impl, dtype, row_axis, shape):
+    """A 16-bit momentum through each kernel, rounded stochastically with bits it hashes
     itself from a counter (random key and rows' words, wrapping steps), its momentum donated:
     ``S`` is the XLA form's bit for bit, the row sums within float32 summation error."""
     from pallas_kernels._counter import RowCounter
 
+    if impl not in _AVAILABLE:
+        pytest.skip(f"{impl} does not run here")
     rng = np.random.default_rng(SEED)
     def words(*s):
         return jnp.asarray(rng.integers(0, 2 ** 32, s, np.uint64).astype(np.uint32))
@@ -309,7 +312,7 @@ def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(dtype, row_axis, shape
     want = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
         *a, row_axis=row_axis, implementation="xla", counter=counter))(m, g, d)
     s, l1, sq = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation="mosaic", counter=counter),
+        *a, row_axis=row_axis, implementation=impl, counter=counter),
         donate_argnums=0)(m + 0, g, d)
     np.testing.assert_array_equal(np.asarray(s).view(np.uint16),
                                   np.asarray(want[0]).view(np.uint16))
@@ -326,7 +329,7 @@ def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(dtype, row_axis, shape
 def test_step_with_16bit_momentum_through_mosaic_is_xlas_bit_for_bit(dtype, fraction):
     """Three steps of ``scale_by_dion3`` with a 16-bit momentum (stacked, transposed and plain
     matrices): the statistics pass through the Mosaic kernel leaves the momentum of the
-    all-XLA step bit for bit."""
+    all-XLA step bit for bit (the row sums, added in another order, select the same rows)."""
     import dion3_jax
 
     rng = np.random.default_rng(SEED)

@@ -12,16 +12,18 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The statistics pass on a 16-bit momentum, rounded stochastically inside the Mosaic GPU kernel.
+"""The statistics pass on a 16-bit momentum, rounded stochastically inside the kernels.
 
-The kernel hashes each element's counter words itself (``pallas_kernels._counter``); through
-GPU interpret mode on the CPU its ``S`` is bit for bit the jnp reference's (bfloat16 and float16,
-both row axes, several strips and chunks, counters that wrap modulo 2³², values that round up,
-down, saturate or are not finite) and its row sums are those of its ``S``. A leaf's blocks'
+The kernels hash each element's counter words themselves (``pallas_kernels._counter``); through
+interpret mode on the CPU (GPU interpret mode for the Mosaic kernel, Pallas' interpreter for the
+Pallas-Triton one) their ``S`` is bit for bit the jnp reference's (bfloat16 and float16, both
+row axes, several strips and chunks, counters that wrap modulo 2³², values that round up, down,
+saturate or are not finite) and their row sums are those of their ``S``. A leaf's blocks'
 counters (``dion3_jax._rounding.block_counters``) give the leaf's bits, on one device and in
 ``shard_map``; the step through the interpreted kernel gives XLA's momentum bit for bit. Which
-implementation runs: ``"auto"`` takes the Mosaic kernel on Hopper; the Pallas-Triton kernel and
-a bits array raise. The kernel on a GPU is in ``tests/test_kernels_gpu.py``.
+implementation runs: ``"auto"`` takes the Mosaic kernel on Hopper; a bits array for a named
+kernel, and a named kernel for a leaf without counters, raise. The kernels on a GPU are in
+``tests/test_kernels_gpu.py``.
 """
 
 import functools
@@ -39,6 +41,7 @@ from dion3_jax import _layout, _rounding
 from pallas_kernels import accumulate_rows_implementation, accumulate_rows_reference
 from pallas_kernels._counter import RowCounter, counter_bits
 from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig, accumulate_rows_mosaic
+from pallas_kernels._row_stats_triton import RowStatsConfig, accumulate_rows_triton
 from seeds import module_seed
 
 #: Fresh random inputs per run, printed with every test (tests/seeds.py).
@@ -49,6 +52,10 @@ H200 = AbstractDevice("NVIDIA H200", 132, "gpu")
 _SMALL = {2: MosaicRowStatsConfig(strip=16, step=64, chunk=64, stages=2),
           1: MosaicRowStatsConfig(strip=64, step=16, chunk=32, stages=2)}
 _SHAPES = {2: (2, 192, 48), 1: (1, 128, 64)}
+#: The Pallas-Triton kernel's: three strips and three chunks of two steps (both axes).
+_SMALL_TRITON = {2: RowStatsConfig(strip=16, step=32, chunk=64),
+                 1: RowStatsConfig(strip=8, step=16, chunk=32)}
+_SHAPES_TRITON = {2: (2, 192, 48), 1: (1, 24, 96)}
 #: Per dtype: the saturation bound of ``S`` (float16's largest finite value; bfloat16's 2⁷⁹).
 _BOUND = {jnp.bfloat16: 2.0 ** 79, jnp.float16: 65504.0}
 
@@ -73,10 +80,11 @@ def _counter(rng, shape, row_axis, steps):
     return RowCounter(_words(rng, (2,)), _words(rng, (shape[0], 2, shape[row_axis])), steps)
 
 
-def _kernel(m, g, d, row_axis, counter):
-    s, l1, sq = jax.jit(functools.partial(accumulate_rows_mosaic, row_axis=row_axis,
-                                          config=_SMALL[row_axis], interpret=True))(
-        m, g, d, counter=counter)
+def _kernel(m, g, d, row_axis, counter, impl="mosaic"):
+    kernel, config = ((accumulate_rows_mosaic, _SMALL) if impl == "mosaic"
+                      else (accumulate_rows_triton, _SMALL_TRITON))
+    s, l1, sq = jax.jit(functools.partial(kernel, row_axis=row_axis, config=config[row_axis],
+                                          interpret=True))(m, g, d, counter=counter)
     return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
 
 
@@ -86,15 +94,16 @@ def _bits16(x) -> np.ndarray:
 
 @pytest.mark.parametrize("row_axis", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_interpreted_kernel_rounds_as_the_reference(row_axis, dtype):
+@pytest.mark.parametrize("impl", ["mosaic", "pallas_triton"])
+def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
     """``S`` bit for bit the reference's, which is not round-to-nearest's and not that of
     another key (so the kernel hashes the key and the words); saturated sums stay at the bound, ``inf``/NaN stay; the
     row sums are those of the kernel's ``S`` (float64, within float32 summation error)."""
     rng = np.random.default_rng(SEED)
-    shape = _SHAPES[row_axis]
+    shape = (_SHAPES if impl == "mosaic" else _SHAPES_TRITON)[row_axis]
     m, g, d = _inputs(rng, shape, row_axis, dtype)
     counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0))
-    got = _kernel(m, g, d, row_axis, counter)
+    got = _kernel(m, g, d, row_axis, counter, impl)
     want = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=counter)
     assert got[0].dtype == dtype
     np.testing.assert_array_equal(_bits16(got[0]), _bits16(want[0]))
@@ -210,7 +219,7 @@ def test_block_counters_of_a_shard_give_the_leafs_bits(spec):
 
 def test_auto_takes_the_mosaic_kernel_for_a_16_bit_momentum_on_hopper():
     """On an H200 ``"auto"`` and ``"mosaic"`` take the Mosaic kernel for a stochastically
-    rounded momentum; ``"pallas_triton"`` raises; on the CPU ``"auto"`` is XLA."""
+    rounded momentum, ``"pallas_triton"`` its kernel; on the CPU ``"auto"`` is XLA."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         for row_axis in (1, 2):
@@ -219,15 +228,14 @@ def test_auto_takes_the_mosaic_kernel_for_a_16_bit_momentum_on_hopper():
             assert accumulate_rows_implementation((4096, 4096), row_axis, "mosaic",
                                                   stochastic=True) == "mosaic"
         assert accumulate_rows_implementation((40, 64), 2, "auto", stochastic=True) == "xla"
-        with pytest.raises(ValueError, match=r"'pallas_triton' needs a momentum rounded to "
-                                             r"nearest"):
-            accumulate_rows_implementation((4096, 4096), 2, "pallas_triton", stochastic=True)
+        assert accumulate_rows_implementation((4096, 4096), 2, "pallas_triton",
+                                              stochastic=True) == "pallas_triton"
     assert accumulate_rows_implementation((4096, 4096), 2, "auto", stochastic=True) == "xla"
 
 
 def test_accumulate_rows_routes_counters_and_bits():
-    """``counter=`` through ``"auto"`` on the CPU is the reference's; a bits array for a named
-    kernel, both at once, or a counter for the Pallas-Triton kernel raise."""
+    """``counter=`` through ``"auto"`` on the CPU and through the interpreted Pallas-Triton
+    kernel is the reference's; a bits array for a named kernel, or both at once, raise."""
     rng = np.random.default_rng(SEED + 2)
     shape = (1, 64, 32)
     m, g, d = _inputs(rng, shape, 1, jnp.bfloat16)
@@ -238,9 +246,12 @@ def test_accumulate_rows_routes_counters_and_bits():
     bits = counter_bits(counter, shape, 1)
     with pytest.raises(ValueError, match="not both"):
         pallas_kernels.accumulate_rows(m, g, d, row_axis=1, bits=bits, counter=counter)
-    with pytest.raises(ValueError, match="'pallas_triton' needs a momentum rounded to nearest"):
-        pallas_kernels.accumulate_rows(m, g, d, row_axis=1, implementation="pallas_triton",
-                                       interpret=True, counter=counter)
+    s, _, _ = pallas_kernels.accumulate_rows(m, g, d, row_axis=1, interpret=True,
+                                             implementation="pallas_triton", counter=counter)
+    np.testing.assert_array_equal(_bits16(s), _bits16(want))
+    with pytest.raises(ValueError, match=r"'mosaic' takes the random bits as counter="):
+        pallas_kernels.accumulate_rows(m, g, d, row_axis=1, implementation="mosaic",
+                                       interpret=True, bits=bits)
 
 
 def _xla_polar():
@@ -305,13 +316,16 @@ def test_the_step_lowers_for_h200_with_the_kernel_for_16_bit_momenta(mu_dtype):
 
 
 def test_a_named_kernel_that_cannot_round_raises_naming_the_leaf():
-    """``"pallas_triton"`` with a bfloat16 momentum, and ``"mosaic"`` for a leaf whose bits do
-    not step evenly along its blocks' rows, raise a ``ValueError`` that names the leaf;
-    ``"auto"`` runs that leaf's pass in XLA."""
+    """``"mosaic"`` (or ``"pallas_triton"``) for a leaf whose bits do not step evenly along its
+    blocks' rows raises a ``ValueError`` that names the leaf; ``"auto"`` runs that leaf's pass
+    in XLA. ``"pallas_triton"`` lowers its kernel for a bfloat16 momentum."""
+    import warnings
+
     params = {"up": jax.ShapeDtypeStruct((128, 320), jnp.float32)}
-    with pytest.raises(ValueError, match=r"\['up'\] \(bfloat16 momentum\): .*'pallas_triton' "
-                                         r"needs a momentum rounded to nearest"):
-        _lower_for_h200(params, jnp.bfloat16, pass_implementation="pallas_triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = _lower_for_h200(params, jnp.bfloat16, pass_implementation="pallas_triton")
+    assert "triton" in text
     uneven = {"conv": jax.ShapeDtypeStruct((64, 4, 2, 16), jnp.float32)}
     dn = _layout.DimensionNumbers(reduction_axis=(1, 3), output_axis=(0, 2))
     with pytest.raises(ValueError, match=r"\['conv'\] \(bfloat16 momentum\): .*'mosaic' needs "
