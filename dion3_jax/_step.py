@@ -236,20 +236,29 @@ def _momentum_bits(plan: Plan, dtypes, count, write: int) -> list[jax.Array | No
             for i, (p, t) in enumerate(zip(plan.leaves, dtypes))]
 
 
-def _statistics_kernel(plan: Plan, u: Unit, dtype, counter) -> bool:
-    """Whether unit ``u``'s statistics pass runs in a kernel (its momentum of ``dtype``;
-    ``counter``: its block's :func:`_rounding.block_counters` entry, for a 16-bit momentum);
-    a named kernel that cannot take it raises a ``ValueError`` that names the leaf."""
+def _statistics_kernel(plan: Plan, u: Unit, dtype, count, counters: dict) -> bool:
+    """Whether unit ``u``'s statistics pass runs in a kernel (its momentum of ``dtype``); for a
+    16-bit momentum, only with its block's counter at step ``count``, which this puts in
+    ``counters`` (keyed ``(leaf, block)``; :func:`_rounding.block_counters`, made only where a
+    kernel runs). A named kernel that cannot take the unit raises a ``ValueError`` that names
+    the leaf."""
     stochastic = _rounding.stochastic(dtype)
     shape, ra = _local_shape(plan, u)[1:], u.layout.row_axis
     try:
-        if stochastic and counter is None and plan.pass_implementation not in ("auto", "xla"):
+        if pallas_kernels.accumulate_rows_implementation(
+                shape, ra, plan.pass_implementation, False, stochastic) == "xla":
+            return False
+        if not stochastic:
+            return True
+        p = plan.leaves[u.leaf]
+        counter = _rounding.block_counters(plan.seed, count, u.leaf, _rounding.SUM, p.local,
+                                           p.spec)[u.block]
+        if counter is None and plan.pass_implementation != "auto":
             raise ValueError(f"implementation={plan.pass_implementation!r} needs random bits "
                              f"that step evenly along each row of the {shape} blocks (a "
                              f"reduction axis merged across a sharded axis does not); use 'xla'")
-        return (not (stochastic and counter is None)
-                and pallas_kernels.accumulate_rows_implementation(
-                    shape, ra, plan.pass_implementation, False, stochastic) != "xla")
+        counters[(u.leaf, u.block)] = counter
+        return counter is not None
     except ValueError as e:
         name = plan.names[u.leaf] if plan.names else f"leaf {u.leaf}"
         raise ValueError(f"{name} ({jnp.dtype(dtype).name} momentum): {e}") from None
@@ -273,12 +282,9 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
     """
     one_pass = _one_pass_groups(plan)
-    passes = {plan.units[i].leaf for i in one_pass}
-    counters = [_rounding.block_counters(plan.seed, count, i, _rounding.SUM, p.local, p.spec)
-                if i in passes and _rounding.stochastic(m.dtype) else [None] * len(p.local.blocks)
-                for i, (p, m) in enumerate(zip(plan.leaves, moms))]
+    counters: dict = {}
     kernel = {(u.leaf, u.block): u for u in (plan.units[i] for i in one_pass)
-              if _statistics_kernel(plan, u, moms[u.leaf].dtype, counters[u.leaf][u.block])}
+              if _statistics_kernel(plan, u, moms[u.leaf].dtype, count, counters)}
     bits = _momentum_bits(plan, [m.dtype for m in moms], count, _rounding.SUM)
     momentum: list[list[jax.Array | None]] = [
         list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r)))
@@ -292,7 +298,7 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
         s, l1, sq = pallas_kernels.accumulate_rows(m, g, jnp.squeeze(d, 3 - ra), row_axis=ra,
                                                    implementation=plan.pass_implementation,
                                                    partial_sums=True,
-                                                   counter=counters[leaf][block])
+                                                   counter=counters.get((leaf, block)))
         momentum[leaf][block] = s
         partials[(leaf, block)] = (l1, sq)
     known = _summed_partials(partials)
