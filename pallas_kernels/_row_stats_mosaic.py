@@ -27,9 +27,16 @@ elementwise in two block-shaped float32 accumulators in registers; only after th
 CTA reduce them along the summed axis (so the loop has no cross-lane or cross-warp reduction),
 and each chunk's partial sums go to a small float32 array that XLA adds up after the launch.
 
+A bfloat16 or float16 momentum with a :class:`pallas_kernels._counter.RowCounter` is rounded
+stochastically: the CTA brings its rows' counter words in beside ``d`` (8 bytes a row), forms
+each block element's words from an iota and hashes them in registers
+(:func:`pallas_kernels._threefry.threefry2x32`), so the momentum still moves 2 bytes each way
+per element; ``S`` is then the reference's bit for bit.
+
 Reference: :func:`pallas_kernels._row_stats_reference.accumulate_rows_reference`, the plain jnp
-form (``"xla"``); ``tests/test_row_stats_mosaic.py`` compares this kernel against it in GPU
-interpret mode on the CPU and ``tests/test_kernels_gpu.py`` on a Hopper GPU.
+form (``"xla"``); ``tests/test_row_stats_mosaic.py`` and ``tests/test_row_stats_stochastic.py``
+compare this kernel against it in GPU interpret mode on the CPU and ``tests/test_kernels_gpu.py``
+on a Hopper GPU.
 """
 
 from __future__ import annotations
