@@ -148,8 +148,8 @@ def block_counters(seed: int, count: jax.Array, leaf: int, write: int, local: Le
     Returns:
       Per block, a :class:`pallas_kernels._counter.RowCounter` whose
       :func:`pallas_kernels._counter.counter_bits` are ``local.to_blocks(momentum_bits(...))``'s
-      block, or None where the block's words do not step evenly along its rows (summed axes
-      merged across a sharded axis).
+      block, or None where the block's words do not step evenly along its rows (reduction
+      axes whose steps in the counter's words do not chain, e.g. across a sharded axis).
     """
     shape = local.shape
     entries = spec_entries(spec, len(shape))

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _dispatch, _row_stats_mosaic, _row_stats_triton
-from pallas_kernels._counter import RowCounter
+from pallas_kernels._counter import RowCounter, check_counter
 from pallas_kernels._row_stats_reference import accumulate_rows_reference
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
@@ -142,8 +142,8 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         would read 4 bytes of bits per element).
       counter: the random bits as a :class:`pallas_kernels._counter.RowCounter` (a key and
         each row's counter words): a bfloat16 or float16 ``S`` is rounded stochastically with
-        :func:`pallas_kernels._counter.counter_bits`; the Mosaic kernel hashes them in
-        registers (both kernels), bit for bit XLA's. Not with ``bits``.
+        :func:`pallas_kernels._counter.counter_bits`, which the kernels hash themselves, bit
+        for bit XLA's. Not with ``bits``.
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
@@ -167,6 +167,8 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
     if bits is not None and counter is not None:
         raise ValueError("accumulate_rows takes the random bits as bits= or counter=, not both")
     sixteen = jnp.dtype(m.dtype) in STOCHASTIC_DTYPES
+    if counter is not None:
+        check_counter(counter, m.shape[0], m.shape[row_axis])
     if bits is not None and sixteen and implementation not in ("auto", "xla"):
         raise ValueError(f"accumulate_rows: implementation={implementation!r} takes the random "
                          f"bits as counter= (hashed in the kernel), not as a bits array; use "
