@@ -159,6 +159,34 @@ def test_interpreted_kernel_has_no_data_race():
     assert interpret_pallas_call.get_races().races_found is False
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_lowers_for_h200_without_an_array_of_bits(dtype):
+    """At a benchmark shape, both row axes: one Mosaic GPU call that writes ``S`` in place of
+    the momentum, no element-sized array of bits anywhere (the only uint32 operands are the
+    key and the rows' words) and no Threefry outside the kernel; XLA's form has both."""
+    mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
+    sds = jax.ShapeDtypeStruct
+    for row_axis, shape, steps in ((2, (2, 4096, 11008), (1, 0)), (1, (2, 11008, 4096), (0, 1))):
+        n = shape[row_axis]
+        texts = []
+        for impl in ("mosaic", "xla"):
+            fn = jax.jit(functools.partial(
+                lambda m, g, d, key, rows, impl, row_axis, steps: pallas_kernels.accumulate_rows(
+                    m, g, d, row_axis=row_axis, implementation=impl,
+                    counter=RowCounter(key, rows, steps)),
+                impl=impl, row_axis=row_axis, steps=steps))
+            with use_abstract_mesh(mesh):
+                texts.append(fn.trace(sds(shape, dtype), sds(shape, jnp.float32),
+                                      sds((2, n), jnp.float32), sds((2,), jnp.uint32),
+                                      sds((2, 2, n), jnp.uint32)).lower(
+                    lowering_platforms=("cuda",)).as_text())
+        bits = "x".join(map(str, shape)) + "xui32"
+        assert texts[0].count("custom_call @mosaic_gpu") == 1
+        assert "output_operand_alias<output_tuple_indices = [2], operand_index = 1" in texts[0]
+        assert bits not in texts[0] and "@threefry2x32" not in texts[0]
+        assert bits in texts[1] and "@threefry2x32" in texts[1]
+
+
 _LAYOUTS = [((64, 48), None, None, None),
             ((3, 32, 48), None, None, None),
             ((48, 64), _layout.DimensionNumbers(reduction_axis=1, output_axis=0), None, None),
