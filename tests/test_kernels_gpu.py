@@ -336,9 +336,11 @@ def test_step_with_16bit_momentum_through_mosaic_is_xlas_bit_for_bit(dtype, frac
     shapes = {"up": (512, 1408), "down": (1408, 512), "qkv": (2, 512, 768)}
     grads = [{k: jnp.asarray(rng.standard_normal(s, np.float32)) for k, s in shapes.items()}
              for _ in range(3)]
+    polar = dion3_jax.make_orthogonalizer(backend="xla")   # (the momentum does not read it)
 
     def run(impl):
-        tx = dion3_jax.scale_by_dion3(fraction, 0.9, mu_dtype=dtype, pass_implementation=impl)
+        tx = dion3_jax.scale_by_dion3(fraction, 0.9, mu_dtype=dtype, pass_implementation=impl,
+                                      orthogonalizer=polar)
         state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
         for g in grads:
             _, state = jax.jit(tx.update)(g, state)
