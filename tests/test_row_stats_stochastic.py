@@ -94,7 +94,8 @@ def _bits16(x) -> np.ndarray:
 
 @pytest.mark.parametrize("row_axis", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("impl", ["mosaic", "pallas_triton"])
+@pytest.mark.parametrize("impl", ["mosaic",
+                                  pytest.param("pallas_triton", marks=pytest.mark.slow)])
 def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
     """``S`` bit for bit the reference's, which is not round-to-nearest's and not that of
     another key (so the kernel hashes the key and the words); saturated sums stay at the bound, ``inf``/NaN stay; the
