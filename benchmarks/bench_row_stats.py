@@ -15,11 +15,18 @@
 """The statistics pass (``pallas_kernels.accumulate_rows``) alone, per implementation and per
 block configuration of the Mosaic GPU kernel, on the shape groups of the 7B-shapes step.
 
-Per shape group (float32 momenta and gradients, one launch per member as in the step, the
-momenta donated and carried from call to call) and per row axis, each variant's row gives the
-device time of the group's pass (``_trace.device_ms``), the bandwidth by device time (12 bytes
-per element: ``M`` and ``G`` read, ``S`` written), the ratio to the Triton kernel, and the
-largest relative difference of its row sums from the XLA form's (``S`` is checked bitwise).
+Per shape group (float32 gradients; float32 momenta unless ``--momentum-dtypes`` names others;
+one launch per member as in the step, the momenta donated and carried from call to call) and
+per row axis, each variant's row gives the device time of the group's pass
+(``_trace.device_ms``), the bandwidth by device time (``M`` read and ``S`` written in the
+momentum's dtype, ``G`` read: 12 bytes per element for float32 momenta, 8 for 16-bit ones), the
+ratios to the Triton kernel and to XLA, and the largest relative difference of its row sums
+from the XLA form's (``S`` is checked bitwise).
+
+A bfloat16 or float16 momentum is rounded stochastically, as the step rounds it: XLA computes
+the Threefry bits of each element's counter words, the Mosaic kernel hashes them itself from a
+``RowCounter`` (``pallas_kernels/_counter.py``; the rows' words of the step's 2-D leaves), and
+so does the Pallas-Triton kernel.
 
 Variants: ``pallas_triton`` and ``xla`` (the other implementations), ``mosaic`` (the kernel's
 ``CONFIGS``) and ``mosaic:STRIP,STEP,CHUNK,STAGES`` (any other block configuration, e.g.
@@ -30,6 +37,7 @@ Usage::
     python benchmarks/bench_row_stats.py                      # GPU: default variants
     python benchmarks/bench_row_stats.py --variants pallas_triton mosaic mosaic:64,64,512,3
     python benchmarks/bench_row_stats.py --small              # CPU smoke run (interpreted)
+    python benchmarks/bench_row_stats.py --variants xla mosaic --momentum-dtypes float32 bfloat16
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ except ImportError:  # running from a source checkout
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import pallas_kernels
 from pallas_kernels import _row_stats_mosaic
+from pallas_kernels._counter import RowCounter
 from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig
 from _trace import device_ms
 from bench_payload import FULL  # (name, matrices, a, b): the 7B-shapes step's groups
@@ -68,20 +77,21 @@ def parse_variant(name: str):
 
 
 def pass_fn(variant: str, row_axis: int, interpret: bool):
-    """The group's pass for ``variant``: ``(ms, gs, ds) -> (new ms, [(l1, sq)])``, or None
-    where the variant does not take the shape (decided at trace time by the caller)."""
+    """The group's pass for ``variant``: ``(ms, gs, ds, counters) -> (new ms, [(l1, sq)])``
+    (``counters``: per member a ``RowCounter``, or None for round-to-nearest)."""
     impl, config = parse_variant(variant)
 
-    def one(m, g, d):
+    def one(m, g, d, counter):
         if config is not None:  # (the kernel's per-chunk row sums, added up)
             s, l1, sq = _row_stats_mosaic.accumulate_rows_mosaic(
-                m, g, d, row_axis=row_axis, config=config, interpret=interpret)
+                m, g, d, row_axis=row_axis, config=config, interpret=interpret,
+                counter=counter)
             return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
         return pallas_kernels.accumulate_rows(m, g, d, row_axis=row_axis, implementation=impl,
-                                              interpret=interpret)
+                                              interpret=interpret, counter=counter)
 
-    def run(ms, gs, ds):
-        outs = [one(m, g, d) for m, g, d in zip(ms, gs, ds)]
+    def run(ms, gs, ds, counters):
+        outs = [one(m, g, d, c) for m, g, d, c in zip(ms, gs, ds, counters)]
         return [o[0] for o in outs], [o[1:] for o in outs]
 
     return jax.jit(run, donate_argnums=0)
@@ -94,25 +104,39 @@ def takes(variant: str, shape, row_axis: int) -> bool:
     return _row_stats_mosaic.blocks(shape, row_axis, config) is not None
 
 
-def _inputs(count, shape, row_axis):
+def _counter(i: int, shape, row_axis: int) -> RowCounter:
+    """A 2-D leaf's counter (``dion3_jax._rounding.block_counters``' form): a row's ``hi`` word
+    is its index along axis 1, its ``lo`` word its index along axis 2; the summed axis steps
+    the other one."""
+    key = jax.random.key_data(jax.random.key(1000 + i, impl="threefry2x32"))
+    n = shape[row_axis - 1]
+    rows = jnp.zeros((1, 2, n), jnp.uint32).at[0, row_axis - 1].set(jnp.arange(n,
+                                                                                dtype=jnp.uint32))
+    return RowCounter(key, rows, (0, 1) if row_axis == 1 else (1, 0))
+
+
+def _inputs(count, shape, row_axis, dtype=jnp.float32):
     key = jax.random.key(0)
-    ms = [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)) for i in range(count)]
+    ms = [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)).astype(dtype)
+          for i in range(count)]
     gs = [1e-3 * jax.random.normal(jax.random.fold_in(key, 100 + i), (1, *shape))
           for i in range(count)]
     ds = [jnp.full((1, shape[row_axis - 1]), 0.9, jnp.float32)] * count
-    return ms, gs, ds
+    counters = ([None] * count if jnp.dtype(dtype) == jnp.float32
+                else [_counter(i, shape, row_axis) for i in range(count)])
+    return ms, gs, ds, counters
 
 
-def time_variant(variant, count, shape, row_axis, *, reps, interpret):
+def time_variant(variant, count, shape, row_axis, *, reps, interpret, dtype=jnp.float32):
     """``(device ms or None, first call's S and sums)`` of one variant on one group."""
     run = pass_fn(variant, row_axis, interpret)
-    ms, gs, ds = _inputs(count, shape, row_axis)
-    out = run(ms, gs, ds)
+    ms, gs, ds, counters = _inputs(count, shape, row_axis, dtype)
+    out = run(ms, gs, ds, counters)
     first = jax.tree.map(np.asarray, out)
     carried = [out[0]]
 
     def advance():
-        out = run(carried[0], gs, ds)
+        out = run(carried[0], gs, ds, counters)
         carried[0] = out[0]
         return out
 
@@ -124,11 +148,67 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
 
 
+def measure(groups, variants, row_axes, dtypes, *, reps, interpret) -> list[dict]:
+    """One row per (row axis, group, momentum dtype, variant) that takes it; XLA first."""
+    rows = []
+    for row_axis in row_axes:
+        for name, count, *shape in groups:
+            for dtype in dtypes:
+                ref = None
+                for v in variants:
+                    if not takes(v, tuple(shape), row_axis) or (interpret
+                                                                 and v == "pallas_triton"):
+                        continue
+                    label = f"axis {row_axis} {name} {jnp.dtype(dtype).name} {v}"
+                    try:
+                        dev, (s, sums) = time_variant(v, count, shape, row_axis, reps=reps,
+                                                      interpret=interpret, dtype=dtype)
+                    except ValueError as e:  # e.g. blocks past the shared memory
+                        print(f"  {label}: does not compile: {e}", flush=True)
+                        continue
+                    ref = (s, sums) if ref is None else ref
+                    rows.append(dict(row_axis=row_axis, group=name, count=count, shape=shape,
+                                     dtype=jnp.dtype(dtype).name, variant=v, device_ms=dev,
+                                     s_same=all(np.array_equal(x, y)
+                                                for x, y in zip(s, ref[0])),
+                                     rel=max(_rel(x, y) for xs, ys in zip(sums, ref[1])
+                                             for x, y in zip(xs, ys))))
+                    print(f"  {label}: " + ("–" if dev is None else f"{dev:.3f} ms"),
+                          flush=True)
+    return rows
+
+
+def _ratio(r, rows, variant) -> str:
+    """``r``'s device time over ``variant``'s on the same group, row axis and dtype."""
+    base = next((b["device_ms"] for b in rows if b["variant"] == variant and all(
+        b[k] == r[k] for k in ("row_axis", "group", "dtype"))), None)
+    return "–" if base is None or r["device_ms"] is None else f"{r['device_ms'] / base:.3f}"
+
+
+def print_table(rows) -> None:
+    print("\n| row axis | group | matrices | shape | momentum | variant | device ms | GB/s | "
+          "÷ pallas_triton | ÷ xla | S bitwise = XLA | sums: max rel. diff from XLA |")
+    print("|---:|---|---:|---|---|---|---:|---:|---:|---:|---|---:|")
+    for r in rows:
+        dev = r["device_ms"]
+        size = r["count"] * r["shape"][0] * r["shape"][1]
+        nbytes = 2 * jnp.dtype(r["dtype"]).itemsize + 4     # M read, S written, G read
+        print(f"| {r['row_axis']} | {r['group']} | {r['count']} | "
+              f"{r['shape'][0]}×{r['shape'][1]} | {r['dtype']} | {r['variant']} | "
+              f"{'–' if dev is None else f'{dev:.3f}'} | "
+              f"{'–' if dev is None else f'{nbytes * size / dev / 1e6:.0f}'} | "
+              f"{_ratio(r, rows, 'pallas_triton')} | {_ratio(r, rows, 'xla')} | "
+              f"{'yes' if r['s_same'] else 'NO'} | {r['rel']:.1e} |")
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", action="store_true", help="tiny groups, interpreted (CPU smoke)")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
     p.add_argument("--row-axes", type=int, nargs="+", default=[2, 1], choices=[1, 2])
+    p.add_argument("--momentum-dtypes", nargs="+", default=["float32"],
+                   choices=["float32", "bfloat16", "float16"],
+                   help="momentum dtypes (16-bit ones rounded stochastically)")
     p.add_argument("--reps", type=int, default=None, help="traced calls (default 5)")
     a = p.parse_args(argv)
     for v in a.variants:
@@ -137,44 +217,9 @@ def main(argv=None) -> list[dict]:
     interpret = a.small or jax.default_backend() != "gpu"
     variants = ["xla"] + [v for v in a.variants if v != "xla"]
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
-    rows = []
-    for row_axis in a.row_axes:
-        for name, count, *shape in groups:
-            ref = base = None
-            for v in variants:
-                if not takes(v, tuple(shape), row_axis) or (interpret and v == "pallas_triton"):
-                    continue
-                try:
-                    dev, (s, sums) = time_variant(v, count, shape, row_axis, reps=reps,
-                                                  interpret=interpret)
-                except ValueError as e:  # e.g. blocks past the shared memory
-                    print(f"  axis {row_axis} {name} {v}: does not compile: {e}", flush=True)
-                    continue
-                ref = (s, sums) if ref is None else ref
-                base = dev if v == "pallas_triton" else base
-                rows.append(dict(row_axis=row_axis, group=name, count=count, shape=shape,
-                                 variant=v, device_ms=dev,
-                                 s_same=all(np.array_equal(x, y) for x, y in zip(s, ref[0])),
-                                 rel=max(_rel(x, y) for xs, ys in zip(sums, ref[1])
-                                         for x, y in zip(xs, ys))))
-                print(f"  axis {row_axis} {name} {v}: "
-                      + ("–" if dev is None else f"{dev:.3f} ms"), flush=True)
-            for r in rows:
-                if r["group"] == name and r["row_axis"] == row_axis:
-                    r["vs_pallas_triton"] = (None if base is None or r["device_ms"] is None
-                                             else r["device_ms"] / base)
-    print("\n| row axis | group | matrices | shape | variant | device ms | GB/s | "
-          "÷ pallas_triton | S bitwise = XLA | sums: max rel. diff from XLA |")
-    print("|---:|---|---:|---|---|---:|---:|---:|---|---:|")
-    for r in rows:
-        dev, ratio = r["device_ms"], r.get("vs_pallas_triton")
-        size = r["count"] * r["shape"][0] * r["shape"][1]
-        print(f"| {r['row_axis']} | {r['group']} | {r['count']} | "
-              f"{r['shape'][0]}×{r['shape'][1]} | {r['variant']} | "
-              f"{'–' if dev is None else f'{dev:.3f}'} | "
-              f"{'–' if dev is None else f'{12 * size / dev / 1e6:.0f}'} | "
-              f"{'–' if ratio is None else f'{ratio:.3f}'} | "
-              f"{'yes' if r['s_same'] else 'NO'} | {r['rel']:.1e} |")
+    rows = measure(groups, variants, a.row_axes, [jnp.dtype(d) for d in a.momentum_dtypes],
+                   reps=reps, interpret=interpret)
+    print_table(rows)
     return rows
 
 

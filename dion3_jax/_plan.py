@@ -144,6 +144,7 @@ class Plan(NamedTuple):
       replica_wire_dtype: the dtype of the compressed sync's replica mean
         (``MeshOptions.replica_wire_dtype``).
       pass_implementation: what runs the statistics and payload passes.
+      names: the leaves' paths (for errors).
     """
 
     ctx: _distributed.Context
@@ -162,6 +163,7 @@ class Plan(NamedTuple):
     global_scope: bool
     replica_wire_dtype: Any
     pass_implementation: PassImplementation
+    names: tuple[str, ...] = ()
 
 
 def _group(shard, comm, split, layout: _layout.BlockLayout, local_cols, pick, dtype, ctx,
@@ -302,9 +304,10 @@ def build_plan(cfg: Dion3Config, grads, momentum_dtypes) -> Plan:
     group_list = tuple((k, tuple(i for run in v.values() for i in run))
                        for k, v in groups.items())
     opts = cfg.mesh_options
+    names = tuple(_layout.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0])
     return Plan(ctx, tuple(leaves), tuple(units), group_list,
                 replica and opts.replica_selection == "random",
                 ctx.compressed and opts.replica_selection == "norms",
                 stack, norms, row_norms, _batches(units, group_list, leaves),
                 cfg.flavor == "normuon", cfg.orthogonalizer, opts.seed, scope == "global",
-                opts.replica_wire_dtype, cfg.pass_implementation)
+                opts.replica_wire_dtype, cfg.pass_implementation, names)

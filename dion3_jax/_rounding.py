@@ -23,6 +23,12 @@ run is reproducible, and one step's bits are the same on one device and on any m
 offsets its shard's indices by the shard's position in the leaf. The counter's two words are an
 element's row-major index over all axes but the last (modulo 2³²: leaves of more than 2³²
 rows' worth of leading axes repeat bits) and its index along the last axis.
+
+:func:`block_counters` describes the same bits per canonical block
+(:meth:`dion3_jax._layout.LeafLayout.to_blocks`) as a
+:class:`pallas_kernels._counter.RowCounter` (each row's words and their step along the row), for
+the statistics kernel to hash itself; a block whose words do not step evenly along its rows
+has none, and its pass runs in XLA.
 """
 
 from __future__ import annotations
@@ -31,9 +37,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dion3_jax._distributed import spec_entries
+from dion3_jax._layout import LeafLayout
+from pallas_kernels._counter import RowCounter
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES, random_bits
 
 #: The writes of one step, each with bits of its own.
@@ -87,3 +96,83 @@ def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
         hi = hi * jnp.uint32(n % 2 ** 32) + i
     lo = idx[-1] if idx else hi
     return random_bits(step_key(seed, count, leaf, write), hi, lo)
+
+
+def _coefficients(sizes: list[int]) -> list[tuple[int, int]]:
+    """Per leaf axis of global ``sizes``, what one step along it adds to the ``(hi, lo)``
+    words (modulo 2³²), as :func:`momentum_bits` forms them."""
+    out = [(0, 1)]
+    stride = 1
+    for n in reversed(sizes[:-1]):
+        out.insert(0, (stride, 0))
+        stride = stride * n % 2 ** 32
+    return out
+
+
+def _row_step(axes: list[int], local: tuple[int, ...], coef) -> tuple[int, int] | None:
+    """The ``(hi, lo)`` step along a block's summed axis, which runs over the leaf ``axes`` in
+    row-major order (``local``: the shard's sizes), or None where it is not one step."""
+    kept = [a for a in axes if local[a] > 1]
+    if not kept:
+        return (0, 0)
+    step = coef[kept[-1]]
+    run = 1
+    for a in reversed(kept):
+        if any((step[w] * run - coef[a][w]) % 2 ** 32 for w in (0, 1)):
+            return None
+        run *= local[a]
+    return step
+
+
+def _digit_words(flat: jax.Array, axes: list[int], local: tuple[int, ...], coef,
+                 ) -> list[jax.Array]:
+    """The ``(hi, lo)`` words that a row-major index ``flat`` over the leaf ``axes`` adds."""
+    words = [jnp.zeros_like(flat), jnp.zeros_like(flat)]
+    for a in reversed(axes):
+        digit = flat % np.uint32(local[a])
+        flat = flat // np.uint32(local[a])
+        for w in (0, 1):
+            words[w] = words[w] + digit * np.uint32(coef[a][w])
+    return words
+
+
+def block_counters(seed: int, count: jax.Array, leaf: int, write: int, local: LeafLayout,
+                   spec: P = P()) -> list[RowCounter | None]:
+    """The counters of :func:`momentum_bits`'s bits in this device's blocks of a leaf.
+
+    Args:
+      seed, count, leaf, write: as :func:`momentum_bits`.
+      local: the layout of the local shard (its :meth:`~LeafLayout.to_blocks`).
+      spec: the leaf's ``PartitionSpec``, as :func:`momentum_bits`.
+
+    Returns:
+      Per block, a :class:`pallas_kernels._counter.RowCounter` whose
+      :func:`pallas_kernels._counter.counter_bits` are ``local.to_blocks(momentum_bits(...))``'s
+      block, or None where the block's words do not step evenly along its rows (reduction
+      axes whose steps in the counter's words do not chain, e.g. across a sharded axis).
+    """
+    shape = local.shape
+    entries = spec_entries(spec, len(shape))
+    sizes = [n * (math.prod(jax.lax.axis_size(a) for a in e) if e else 1)
+             for e, n in zip(entries, shape)]
+    coef = _coefficients(sizes)
+    base = [jnp.uint32(0), jnp.uint32(0)]
+    for a, e in enumerate(entries):
+        off = jnp.asarray(_offset(e, shape[a]), jnp.uint32)
+        base = [base[w] + off * np.uint32(coef[a][w]) for w in (0, 1)]
+    nb, nf = len(local.batch_shape), len(local.first_shape)
+    groups = [list(local.perm[:nb]), list(local.perm[nb:nb + nf]), list(local.perm[nb + nf:])]
+    rows_axes, summed_axes = (groups[2], groups[1]) if local.out_last else groups[1:]
+    step = _row_step(summed_axes, shape, coef)
+    key = step_key(seed, count, leaf, write)
+    heads, out, start = local.num_heads, [], 0
+    for bl, n in zip(local.blocks, local.split_sizes):
+        k = jax.lax.broadcasted_iota(jnp.uint32, (bl.batch, n), 0)
+        r = jax.lax.broadcasted_iota(jnp.uint32, (bl.batch, n), 1)
+        row = (k % np.uint32(heads)) * np.uint32(n) + r + np.uint32(start)
+        words = [b + x + y for b, x, y in zip(
+            base, _digit_words(k // np.uint32(heads), groups[0], shape, coef),
+            _digit_words(row, rows_axes, shape, coef))]
+        out.append(None if step is None else RowCounter(key, jnp.stack(words, 1), step))
+        start += n
+    return out

@@ -236,6 +236,34 @@ def _momentum_bits(plan: Plan, dtypes, count, write: int) -> list[jax.Array | No
             for i, (p, t) in enumerate(zip(plan.leaves, dtypes))]
 
 
+def _statistics_kernel(plan: Plan, u: Unit, dtype, count, counters: dict) -> bool:
+    """Whether unit ``u``'s statistics pass runs in a kernel (its momentum of ``dtype``); for a
+    16-bit momentum, only with its block's counter at step ``count``, which this puts in
+    ``counters`` (keyed ``(leaf, block)``; :func:`_rounding.block_counters`, made only where a
+    kernel runs). A named kernel that cannot take the unit raises a ``ValueError`` that names
+    the leaf."""
+    stochastic = _rounding.stochastic(dtype)
+    shape, ra = _local_shape(plan, u)[1:], u.layout.row_axis
+    try:
+        if pallas_kernels.accumulate_rows_implementation(
+                shape, ra, plan.pass_implementation, False, stochastic) == "xla":
+            return False
+        if not stochastic:
+            return True
+        p = plan.leaves[u.leaf]
+        counter = _rounding.block_counters(plan.seed, count, u.leaf, _rounding.SUM, p.local,
+                                           p.spec)[u.block]
+        if counter is None and plan.pass_implementation != "auto":
+            raise ValueError(f"implementation={plan.pass_implementation!r} needs random bits "
+                             f"that step evenly along each row of the {shape} blocks (a "
+                             f"reduction axis merged across a sharded axis does not); use 'xla'")
+        counters[(u.leaf, u.block)] = counter
+        return counter is not None
+    except ValueError as e:
+        name = plan.names[u.leaf] if plan.names else f"leaf {u.leaf}"
+        raise ValueError(f"{name} ({jnp.dtype(dtype).name} momentum): {e}") from None
+
+
 def _accumulate(plan: Plan, grads, moms, scales, count):
     """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
     step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
@@ -247,16 +275,16 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
     Where that pass would run in XLA, and for the other blocks, ``S`` is summed in the leaf's
     own shape (which lets XLA write it in place of a donated momentum of any layout) and left
     to XLA to fuse into its readers. A 16-bit momentum is rounded stochastically (random bits
-    of the step ``count``, :func:`_momentum_bits`), which only the XLA form does.
+    of the step ``count``, :func:`_momentum_bits`); the kernels hash the same bits themselves
+    from the blocks' counters (:func:`_rounding.block_counters`).
 
     Returns:
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
     """
     one_pass = _one_pass_groups(plan)
+    counters: dict = {}
     kernel = {(u.leaf, u.block): u for u in (plan.units[i] for i in one_pass)
-              if pallas_kernels.accumulate_rows_implementation(
-                  _local_shape(plan, u)[1:], u.layout.row_axis, plan.pass_implementation,
-                  False, _rounding.stochastic(moms[u.leaf].dtype)) != "xla"}
+              if _statistics_kernel(plan, u, moms[u.leaf].dtype, count, counters)}
     bits = _momentum_bits(plan, [m.dtype for m in moms], count, _rounding.SUM)
     momentum: list[list[jax.Array | None]] = [
         list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r)))
@@ -269,7 +297,8 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
         m, g, d = (local.to_blocks(x)[block] for x in (moms[leaf], grads[leaf], scales[leaf]))
         s, l1, sq = pallas_kernels.accumulate_rows(m, g, jnp.squeeze(d, 3 - ra), row_axis=ra,
                                                    implementation=plan.pass_implementation,
-                                                   partial_sums=True)
+                                                   partial_sums=True,
+                                                   counter=counters.get((leaf, block)))
         momentum[leaf][block] = s
         partials[(leaf, block)] = (l1, sq)
     known = _summed_partials(partials)

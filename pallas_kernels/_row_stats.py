@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _dispatch, _row_stats_mosaic, _row_stats_triton
+from pallas_kernels._counter import RowCounter, check_counter
 from pallas_kernels._row_stats_reference import accumulate_rows_reference
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
@@ -86,8 +87,9 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       row_axis: the axis of the rows, 1 or 2, as in :func:`accumulate_rows`.
       implementation: what the caller asks for, as in :func:`accumulate_rows`.
       interpret: whether the kernel would run through an interpreter (CPU tests).
-      stochastic: whether ``S`` is a 16-bit momentum rounded stochastically (``bits`` of
-        :func:`accumulate_rows`): the kernels round to nearest, so only XLA takes it.
+      stochastic: whether ``S`` is a 16-bit momentum rounded stochastically with the bits of
+        a counter (``counter`` of :func:`accumulate_rows`), which both kernels hash themselves
+        (so it changes no choice; a bits array is for XLA only, :func:`accumulate_rows`).
 
     Returns:
       ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
@@ -100,25 +102,23 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       >>> accumulate_rows_implementation((64, 256), 1, "xla")
       'xla'
     """
-    fits = {"mosaic": not stochastic and _row_stats_mosaic.blocks(shape, row_axis) is not None,
-            "pallas_triton": (not stochastic
-                              and _row_stats_triton.blocks(shape, row_axis) is not None)}
+    del stochastic  # both kernels take a counter
+    fits = {"mosaic": _row_stats_mosaic.blocks(shape, row_axis) is not None,
+            "pallas_triton": _row_stats_triton.blocks(shape, row_axis) is not None}
     needs = {"mosaic": f"an extent along axis 1 that is a multiple of 64 and a minor axis with "
                        f"a power-of-two divisor of at least 16, got {shape} "
                        f"(row_axis={row_axis})",
              "pallas_triton": f"a minor axis with a power-of-two divisor of at least "
                               f"{_row_stats_triton.MIN_MINOR}, got {shape} "
                               f"(row_axis={row_axis})"}
-    if stochastic:
-        needs = {k: "a momentum rounded to nearest (the kernels do not round stochastically)"
-                 for k in needs}
     return _dispatch.resolve_pass("accumulate_rows", implementation, fits, needs, interpret,
                                   auto=AUTO)
 
 
 def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                     implementation: RowStatsImplementation = "auto", interpret: bool = False,
-                    partial_sums: bool = False, bits: jax.Array | None = None
+                    partial_sums: bool = False, bits: jax.Array | None = None,
+                    counter: RowCounter | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``S = d ⊙ M + G`` per row, and each row's ℓ1 norm and scaled sum of squares.
 
@@ -138,7 +138,12 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         with many calls concatenates their partials and adds them in one reduction, which XLA
         fuses into the sums' readers, instead of one small reduction per call.
       bits: uint32 random bits shaped like ``m``: a bfloat16 or float16 ``S`` is rounded
-        stochastically with them (:func:`pallas_kernels.scaled_sum`); XLA only.
+        stochastically with them (:func:`pallas_kernels.scaled_sum`); XLA only (a kernel
+        would read 4 bytes of bits per element).
+      counter: the random bits as a :class:`pallas_kernels._counter.RowCounter` (a key and
+        each row's counter words): a bfloat16 or float16 ``S`` is rounded stochastically with
+        :func:`pallas_kernels._counter.counter_bits`, which the kernels hash themselves, bit
+        for bit XLA's. Not with ``bits``.
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
@@ -159,13 +164,26 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
-    stochastic = bits is not None and jnp.dtype(m.dtype) in STOCHASTIC_DTYPES
-    chosen = accumulate_rows_implementation((m.shape[1], m.shape[2]), row_axis, implementation,
-                                            interpret, stochastic)
+    if bits is not None and counter is not None:
+        raise ValueError("accumulate_rows takes the random bits as bits= or counter=, not both")
+    sixteen = jnp.dtype(m.dtype) in STOCHASTIC_DTYPES
+    if counter is not None:
+        check_counter(counter, m.shape[0], m.shape[row_axis])
+    if bits is not None and sixteen and implementation not in ("auto", "xla"):
+        raise ValueError(f"accumulate_rows: implementation={implementation!r} takes the random "
+                         f"bits as counter= (hashed in the kernel), not as a bits array; use "
+                         f"counter= or 'xla'")
+    chosen = accumulate_rows_implementation(
+        (m.shape[1], m.shape[2]), row_axis, "xla" if bits is not None and sixteen
+        else implementation, interpret, sixteen and counter is not None)
     if chosen == "xla":
-        s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis, bits=bits)
+        s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis, bits=bits,
+                                              counter=counter)
         return (s, l1[:, None], sq[:, None]) if partial_sums else (s, l1, sq)
-    kernel = (_row_stats_mosaic.accumulate_rows_mosaic if chosen == "mosaic"
-              else _row_stats_triton.accumulate_rows_triton)
-    s, l1, sq = kernel(m, g, scale, row_axis=row_axis, interpret=interpret)
+    if chosen == "mosaic":
+        s, l1, sq = _row_stats_mosaic.accumulate_rows_mosaic(
+            m, g, scale, row_axis=row_axis, interpret=interpret, counter=counter)
+    else:
+        s, l1, sq = _row_stats_triton.accumulate_rows_triton(
+            m, g, scale, row_axis=row_axis, interpret=interpret, counter=counter)
     return (s, l1, sq) if partial_sums else (s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1))

@@ -27,9 +27,16 @@ elementwise in two block-shaped float32 accumulators in registers; only after th
 CTA reduce them along the summed axis (so the loop has no cross-lane or cross-warp reduction),
 and each chunk's partial sums go to a small float32 array that XLA adds up after the launch.
 
+A bfloat16 or float16 momentum with a :class:`pallas_kernels._counter.RowCounter` is rounded
+stochastically: the CTA brings its rows' counter words in beside ``d`` (8 bytes a row), forms
+each block element's words from an iota and hashes them in registers
+(:func:`pallas_kernels._threefry.threefry2x32`), so the momentum still moves 2 bytes each way
+per element; ``S`` is then the reference's bit for bit.
+
 Reference: :func:`pallas_kernels._row_stats_reference.accumulate_rows_reference`, the plain jnp
-form (``"xla"``); ``tests/test_row_stats_mosaic.py`` compares this kernel against it in GPU
-interpret mode on the CPU and ``tests/test_kernels_gpu.py`` on a Hopper GPU.
+form (``"xla"``); ``tests/test_row_stats_mosaic.py`` and ``tests/test_row_stats_stochastic.py``
+compare this kernel against it in GPU interpret mode on the CPU and ``tests/test_kernels_gpu.py``
+on a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
+from pallas_kernels._counter import RowCounter, check_counter, element_words
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
+from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
+from pallas_kernels._threefry import threefry2x32
 
 #: Rows of the ``WGMMA`` register layout: a block's extent along axis 1 is a multiple of it.
 _LAYOUT_ROWS = 64
@@ -95,9 +105,29 @@ def blocks(shape: tuple[int, int], row_axis: int,
     return strip, step, max(step, pow2_divisor(summed, config.chunk))
 
 
-def _body(d_gmem, m_gmem, g_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar,
-          g_bar, *, row_axis: int, strip: int, step: int, steps: int, stages: int):
-    """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``."""
+def _block_bits(key, words, j0, block: tuple[int, int], summed: int,
+                steps: tuple[int, int]) -> jax.Array:
+    """The random bits of one block (:func:`pallas_kernels._counter.counter_bits`'s, hashed in
+    registers): ``words`` its rows' ``(hi, lo)`` at their first elements, ``j0`` the block's
+    first index along the summed axis."""
+    wgmma = plgpu.Layout.WGMMA
+    j = plgpu.layout_cast(lax.broadcasted_iota(jnp.uint32, block, summed), wgmma)
+    j = j + lax.convert_element_type(j0, jnp.uint32)
+    first = [lax.broadcast_in_dim(w, block, (1 - summed,)) for w in words]
+    return threefry2x32(key[0], key[1], *element_words(first, j, steps))
+
+
+def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
+          stages: int, counter_steps: tuple[int, int] | None):
+    """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``; with ``counter_steps``, ``refs``
+    starts with the counter's key and rows and its scratch ends with a slot for the rows'
+    words, and ``S`` is rounded stochastically with bits hashed here."""
+    stochastic = counter_steps is not None
+    if stochastic:
+        (key_gmem, words_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, w_smem,
+         m_bar, g_bar) = refs
+    else:
+        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar, g_bar = refs
     k, i, c = lax.axis_index("k"), lax.axis_index("i"), lax.axis_index("c")
     rows = pl.ds(i * strip, strip)
     summed = 1 if row_axis == 1 else 0              # the block's summed axis
@@ -114,18 +144,26 @@ def _body(d_gmem, m_gmem, g_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_sm
         plgpu.copy_gmem_to_smem(g_gmem.at[at(t)], g_smem.at[slot], g_bar.at[slot])
 
     plgpu.copy_gmem_to_smem(d_gmem.at[k, rows], v_smem.at[0], m_bar.at[stages])
+    if stochastic:
+        plgpu.copy_gmem_to_smem(words_gmem.at[k, :, rows], w_smem, m_bar.at[stages + 1])
     for t in range(min(stages, steps)):
         fetch(t, t)
     plgpu.barrier_wait(m_bar.at[stages])
     d = lax.broadcast_in_dim(plgpu.load(v_smem.at[0], layout=vector, optimized=False), block,
                              (1 - summed,))
+    if stochastic:
+        plgpu.barrier_wait(m_bar.at[stages + 1])
+        key = (key_gmem[0], key_gmem[1])
+        words = [plgpu.load(w_smem.at[w], layout=vector, optimized=False) for w in (0, 1)]
 
     def walk(t, sums):
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(m_bar.at[slot])
         plgpu.barrier_wait(g_bar.at[slot])
+        bits = (None if not stochastic else
+                _block_bits(key, words, (c * steps + t) * step, block, summed, counter_steps))
         s = scaled_sum(plgpu.load(m_smem.at[slot], layout=wgmma),
-                       plgpu.load(g_smem.at[slot], layout=wgmma), d)
+                       plgpu.load(g_smem.at[slot], layout=wgmma), d, bits)
         plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this S slot's last store
         s_smem[slot] = s
         plgpu.commit_smem()
@@ -151,7 +189,8 @@ def _body(d_gmem, m_gmem, g_gmem, l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_sm
 
 @functools.partial(jax.jit, static_argnames=("row_axis", "config", "interpret"))
 def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
-                           config: MosaicRowStatsConfig | None = None, interpret: bool = False
+                           config: MosaicRowStatsConfig | None = None, interpret: bool = False,
+                           counter: RowCounter | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`pallas_kernels.accumulate_rows` through the Mosaic GPU kernel (checked
     arguments; a shape :func:`blocks` takes).
@@ -163,6 +202,9 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
       row_axis: the axis of the rows (1 or 2).
       config: the blocks (default :data:`CONFIGS` for the row axis).
       interpret: run through GPU interpret mode (CPU; slow; for tests).
+      counter: for a bfloat16 or float16 ``m``, round ``S`` stochastically with the bits this
+        :class:`pallas_kernels._counter.RowCounter` describes, hashed in the kernel (each
+        CTA reads its rows' words, 8 bytes a row); ignored for other dtypes.
 
     Returns:
       ``(S, l1, sq)`` as :func:`pallas_kernels.accumulate_rows` returns them with
@@ -177,19 +219,27 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
     batch, n, summed = m.shape[0], m.shape[row_axis], m.shape[3 - row_axis]
     block = (strip, step) if row_axis == 1 else (step, strip)
     stages = min(config.stages, chunk // step)
+    if jnp.dtype(m.dtype) not in STOCHASTIC_DTYPES:
+        counter = None
+    if counter is not None:
+        check_counter(counter, batch, n)
     partial = jax.ShapeDtypeStruct((batch, summed // chunk, n), jnp.float32)
     kernel = plgpu.kernel(
         functools.partial(_body, row_axis=row_axis, strip=strip, step=step,
-                          steps=chunk // step, stages=stages),
+                          steps=chunk // step, stages=stages,
+                          counter_steps=None if counter is None else counter.steps),
         out_type=(partial, partial),
         scratch_types=[plgpu.SMEM((stages, *block), m.dtype),
                        plgpu.SMEM((stages, *block), g.dtype),
                        plgpu.SMEM((stages, *block), m.dtype),
                        plgpu.SMEM((2, strip), jnp.float32),
-                       plgpu.Barrier(num_barriers=stages + 1),
+                       *([] if counter is None else [plgpu.SMEM((2, strip), jnp.uint32)]),
+                       plgpu.Barrier(num_barriers=stages + 2),
                        plgpu.Barrier(num_barriers=stages)],
         grid=(batch, n // strip, summed // chunk), grid_names=("k", "i", "c"),
         interpret=mosaic_interpret_params(interpret), kernel_name="accumulate_rows")
     s = jax.new_ref(m)
-    l1, sq = kernel(scale.astype(jnp.float32), s, g)
+    words = (() if counter is None else
+             (counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)))
+    l1, sq = kernel(scale.astype(jnp.float32), s, g, *words)
     return s[...], l1, sq

@@ -28,6 +28,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._counter import RowCounter, counter_bits
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES, stochastic_round
 
 #: The squares are of ``S·2⁻³²``: overflow-safe, as ``dion3_jax``'s norms take them.
@@ -37,6 +38,19 @@ DOWN = 2.0 ** -32
 #: Where ``|S|`` saturates (:func:`scaled_sum`): 2⁷⁹ ≈ 6.0e23, so that a matrix of up to 2³⁴
 #: entries has finite sums of ``(S·2⁻³²)²`` and a finite norm.
 SATURATION = 2.0 ** 79
+
+
+def _split_sum(scale: jax.Array, m: jax.Array, g: jax.Array) -> jax.Array:
+    """``scale·M + G`` for a 16-bit ``M`` (in float32) as ``(hi·M + G) + lo·M``, ``scale = hi +
+    lo`` cut after 12 significant bits: both products are exact (at most 12 + 11 significant
+    bits, while above float32's normal range's bottom), so a compiler that contracts a product
+    and a sum into one fused multiply-add (XLA on a CPU with FMA, or on a GPU) gets the same
+    float32 as one that does not. ``scale·M + G`` itself would differ by one rounding between
+    two such programs, and with it, rarely, the stochastic rounding of ``S``."""
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(scale, jnp.uint32)
+                                  & np.uint32(0xFFFFF000), jnp.float32)
+    lo = scale - hi
+    return (hi * m + g) + lo * m
 
 
 def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | None = None
@@ -49,16 +63,21 @@ def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | N
     ``bits`` (uint32, broadcastable to ``m``): for a bfloat16 or float16 ``M``, round ``S``
     stochastically with these random bits
     (:func:`pallas_kernels._stochastic_rounding.stochastic_round`); ignored for other dtypes,
-    which round to nearest."""
+    which round to nearest. Rounded stochastically, ``S`` is :func:`_split_sum`'s, the same
+    float32 value in every program (a kernel's and XLA's), so that the same bits round it to
+    the same 16-bit value."""
     dtype = m.dtype
     bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
-    m, g = m.astype(jnp.float32), g.astype(jnp.float32)
-    s = scale.astype(jnp.float32) * m + g
+    stochastic = bits is not None and jnp.dtype(dtype) in STOCHASTIC_DTYPES
+    m, g, scale = m.astype(jnp.float32), g.astype(jnp.float32), scale.astype(jnp.float32)
+    plain = scale * m + g
+    s = _split_sum(scale, m, g) if stochastic else plain
     # Eight element ops, as a deep model's step runs this once per matrix; a NaN operand makes
-    # ``s`` NaN, which both branches keep.
+    # ``s`` NaN, which both branches keep (``plain``: an ``inf`` times a zero ``lo`` of
+    # :func:`_split_sum` would be NaN).
     finite = jnp.maximum(jnp.abs(m), jnp.abs(g)) < np.float32(np.inf)
-    s = lax.select(finite, lax.clamp(-bound, s, bound), s)
-    if bits is None or jnp.dtype(dtype) not in STOCHASTIC_DTYPES:
+    s = lax.select(finite, lax.clamp(-bound, s, bound), plain)
+    if bits is None or not stochastic:
         return s.astype(dtype)
     return stochastic_round(s, dtype, bits)
 
@@ -72,8 +91,11 @@ def row_sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 
 def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
-                              bits: jax.Array | None = None
+                              bits: jax.Array | None = None, counter: RowCounter | None = None
                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation)."""
+    """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation); a
+    ``counter`` gives the bits :func:`pallas_kernels._counter.counter_bits` computes."""
+    if counter is not None and jnp.dtype(m.dtype) in STOCHASTIC_DTYPES:
+        bits = counter_bits(counter, m.shape, row_axis)
     s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis), bits)
     return (s, *row_sums(s, 3 - row_axis))

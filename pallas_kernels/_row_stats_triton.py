@@ -36,7 +36,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _dispatch
 from pallas_kernels._common import pow2_divisor
+from pallas_kernels._counter import RowCounter, check_counter, element_words
 from pallas_kernels._row_stats_reference import row_sums, scaled_sum
+from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
+from pallas_kernels._threefry import threefry2x32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,14 +69,28 @@ CONFIGS = {2: RowStatsConfig(strip=64, step=32, chunk=128),
 MIN_MINOR = 16
 
 
-def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
+def _bits(key_ref, words_ref, j0, block: tuple[int, int], summed: int, steps):
+    """The random bits of one block (:func:`pallas_kernels._counter.counter_bits`'s, hashed in
+    the program): ``words_ref`` its rows' ``(2, strip)`` first words, ``j0`` the block's first
+    index along the summed axis; None without a counter."""
+    if key_ref is None:
+        return None
+    j = jax.lax.broadcasted_iota(jnp.uint32, block, summed) + j0.astype(jnp.uint32)
+    first = [jnp.broadcast_to(jnp.expand_dims(words_ref[w, :], summed), block) for w in (0, 1)]
+    return threefry2x32(key_ref[0], key_ref[1], *element_words(first, j, steps))
+
+
+def _cols_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None):
     """Rows along axis 2: a chunk of a strip of ``strip`` columns (rows of the matrix), walked
-    down."""
+    down; with ``steps``, ``refs`` starts with a counter's key and rows' words."""
+    key_ref, words_ref, s_ref, l1_ref, sq_ref = (None, None, *refs) if steps is None else refs
     d = d_ref[...]
+    first = pl.program_id(2) * m_ref.shape[0]
 
     def body(r, carry):
         at = pl.ds(r * step, step)
-        s = scaled_sum(m_ref[at, :], g_ref[at, :], d[None, :])
+        bits = _bits(key_ref, words_ref, first + r * step, (step, strip), 0, steps)
+        s = scaled_sum(m_ref[at, :], g_ref[at, :], d[None, :], bits)
         s_ref[at, :] = s
         l1, sq = row_sums(s, 0)
         return carry[0] + l1, carry[1] + sq
@@ -82,13 +99,17 @@ def _cols_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip
     l1_ref[...], sq_ref[...] = jax.lax.fori_loop(0, m_ref.shape[0] // step, body, (zero, zero))
 
 
-def _rows_kernel(d_ref, m_ref, g_ref, s_ref, l1_ref, sq_ref, *, step: int, strip: int):
-    """Rows along axis 1: a chunk of a strip of ``strip`` rows, walked across."""
+def _rows_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None):
+    """Rows along axis 1: a chunk of a strip of ``strip`` rows, walked across; with
+    ``steps``, ``refs`` starts with a counter's key and rows' words."""
+    key_ref, words_ref, s_ref, l1_ref, sq_ref = (None, None, *refs) if steps is None else refs
     d = d_ref[...]
+    first = pl.program_id(2) * m_ref.shape[1]
 
     def body(c, carry):
         at = pl.ds(c * step, step)
-        s = scaled_sum(m_ref[:, at], g_ref[:, at], d[:, None])
+        bits = _bits(key_ref, words_ref, first + c * step, (strip, step), 1, steps)
+        s = scaled_sum(m_ref[:, at], g_ref[:, at], d[:, None], bits)
         s_ref[:, at] = s
         l1, sq = row_sums(s, 1)
         return carry[0] + l1, carry[1] + sq
@@ -112,11 +133,14 @@ def blocks(shape: tuple[int, int], row_axis: int,
 
 @functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
 def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis: int,
-                           interpret: bool = False, config: RowStatsConfig | None = None
+                           interpret: bool = False, config: RowStatsConfig | None = None,
+                           counter: RowCounter | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`pallas_kernels.accumulate_rows` with ``partial_sums=True`` through the
     Pallas-Triton kernel (checked arguments; a shape :func:`blocks` takes; ``config`` default
-    :data:`CONFIGS`): the row sums as ``(batch, chunks, n)`` per-chunk sums."""
+    :data:`CONFIGS`): the row sums as ``(batch, chunks, n)`` per-chunk sums. ``counter``: for
+    a bfloat16 or float16 ``m``, round ``S`` stochastically with the bits it describes, hashed
+    in the kernel (:mod:`pallas_kernels._counter`); ignored for other dtypes."""
     config = CONFIGS[row_axis] if config is None else config
     b, rows, cols = m.shape
     found = blocks((rows, cols), row_axis, config)
@@ -125,6 +149,10 @@ def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis
                          f"{(rows, cols)} (row_axis={row_axis})")
     strip, step, chunk = found
     n, summed = m.shape[row_axis], m.shape[3 - row_axis]
+    if jnp.dtype(m.dtype) not in STOCHASTIC_DTYPES:
+        counter = None
+    if counter is not None:
+        check_counter(counter, b, n)
     if row_axis == 2:
         kernel = _cols_kernel
         whole = pl.BlockSpec((None, chunk, strip), lambda k, j, c: (k, c, j))
@@ -134,12 +162,18 @@ def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis
     vec = pl.BlockSpec((None, strip), lambda k, i, c: (k, i))
     part = pl.BlockSpec((None, None, strip), lambda k, i, c: (k, c, i))
     partial = jax.ShapeDtypeStruct((b, summed // chunk, n), jnp.float32)
+    specs, operands = [vec, whole, whole], [d.astype(jnp.float32), m, g]
+    if counter is not None:
+        specs += [pl.BlockSpec((2,), lambda k, i, c: (0,)),
+                  pl.BlockSpec((None, 2, strip), lambda k, i, c: (k, 0, i))]
+        operands += [counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)]
     s, l1, sq = pl.pallas_call(
-        functools.partial(kernel, step=step, strip=strip),
+        functools.partial(kernel, step=step, strip=strip,
+                          steps=None if counter is None else counter.steps),
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype), partial, partial),
-        grid=(b, n // strip, summed // chunk), in_specs=[vec, whole, whole],
+        grid=(b, n // strip, summed // chunk), in_specs=specs,
         out_specs=(whole, part, part), input_output_aliases={1: 0},
         compiler_params=_dispatch.triton_params(config.num_warps, interpret),
         interpret=interpret, name="accumulate_rows",
-    )(d.astype(jnp.float32), m, g)
+    )(*operands)
     return s, l1, sq

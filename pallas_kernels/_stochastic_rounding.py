@@ -80,10 +80,13 @@ def _float16(x: jax.Array, bits: jax.Array) -> jax.Array:
     scale_down = lax.bitcast_convert_type(((127 - gap) << 23).astype(jnp.uint32), jnp.float32)
     scale_up = lax.bitcast_convert_type(((127 + gap) << 23).astype(jnp.uint32), jnp.float32)
     q = a * scale_down
-    low = jnp.floor(q)
+    low = q.astype(jnp.int32).astype(jnp.float32)              # floor: q is in [0, 2¹¹]
     uniform = (bits >> 8).astype(jnp.float32) * np.float32(2.0 ** -24)
-    y = (low + (q - low > uniform).astype(jnp.float32)) * scale_up
-    return jnp.copysign(y, x).astype(jnp.float16)
+    y = jnp.where(q - low > uniform, low + np.float32(1.0), low) * scale_up
+    # ``y ≥ 0`` takes ``x``'s sign bit (``copysign``, in ops that the Mosaic GPU kernels lower).
+    sign = lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0x80000000)
+    y = lax.bitcast_convert_type(lax.bitcast_convert_type(y, jnp.uint32) | sign, jnp.float32)
+    return y.astype(jnp.float16)
 
 
 def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
@@ -118,4 +121,5 @@ def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
     x = jnp.asarray(x).astype(jnp.float32)
     bits = jnp.broadcast_to(jnp.asarray(bits, jnp.uint32), x.shape)
     rounded = _bfloat16(x, bits) if dtype == jnp.bfloat16 else _float16(x, bits)
-    return jnp.where(jnp.isfinite(x), rounded, x.astype(dtype))
+    # (``|x| < inf`` is ``isfinite``, in an op that the Mosaic GPU kernels lower too.)
+    return jnp.where(jnp.abs(x) < np.float32(np.inf), rounded, x.astype(dtype))

@@ -285,3 +285,69 @@ def test_statistics_kernel_agrees_with_float64(impl, row_axis, shape, dtype):
     l1_64, sq_64 = np.abs(x).sum(axis), (x * 2.0 ** -32) ** 2
     np.testing.assert_allclose(np.asarray(l1), l1_64, rtol=count * 2.0 ** -24)
     np.testing.assert_allclose(np.asarray(sq), sq_64.sum(axis), rtol=count * 2.0 ** -23)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("impl", ["mosaic", "pallas_triton"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("row_axis,shape", [(2, (2, 4096, 11008)), (1, (2, 11008, 4096)),
+                                            (2, (3, 256, 96)), (1, (3, 64, 48))])
+def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(impl, dtype, row_axis, shape):
+    """A 16-bit momentum through each kernel, rounded stochastically with bits it hashes
+    itself from a counter (random key and rows' words, wrapping steps), its momentum donated:
+    ``S`` is the XLA form's bit for bit, the row sums within float32 summation error."""
+    from pallas_kernels._counter import RowCounter
+
+    if impl not in _AVAILABLE:
+        pytest.skip(f"{impl} does not run here")
+    rng = np.random.default_rng(SEED)
+    def words(*s):
+        return jnp.asarray(rng.integers(0, 2 ** 32, s, np.uint64).astype(np.uint32))
+
+    m = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    g = jnp.asarray(rng.standard_normal(shape, np.float32) / 64)
+    d = jnp.asarray(rng.choice([0.8145, 1.0], (shape[0], shape[row_axis])).astype(np.float32))
+    counter = RowCounter(words(2), words(shape[0], 2, shape[row_axis]), (0x9E3779B9, 1))
+    want = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
+        *a, row_axis=row_axis, implementation="xla", counter=counter))(m, g, d)
+    s, l1, sq = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
+        *a, row_axis=row_axis, implementation=impl, counter=counter),
+        donate_argnums=0)(m + 0, g, d)
+    np.testing.assert_array_equal(np.asarray(s).view(np.uint16),
+                                  np.asarray(want[0]).view(np.uint16))
+    x, axis = np.asarray(s, np.float64), 3 - row_axis
+    np.testing.assert_allclose(np.asarray(l1), np.abs(x).sum(axis), rtol=shape[axis] * 2.0 ** -24)
+    np.testing.assert_allclose(np.asarray(sq), ((x * 2.0 ** -32) ** 2).sum(axis),
+                               rtol=shape[axis] * 2.0 ** -23)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("mosaic" not in _AVAILABLE, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_step_with_16bit_momentum_through_mosaic_is_xlas_bit_for_bit(dtype, fraction):
+    """Three steps of ``scale_by_dion3`` with a 16-bit momentum (stacked, transposed and plain
+    matrices): the statistics pass through the Mosaic kernel leaves the momentum of the
+    all-XLA step bit for bit (the row sums, added in another order, select the same rows)."""
+    import dion3_jax
+
+    rng = np.random.default_rng(SEED)
+    shapes = {"up": (512, 1408), "down": (1408, 512), "qkv": (2, 512, 768)}
+    grads = [{k: jnp.asarray(rng.standard_normal(s, np.float32)) for k, s in shapes.items()}
+             for _ in range(3)]
+    polar = dion3_jax.make_orthogonalizer(backend="xla")   # (the momentum does not read it)
+
+    def run(impl):
+        tx = dion3_jax.scale_by_dion3(fraction, 0.9, mu_dtype=dtype, pass_implementation=impl,
+                                      orthogonalizer=polar)
+        state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
+        for g in grads:
+            _, state = jax.jit(tx.update)(g, state)
+        return state.full_momentum()
+
+    got, want = run("mosaic"), run("xla")
+    for k in shapes:
+        assert got[k].dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint16),
+                                      np.asarray(want[k]).view(np.uint16))

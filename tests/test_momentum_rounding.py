@@ -231,9 +231,10 @@ def test_sharded_bfloat16_momentum_equals_one_device():
 
 
 def test_statistics_pass_with_bits_runs_in_xla():
-    """``accumulate_rows`` with random bits: ``"auto"`` runs the jnp form (the kernels round to
-    nearest), whose ``S`` is ``scaled_sum``'s with the same bits and whose row sums are of that
-    ``S``; a named kernel raises instead of rounding otherwise."""
+    """``accumulate_rows`` with an array of random bits: ``"auto"`` runs the jnp form (a kernel
+    takes the bits as a counter, ``tests/test_row_stats_stochastic.py``), whose ``S`` is
+    ``scaled_sum``'s with the same bits and whose row sums are of that ``S``; a named kernel
+    raises instead of rounding otherwise."""
     rng = np.random.default_rng(SEED)
     m = jnp.asarray(rng.standard_normal((2, 64, 64)), jnp.bfloat16)
     g = jnp.asarray(rng.standard_normal((2, 64, 64)), jnp.float32)
@@ -247,6 +248,6 @@ def test_statistics_pass_with_bits_runs_in_xla():
                               np.asarray(pallas_kernels.scaled_sum(m, g, d[:, :, None])))
     np.testing.assert_allclose(np.asarray(l1), np.abs(np.asarray(want, np.float64)).sum(2),
                                rtol=1e-5)
-    with pytest.raises(ValueError, match="rounded to nearest"):
+    with pytest.raises(ValueError, match=r"'mosaic' takes the random bits as counter="):
         pallas_kernels.accumulate_rows(m, g, d, row_axis=1, implementation="mosaic",
                                        interpret=True, bits=bits)

@@ -1,0 +1,113 @@
+# Copyright 2026 The dion3_jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""The random bits of an array described by its counters, for a kernel to make them itself.
+
+:func:`pallas_kernels._stochastic_rounding.random_bits` hashes two counter words per element.
+An array of ``(batch, a, b)`` matrices whose words step by a fixed amount along the summed axis
+(each row's elements are consecutive in the counter, as they are for a leaf's momentum,
+:mod:`dion3_jax._rounding`) is described by a :class:`RowCounter`: the key, each row's words at
+its first element, and the two words' steps along the row. The statistics pass's kernel reads
+the rows' words (8 bytes a row) and hashes each element's words in registers, instead of
+reading 4 bytes of precomputed bits per element. :func:`counter_bits` is its reference: the
+same words from the same description, hashed by ``threefry2x32_p``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._stochastic_rounding import random_bits
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "rows"],
+                   meta_fields=["steps"])
+@dataclasses.dataclass(frozen=True)
+class RowCounter:
+    """Counter words of every element of ``(batch, a, b)`` matrices, row by row.
+
+    Element ``j`` of row ``i`` of matrix ``k`` (``j`` along the summed axis, the one that is not
+    ``row_axis``) has the words ``(hi, lo) = rows[k, :, i] + j · steps`` (modulo 2³²).
+
+    Attributes:
+      key: ``(2,)`` uint32, the key's two words.
+      rows: ``(batch, 2, n)`` uint32, each row's ``(hi, lo)`` at its first element.
+      steps: ``(hi, lo)`` steps along a row (Python ints, taken modulo 2³²; the pytree's
+        static part, so that a jitted function compiles them in).
+    """
+
+    key: jax.Array
+    rows: jax.Array
+    steps: tuple[int, int]
+
+
+def check_counter(counter: RowCounter, batch: int, n: int) -> None:
+    """Raises ``ValueError`` unless ``counter`` describes ``batch`` matrices of ``n`` rows."""
+    if jnp.shape(counter.key) != (2,) or jnp.shape(counter.rows) != (batch, 2, n):
+        raise ValueError(f"the counter's key must be (2,) and its rows (batch, 2, n) = "
+                         f"{(batch, 2, n)}, got {jnp.shape(counter.key)} and "
+                         f"{jnp.shape(counter.rows)}")
+    if len(counter.steps) != 2 or not all(isinstance(s, int) for s in counter.steps):
+        raise ValueError(f"the counter's steps must be two Python ints, got {counter.steps!r}")
+
+
+def step_words(steps: tuple[int, int]) -> tuple[np.uint32, np.uint32]:
+    """The steps as uint32 constants (modulo 2³²)."""
+    return np.uint32(steps[0] % 2 ** 32), np.uint32(steps[1] % 2 ** 32)
+
+
+def element_words(first: Sequence[jax.Array], j: jax.Array, steps: tuple[int, int]
+                  ) -> list[jax.Array]:
+    """The ``(hi, lo)`` words of the elements at index ``j`` (uint32) along their rows, whose
+    first elements' words are ``first`` (shaped like ``j``): what :func:`counter_bits` and the
+    kernels hash."""
+    out = []
+    for w, step in zip(first, step_words(steps)):
+        if step:
+            w = w + (j if step == 1 else j * step)
+        out.append(w)
+    return out
+
+
+def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:
+    """The uint32 random bits of ``(batch, a, b)`` matrices described by ``counter``.
+
+    Args:
+      counter: the :class:`RowCounter` of matrices of ``shape``.
+      shape: ``(batch, a, b)``.
+      row_axis: the axis of the rows (1 or 2).
+
+    Returns:
+      ``random_bits(key, hi, lo)`` shaped ``shape``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> rows = jnp.zeros((1, 2, 2), jnp.uint32).at[0, 0, 1].set(1)   # rows (0, 0), (1, 0)
+      >>> c = RowCounter(jnp.zeros(2, jnp.uint32), rows, (0, 1))       # lo counts along a row
+      >>> from pallas_kernels._stochastic_rounding import random_bits
+      >>> bool(counter_bits(c, (1, 2, 3), 1)[0, 1, 2]
+      ...      == random_bits(jnp.zeros(2, jnp.uint32), jnp.uint32(1), jnp.uint32(2)))
+      True
+    """
+    summed = 3 - row_axis
+    j = jax.lax.broadcasted_iota(jnp.uint32, shape, summed)
+    first = [jnp.broadcast_to(jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed),
+                              shape) for w in (0, 1)]
+    return random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))
