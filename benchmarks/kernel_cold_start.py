@@ -85,6 +85,7 @@ def cold_start(fn, args, reps: int) -> tuple[float, float, float, float, np.ndar
 def _load(path: str):
     spec = importlib.util.spec_from_file_location("_mosaic_compared", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclass looks its module up while being made)
     spec.loader.exec_module(module)
     return module
 
