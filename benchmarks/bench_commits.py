@@ -48,6 +48,7 @@ Usage (repository root; the old commit must be in this checkout's git history)::
     python benchmarks/bench_commits.py --old-dir DIR_A DIR_B --fractions 0.125
     python benchmarks/bench_commits.py --commit HEAD~1 --fractions 0.25 --mu-dtype bfloat16
     python benchmarks/bench_commits.py --commit HEAD --fractions 1 --polar pe5+bound "pe4+bound r-"
+    python benchmarks/bench_commits.py --commit HEAD --fractions 0.25 --momentum bfloat16
 
 Each compile also prints the step's arguments (parameters, state, gradients) and arguments plus
 temporaries, in GiB, from XLA's memory analysis of the compiled step.
@@ -177,20 +178,23 @@ def working_tree_version() -> str:
     return head + ("+changes" if dirty else "")
 
 
-class PolarVariant:
-    """The working tree's ``dion3_jax`` with a polar of ``bench_polar_steps.VARIANTS`` (its
-    ``scale_by_dion3`` gets ``orthogonalizer=make_orthogonalizer(**options)``), timed as one more
-    version."""
+class Variant:
+    """The working tree's ``dion3_jax`` with more ``scale_by_dion3`` options, timed as one more
+    version (``new NAME``): a polar of ``bench_polar_steps.VARIANTS`` (``--polar``) or a momentum
+    dtype (``--momentum``)."""
 
-    def __init__(self, dion3, name: str):
+    def __init__(self, dion3, options: dict):
+        self.__file__ = dion3.__file__
+        self._dion3, self._options = dion3, options
+
+    @classmethod
+    def polar(cls, dion3, name: str) -> "Variant":
         from bench_polar_steps import VARIANTS
 
-        self.__file__ = dion3.__file__
-        self._dion3, self._options = dion3, VARIANTS[name]
+        return cls(dion3, {"orthogonalizer": dion3.make_orthogonalizer(**VARIANTS[name])})
 
     def scale_by_dion3(self, fraction, **kwargs):
-        polar = self._dion3.make_orthogonalizer(**self._options)
-        return self._dion3.scale_by_dion3(fraction, orthogonalizer=polar, **kwargs)
+        return self._dion3.scale_by_dion3(fraction, **(kwargs | self._options))
 
 
 def stepper(dion3, fraction: float, params, grads, options=None, tx=None, mu_dtype=None):
@@ -246,8 +250,8 @@ def time_fraction(versions: dict, fraction: float, params, grads, reps: int,
 
 def print_table(rows: list[dict], names: list[str], adamw: bool) -> None:
     """The markdown table: per fraction, [AdamW's ms,] each version's ms [and its ratio to
-    AdamW], then ``new / name`` for each older version and ``name / new`` for each polar
-    variant (``new NAME``)."""
+    AdamW], then ``new / name`` for each older version and ``name / new`` for each variant
+    (``new NAME``: ``--polar``, ``--momentum``)."""
     variants = [n for n in names if n.startswith("new ")]
     olds = [n for n in names if n != "new" and n not in variants]
     head = ["fraction"] + (["AdamW ms"] if adamw else [])
@@ -276,6 +280,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--polar", nargs="+", default=[], metavar="VARIANT",
                    help="also the working tree with these polars of bench_polar_steps.py "
                         "(e.g. 'pe4+bound r-'), each one more version in the same rounds")
+    p.add_argument("--momentum", nargs="+", default=[], metavar="DTYPE",
+                   choices=["float32", "bfloat16", "float16"],
+                   help="also the working tree with these momentum dtypes, each one more "
+                        "version in the same rounds")
     p.add_argument("--mu-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="every version's momentum dtype (default: scale_by_dion3's)")
     p.add_argument("--export-to", default=None,
@@ -307,7 +315,9 @@ def main(argv=None) -> list[dict]:
             versions[name] = imported(d, suffix)
         versions["new"] = importlib.import_module("dion3_jax")
         for name in a.polar:
-            versions[f"new {name}"] = PolarVariant(versions["new"], name)
+            versions[f"new {name}"] = Variant.polar(versions["new"], name)
+        for name in a.momentum:
+            versions[f"new {name}"] = Variant(versions["new"], {"mu_dtype": jnp.dtype(name)})
         dev = jax.devices()[0]
         options = ({"xla_gpu_per_fusion_autotune_cache_dir": os.path.join(tmp_cache, "autotune")}
                    if dev.platform == "gpu" else None)
