@@ -159,6 +159,12 @@ def _rates(runs: list[dict]) -> str:
             f"weight decay {r['wd']:g}, the AdamW branch at lr {r['adam_lr']:g}")
 
 
+def _momenta(runs: list[dict]) -> str:
+    """The 16-bit momentum dtypes among ``runs``, as their ``mu_dtype=`` arguments."""
+    dtypes = sorted({config_key(r)[2] for r in runs} - {"float32"})
+    return " or ".join(f"`mu_dtype=jnp.{d}`" for d in dtypes) or "none"
+
+
 def section(paths: list[str]) -> str:
     """The Markdown section from the ``--plan floor`` results files ``paths``."""
     meta, runs = _load(paths)
@@ -176,7 +182,7 @@ def section(paths: list[str]) -> str:
         "`orthogonalizer=dion3_jax.make_orthogonalizer(preconditioning=\"norm_bound\")`, the "
         "default coefficients with one scale per matrix read off the first Gram matrix "
         "(`docs/POLAR.md`), and `pe4_bound`, the same rescaling before the 4-step "
-        "`coefficients=\"polar_express_4\"` with `restarts=()`, at f = 1 and 1/4. The momentum: `mu_dtype=jnp.bfloat16`, rounded "
+        "`coefficients=\"polar_express_4\"` with `restarts=()`, at f = 1 and 1/4. The momentum: " + _momenta(runs) + ", rounded "
         "stochastically (`docs/HYPERPARAMETERS.md`), at f = 1/4 and 1/8. Held-out nats/byte "
         "after the last step, mean ± sample standard deviation over seeds; step ms is the median "
         "over the configuration's runs.", "",

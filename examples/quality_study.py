@@ -36,8 +36,9 @@ f = 1/4, NorMuon and AdamW at the study's best learning rates, each with float32
 and with bfloat16 parameters rounded once and twice, three seeds each. ``--plan floor`` tests
 candidate changes of Dion3 against its defaults at the same learning rates, three seeds each:
 two polars (``POLARS``: ``preconditioning="norm_bound"``, and the 4-step ``polar_express_4``
-after it with no restart; ``docs/POLAR.md``) at f = 1 and 1/4, and a bfloat16 momentum (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8; every
-configuration's seed 0 runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
+after it with no restart; ``docs/POLAR.md``) at f = 1 and 1/4, and bfloat16 and float16
+momenta (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8; every configuration's seed 0
+runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
 
 Every optimizer config is compiled once, ahead of time and in parallel: the learning rate, μ and
 weight decay live in the optimizer state (``optax.inject_hyperparams``; ``fraction``, the polar
@@ -50,7 +51,7 @@ Usage::
     python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
     python examples/quality_study.py --plan rounding --out runs/quality/rounding.jsonl
-    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 27 runs
+    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 33 runs
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
 plots under ``docs/quality/``; results of ``--plan rounding`` (given among the files) become the
@@ -273,7 +274,9 @@ class Planner:
                      (1.0, "pe4_bound", "float32"),
                      (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
                      (0.25, "pe4_bound", "float32"), (0.25, "default", "bfloat16"),
-                     (0.125, "default", "float32"), (0.125, "default", "bfloat16"))
+                     (0.25, "default", "float16"),
+                     (0.125, "default", "float32"), (0.125, "default", "bfloat16"),
+                     (0.125, "default", "float16"))
 
     def __init__(self, steps: int, max_steps: int, param_dtype: str = "float32",
                  rounding: str = "once", seeds: int = 3):

@@ -46,7 +46,9 @@ CONFIGS = [(1.0, "default", "float32"), (1.0, "norm_bound", "float32"),
            (1.0, "pe4_bound", "float32"),
            (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
            (0.25, "pe4_bound", "float32"), (0.25, "default", "bfloat16"),
-           (0.125, "default", "float32"), (0.125, "default", "bfloat16")]
+           (0.25, "default", "float16"),
+           (0.125, "default", "float32"), (0.125, "default", "bfloat16"),
+           (0.125, "default", "float16")]
 N = len(CONFIGS)
 
 
@@ -87,7 +89,8 @@ def test_floor_configurations_are_distinct_compiled_steps():
     assert set(examples) == {"dion3@1", "dion3@1 polar norm_bound", "dion3@1 polar pe4_bound",
                              "dion3@0.25", "dion3@0.25 polar norm_bound",
                              "dion3@0.25 polar pe4_bound", "dion3@0.25 momentum bfloat16",
-                             "dion3@0.125", "dion3@0.125 momentum bfloat16"}
+                             "dion3@0.25 momentum float16", "dion3@0.125",
+                             "dion3@0.125 momentum bfloat16", "dion3@0.125 momentum float16"}
     names = {quality_study.config_name(r.record()) for r in examples.values()}
     assert len(names) == N
     assert "Dion3 f=1/4 μ 0.8145 lr 0.08 wd 0.01, norm_bound polar" in names
@@ -205,7 +208,7 @@ def _rows(section: str, first: str) -> dict[str, list[str]]:
     return rows
 
 
-@pytest.mark.slow  # ~1-2 min on two CPU cores: compiles 9 Dion3 steps of the tiny model
+@pytest.mark.slow  # ~1-2 min on two CPU cores: compiles 11 Dion3 steps of the tiny model
 def test_tiny_floor_plan_end_to_end(tmp_path):
     """``--plan floor --tiny --seeds 2`` trains every configuration for real on the CPU, and
     ``--report`` on its lines writes the section with the differences of those lines."""
@@ -240,7 +243,7 @@ def test_tiny_floor_plan_end_to_end(tmp_path):
         assert cells[0] == f"{np.mean(xs):.4f} ± {np.std(xs, ddof=1):.4f} (n=2)"
         assert cells[1] == ", ".join(f"{x:.4f}" for x in xs)
     pairs = _rows(section, "candidate")
-    assert len(pairs) == 6
+    assert len(pairs) == 8
     for key in CONFIGS:
         if key[1:] == ("default", "float32"):
             continue
