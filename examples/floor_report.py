@@ -29,10 +29,11 @@ from __future__ import annotations
 import collections
 import json
 import math
-import shlex
 import statistics
 
 import numpy as np
+
+import plan_report
 
 TITLE = "## Past the floor: polar rescaling and 16-bit momentum"
 #: A configuration: (fraction, polar, momentum dtype); the defaults are ("default", "float32").
@@ -51,18 +52,6 @@ def is_floor_results(path: str) -> bool:
                 return rec.get("phase") == "floor"
     return False
 
-
-def _load(paths: list[str]) -> tuple[dict | None, list[dict]]:
-    meta, runs = None, []
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec["type"] == "meta" and meta is None:
-                    meta = rec
-                elif rec["type"] == "run" and rec.get("phase") == "floor":
-                    runs.append(rec)
-    return meta, runs
 
 
 def config_key(run: dict) -> tuple[float, str, str]:
@@ -123,10 +112,6 @@ def _num(x: float | None, fmt: str = ".4f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
 
 def tables(groups: dict) -> tuple[str, str]:
     """The configurations' table and the candidates' table (Markdown)."""
@@ -136,15 +121,16 @@ def tables(groups: dict) -> tuple[str, str]:
         per_seed = ", ".join(f"{r['final_heldout']:.4f}" for _, r in sorted(seeds.items()))
         rows.append([config_label(key), f"{_num(s['mean'])} ± {_num(s['std'])} (n={s['n']})",
                      per_seed, _num(s["step_ms"], ".1f")])
-    configs = _table(["configuration", "held-out mean ± std", "per seed", "step ms"], rows)
+    configs = plan_report.table(["configuration", "held-out mean ± std", "per seed", "step ms"],
+                                rows)
     rows = []
     for cand, base in candidates(groups):
         c = compare(groups[cand], groups.get(base, {}))
         rows.append([config_label(cand), f"{_num(c['mean'], '+.4f')} ± {_num(c['std'])} "
                      f"(n={c['n']})", f"lower on {c['lower']} of {c['n']} seeds",
                      _num(c["spread"]), c["verdict"]])
-    pairs = _table(["candidate", "candidate − default, per seed", "seeds", "seed spread",
-                    "verdict"], rows)
+    pairs = plan_report.table(["candidate", "candidate − default, per seed", "seeds",
+                               "seed spread", "verdict"], rows)
     return configs, pairs
 
 
@@ -167,12 +153,11 @@ def _momenta(runs: list[dict]) -> str:
 
 def section(paths: list[str]) -> str:
     """The Markdown section from the ``--plan floor`` results files ``paths``."""
-    meta, runs = _load(paths)
+    meta, runs = plan_report.load(paths, "floor")
     if meta is None:
         raise ValueError(f"no meta record in {paths}")
     configs, pairs = tables(by_config(runs))
     mdl = meta["model"]
-    command = shlex.join(["python3", "examples/quality_study.py", *meta["argv"]])
     return "\n".join([
         TITLE, "",
         "Generated from " + ", ".join(f"`{p}`" for p in paths) + ". Candidate changes of "
@@ -182,7 +167,8 @@ def section(paths: list[str]) -> str:
         "`orthogonalizer=dion3_jax.make_orthogonalizer(preconditioning=\"norm_bound\")`, the "
         "default coefficients with one scale per matrix read off the first Gram matrix "
         "(`docs/POLAR.md`), and `pe4_bound`, the same rescaling before the 4-step "
-        "`coefficients=\"polar_express_4\"` with `restarts=()`, at f = 1 and 1/4. The momentum: " + _momenta(runs) + ", rounded "
+        "`coefficients=\"polar_express_4\"` with `restarts=()`, at f = 1 and 1/4. The momentum: "
+        + _momenta(runs) + ", rounded "
         "stochastically (`docs/HYPERPARAMETERS.md`), at f = 1/4 and 1/8. Held-out nats/byte "
         "after the last step, mean ± sample standard deviation over seeds; step ms is the median "
         "over the configuration's runs.", "",
@@ -196,12 +182,5 @@ def section(paths: list[str]) -> str:
         "the spread is within it, and the differences' own standard deviation says how steady "
         "it is.", "",
         pairs, "",
-        "```bash", command, "```", "",
-        _table(["", ""], [
-            ["code", meta.get("tag") or "(not recorded)"],
-            ["date", meta["date"]],
-            ["machine", f"{meta['device']} ({meta['n_devices']} device), Python "
-                        f"{meta['python']}, jax {meta['jax']}"],
-            ["runs", f"{len(runs)} finished"],
-        ]),
+        *plan_report.footer(meta, runs),
     ])

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import collections
 import json
-import shlex
 import statistics
 
 import numpy as np
 
 import param_rounding
+import plan_report
 
 TITLE = "## bf16 parameters: rounding"
 
@@ -41,18 +41,6 @@ def is_rounding_results(path: str) -> bool:
         first = json.loads(f.readline())
     return first.get("type") == "meta" and first.get("plan") == "rounding"
 
-
-def _load(paths: list[str]) -> tuple[dict, list[dict]]:
-    meta, runs = None, []
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                rec = json.loads(line)
-                if rec["type"] == "meta" and meta is None:
-                    meta = rec
-                elif rec["type"] == "run":
-                    runs.append(rec)
-    return meta, runs
 
 
 def optimizer_label(run: dict) -> str:
@@ -90,10 +78,6 @@ def _signed(xs: list[float]) -> str:
     return f"{statistics.fmean(xs):+.4f}{std} (n={len(xs)})"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
 
 def _tables(groups: dict) -> tuple[str, str]:
     f32, once, twice = param_rounding.VARIANTS
@@ -110,18 +94,18 @@ def _tables(groups: dict) -> tuple[str, str]:
                 seeds.append([opt, name, ", ".join(f"{r['final_heldout']:.4f}" for r in runs),
                               f"{np.median([r['step_ms'] for r in runs]):.1f}"])
     header = ["optimizer", *names, "twice − once, per seed", "once − float32, per seed"]
-    return (_table(header, main),
-            _table(["optimizer", "variant", "held-out per seed (0, 1, 2)", "step ms"], seeds))
+    return (plan_report.table(header, main),
+            plan_report.table(["optimizer", "variant", "held-out per seed (0, 1, 2)", "step ms"],
+                              seeds))
 
 
 def section(paths: list[str]) -> str:
     """The Markdown section from the ``--plan rounding`` results files ``paths``."""
-    meta, runs = _load(paths)
+    meta, runs = plan_report.load(paths)
     if meta is None:
         raise ValueError(f"no meta record in {paths}")
     main, seeds = _tables(by_variant(runs))
     mdl = meta["model"]
-    command = shlex.join(["python3", "examples/quality_study.py", *meta["argv"]])
     return "\n".join([
         TITLE, "",
         "Generated from " + ", ".join(f"`{p}`" for p in paths) + ". The same model, data and "
@@ -138,12 +122,5 @@ def section(paths: list[str]) -> str:
         "mean ± standard deviation over seeds; a difference column is the mean ± standard "
         "deviation of the per-seed differences.", "",
         main, "", seeds, "",
-        "```bash", command, "```", "",
-        _table(["", ""], [
-            ["code", meta.get("tag") or "(not recorded)"],
-            ["date", meta["date"]],
-            ["machine", f"{meta['device']} ({meta['n_devices']} device), Python "
-                        f"{meta['python']}, jax {meta['jax']}"],
-            ["runs", f"{len(runs)} finished"],
-        ]),
+        *plan_report.footer(meta, runs),
     ])

@@ -142,12 +142,13 @@ def test_tiny_rounding_plan_step():
 def test_rounding_report_is_computed_from_the_runs():
     """The committed ``--plan rounding`` results with fresh random losses: the section's paired
     differences and means follow them."""
+    import plan_report
     import rounding_report
 
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "quality",
                         "h200_rounding.jsonl")
     assert rounding_report.is_rounding_results(path)
-    _, runs = rounding_report._load([path])
+    _, runs = plan_report.load([path])
     rng = np.random.default_rng(SEED + 2)
     for r in runs:
         r["final_heldout"] = float(rng.uniform(1, 2))
