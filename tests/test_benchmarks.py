@@ -77,53 +77,55 @@ def test_benchmark_script_runs(args):
     assert "ms" in out.stdout
 
 
+def _bench_compile(capsys, *args: str):
+    """What ``bench_compile.main(args)`` prints, run in this process: one interpreter start
+    fewer per test. test_bench_compile_cache_dir runs the script as a command
+    (its persistent cache is a process-wide setting)."""
+    capsys.readouterr()
+    _benchmark("bench_compile").main(list(args))
+    return capsys.readouterr().out
+
+
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
-def test_bench_compile_lower_for_h200_counts_kernels():
+def test_bench_compile_lower_for_h200_counts_kernels(capsys):
     """bench_compile.py --lower-for-h200 (no GPU): the default step lowers Mosaic GPU kernels
     (the passes at least), the step with every product and pass in XLA none."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
-                          "256", "--ff", "512", "--fractions", "1", "--lower-for-h200",
-                          "--list-kernels"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    table, listing = out.stdout.split("\n\n", 1)
+    out = _bench_compile(capsys, "--layers", "1", "--d", "256", "--ff", "512", "--fractions",
+                         "1", "--lower-for-h200", "--list-kernels")
+    table, listing = out.split("\n\n", 1)
     rows = {" ".join(line.split()[1:-3]): int(line.split()[-1])
             for line in table.splitlines()[2:]}
-    assert set(rows) == {"dion3 f=1", "dion3 f=1 no kernels"}, out.stdout
-    assert rows["dion3 f=1"] >= 2 and rows["dion3 f=1 no kernels"] == 0, out.stdout
+    assert set(rows) == {"dion3 f=1", "dion3 f=1 no kernels"}, out
+    assert rows["dion3 f=1"] >= 2 and rows["dion3 f=1 no kernels"] == 0, out
     # --list-kernels: one line per counted kernel, its wrapper and its types.
     kernels = [line.split()[0] for line in listing.splitlines() if line.startswith("  ")]
-    assert len(kernels) == rows["dion3 f=1"], out.stdout
-    assert any(k.startswith("accumulate_rows_mosaic") for k in kernels), out.stdout
+    assert len(kernels) == rows["dion3 f=1"], out
+    assert any(k.startswith("accumulate_rows_mosaic") for k in kernels), out
     assert all("tensor<" in line for line in listing.splitlines() if line.startswith("  "))
 
 
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
-def test_bench_compile_ops_table():
+def test_bench_compile_ops_table(capsys):
     """bench_compile.py --ops: one row per per-matrix pass, its compile milliseconds per
     instance and its fusions per instance (the passes are the step's: each compiles to at
     least one kernel)."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--ops", "2", "--d",
-                          "64"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.rsplit(None, 2) for line in out.stdout.splitlines()[2:]]
+    out = _bench_compile(capsys, "--ops", "2", "--d", "64")
+    rows = [line.rsplit(None, 2) for line in out.splitlines()[2:]]
     assert [r[0] for r in rows] == ["S = d ⊙ M + G", "S and its two row sums",
                                     "payload gather S[:, I] → f16", "update gather + parameter",
-                                    "AdamW's update", "slice of a per-group array"], out.stdout
-    assert all(float(ms) > 0 and float(fusions) >= 1 for _, ms, fusions in rows), out.stdout
+                                    "AdamW's update", "slice of a per-group array"], out
+    assert all(float(ms) > 0 and float(fusions) >= 1 for _, ms, fusions in rows), out
 
 
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
-def test_bench_compile_no_kernel_rows():
+def test_bench_compile_no_kernel_rows(capsys):
     """bench_compile.py --no-kernel-rows: each Dion3 step also compiled with no kernel, in a
     row of its own, after AdamW's."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
-                          "64", "--ff", "176", "--fractions", "1", "0.5", "--no-kernel-rows"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    names = [" ".join(line.split()[1:-5]) for line in out.stdout.splitlines()[2:]]
+    out = _bench_compile(capsys, "--layers", "1", "--d", "64", "--ff", "176", "--fractions", "1",
+                         "0.5", "--no-kernel-rows")
+    names = [" ".join(line.split()[1:-5]) for line in out.splitlines()[2:]]
     assert names == ["adamw", "dion3 f=1", "dion3 f=1 no kernels", "dion3 f=0.5",
-                     "dion3 f=0.5 no kernels"], out.stdout
+                     "dion3 f=0.5 no kernels"], out
 
 
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
@@ -143,14 +145,12 @@ def test_bench_compile_cache_dir(tmp_path):
 
 
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
-def test_bench_compile_first_call():
+def test_bench_compile_first_call(capsys):
     """bench_compile.py --first-call: under each variant's row, the seconds of its compiled
     step's first and second call on allocated leaves."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
-                          "64", "--ff", "176", "--fractions", "1", "--first-call"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()[2:]
+    out = _bench_compile(capsys, "--layers", "1", "--d", "64", "--ff", "176", "--fractions", "1",
+                         "--first-call")
+    lines = out.splitlines()[2:]
     assert [line.split()[:2] for line in lines[1::2]] == [["adamw", "first"], ["dion3", "f=1"]]
     for line in lines[1::2]:
         first, second = map(float, re.search(r"first call (\S+) s, second (\S+) s", line).groups())
@@ -158,19 +158,17 @@ def test_bench_compile_first_call():
 
 
 @pytest.mark.slow
-def test_bench_compile_repeats():
+def test_bench_compile_repeats(capsys):
     """bench_compile.py --repeats 2: two rounds of rows, then a median row per variant whose
     ratio is its median total over AdamW's (the tiny model, f = 1 only)."""
-    out = subprocess.run([sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d",
-                          "64", "--ff", "176", "--fractions", "1", "--repeats", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    out = _bench_compile(capsys, "--layers", "1", "--d", "64", "--ff", "176", "--fractions", "1",
+                         "--repeats", "2")
+    rows = [line.split() for line in out.splitlines()[2:]]
     assert [r[1] for r in rows] == ["adamw", "dion3", "adamw", "dion3", "adamw", "dion3"]
     totals = {name: sorted(float(r[-2]) for r in rows[:4] if r[1] == name)
               for name in ("adamw", "dion3")}
     median = {name: sum(t) / 2 for name, t in totals.items()}  # the median of two
-    assert rows[4][2] == rows[5][3] == "(median)", out.stdout
+    assert rows[4][2] == rows[5][3] == "(median)", out
     assert float(rows[4][-2]) == pytest.approx(median["adamw"], abs=0.006)
     assert float(rows[5][-2]) == pytest.approx(median["dion3"], abs=0.006)
     # (the printed totals are rounded to 0.01 s, so their ratio only to a few percent)

@@ -225,14 +225,14 @@ def census(layers: int, fraction: float) -> dict:
 
 @pytest.mark.slow
 def test_collectives_per_shape_group_not_per_layer_and_bytes_scale_with_f():
-    """4 shape groups (up, down, experts, q): 8 all-to-alls at 2 and at 8 layers, and as many
+    """4 shape groups (up, down, experts, q): 8 all-to-alls at 2 and at 4 layers, and as many
     all-reduces; the all-to-alls carry ``k × C`` per matrix (f = 1/4 moves a quarter of
     f = 1's elements, give or take the padding of the count to the axis size); no all-gather
     (local scope); no collective result as large as a whole matrix of a sharded leaf."""
-    two, eight = census(2, 0.25), census(8, 0.25)
-    assert two["all-to-all"] == eight["all-to-all"] == 2 * 4, (two, eight)
-    assert two["all-reduce"] == eight["all-reduce"], (two, eight)
-    assert not two["all-gather"] and not eight["all-gather"]
+    two, four = census(2, 0.25), census(4, 0.25)
+    assert two["all-to-all"] == four["all-to-all"] == 2 * 4, (two, four)
+    assert two["all-reduce"] == four["all-reduce"], (two, four)
+    assert not two["all-gather"] and not four["all-gather"]
     full = census(2, 1.0)
     ratio = two["all-to-all elements"] / full["all-to-all elements"]
     assert 0.2 <= ratio <= 0.3, (ratio, two, full)

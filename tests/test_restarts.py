@@ -239,20 +239,19 @@ def test_cli_prints_table_and_choice():
     assert "84.57" in result.stdout
 
 
-@pytest.mark.slow
-def test_cli_user_coefficients(tmp_path):
+def test_cli_user_coefficients(tmp_path, capsys):
+    """The three ways to give coefficients, through ``main`` in-process (the command's
+    ``python -m`` entry point runs in test_cli_prints_table_and_choice)."""
     coeffs = [list(t) for t in PRESETS["jordan"]]
-    result = _run_cli("--coefficients", json.dumps(coeffs), "--steps", "6")
-    assert result.returncode == 0, result.stderr
-    assert "chosen restarts: (2,)" in result.stdout  # growth 667.7
+    assert main(["--coefficients", json.dumps(coeffs), "--steps", "6"]) == 0
+    assert "chosen restarts: (2,)" in capsys.readouterr().out  # growth 667.7
     path = tmp_path / "coeffs.json"
     path.write_text(json.dumps(coeffs))
-    result = _run_cli("--coefficients", str(path), "--max-growth", "100")
-    assert result.returncode == 0, result.stderr
-    assert "chosen restarts: (3,)" in result.stdout
+    assert main(["--coefficients", str(path), "--max-growth", "100"]) == 0
+    assert "chosen restarts: (3,)" in capsys.readouterr().out
     semicolons = ";".join(",".join(map(str, t)) for t in PRESETS["you"])
-    result = _run_cli("--coefficients", semicolons)
-    assert "chosen restarts: (2,)" in result.stdout
+    main(["--coefficients", semicolons])
+    assert "chosen restarts: (2,)" in capsys.readouterr().out
 
 
 def test_cli_errors(capsys):
