@@ -62,3 +62,28 @@ def print_module_seed(request):
     seed = getattr(request.module, "SEED", None)
     if seed is not None:
         print(f"{request.module.__name__}.SEED = {seed} (replay: {ENV_VAR}={seed})")
+
+
+#: Set to 1 to keep every parameter set of a parametrized test out of the slow set (``.ci/run``
+#: does for its fast loop on the upper end of the version range).
+EVERY_CASE_VAR = "DION3_FAST_LOOP_EVERY_CASE"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The fast loop runs each parametrized test once: the first of its parameter sets that is
+    not marked ``slow``; the later ones are marked ``slow`` here, so the full suite runs them
+    all and ``-m "not slow"`` one of each (unless ``DION3_FAST_LOOP_EVERY_CASE=1``). Runs
+    before ``-m`` deselects, and every xdist worker collects the same items in the same order,
+    so each worker marks the same cases."""
+    if os.environ.get(EVERY_CASE_VAR) == "1":
+        return
+    kept = set()
+    for item in items:
+        if getattr(item, "callspec", None) is None or item.get_closest_marker("slow"):
+            continue
+        key = (item.path, item.cls, item.originalname)
+        if key in kept:
+            item.add_marker(pytest.mark.slow)
+        else:
+            kept.add(key)

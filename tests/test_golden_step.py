@@ -198,6 +198,7 @@ def _off_by_one_percent(orig):
 
 
 @_EIGHT_CPUS
+@pytest.mark.slow  # ~5 s: a check of the guard itself, not of the step
 @pytest.mark.parametrize("target,mutate", [
     ("deferred_decay", _drop_one_rows_decay),
     pytest.param("normuon_row_scales", _off_by_one_percent, marks=pytest.mark.slow)])

@@ -156,6 +156,8 @@ def check_against_one_device(m, fraction, polar, scope, param_specs=None,
         assert rel_err(state.full_momentum()[k], ref_state.full_momentum()[k]) <= tol, k
 
 
+@pytest.mark.slow  # ~11 s; the fast loop keeps tiles through the local-scope test below and
+# the global scope through test_distributed's global-scope test
 @pytest.mark.parametrize("polar,fraction,scope", [
     ("float32", 0.25, "global"),
     pytest.param("float32", 1.0, "local", marks=pytest.mark.slow),

@@ -205,6 +205,7 @@ def test_step_rounds_16bit_momentum_stochastically_and_reproducibly(monkeypatch)
         np.testing.assert_array_equal(np.asarray(f32[k]), np.asarray(f32_nearest[k]))
 
 
+@pytest.mark.slow  # ~4 s; the fast loop keeps a shard's bits against the leaf's
 def test_sharded_bfloat16_momentum_equals_one_device():
     """A row-sharded bfloat16 momentum after two steps is the one-device momentum, bit for bit
     (the bits are per global element; the sums before them are elementwise; the rows are

@@ -271,6 +271,7 @@ def _three_steps(make_tx, params, sharded: bool, options=None) -> list:
 # bitwise above; nor do bfloat16 momenta at f = 1 (checked bitwise above; the step hands the
 # kernel the momenta whatever their dtype), nor f = 1 on the mesh (every row: the same launches
 # on the shards the f = 1/4 mesh case already stacks).
+@pytest.mark.slow  # ~7 s; the fast loop keeps the kernel against its reference, bitwise
 @pytest.mark.parametrize("sharded,mu_dtype,fraction", [
     (False, jnp.bfloat16, 0.25),
     pytest.param(True, jnp.bfloat16, 0.25, marks=pytest.mark.slow),

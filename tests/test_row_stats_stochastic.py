@@ -287,6 +287,7 @@ def _xla_polar():
     return dion3_jax.make_orthogonalizer(backend="xla")
 
 
+@pytest.mark.slow  # ~5 s; the fast loop keeps the kernel against the reference, bit for bit
 def test_the_step_through_the_interpreted_kernel_gives_xlas_momentum(monkeypatch):
     """Two steps of a bfloat16 momentum (a matrix and a stack of two) at f = 1, the statistics
     pass through the interpreted Mosaic kernel with the blocks' counters: the momentum is the
