@@ -246,7 +246,7 @@ def _statistics_kernel(plan: Plan, u: Unit, dtype, count, counters: dict) -> boo
     shape, ra = _local_shape(plan, u)[1:], u.layout.row_axis
     try:
         if pallas_kernels.accumulate_rows_implementation(
-                shape, ra, plan.pass_implementation, False, stochastic) == "xla":
+                shape, ra, plan.pass_implementation) == "xla":
             return False
         if not stochastic:
             return True

@@ -74,7 +74,7 @@ def _check(m, g, scale, row_axis) -> None:
 
 def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
                                    implementation: RowStatsImplementation = "auto",
-                                   interpret: bool = False, stochastic: bool = False) -> str:
+                                   interpret: bool = False) -> str:
     """What :func:`accumulate_rows` runs for matrices of ``shape`` on the target device.
 
     A caller that gets ``"xla"`` may compute the pass in its own array shape instead
@@ -86,10 +86,9 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       shape: ``(a, b)``, each matrix's shape (the call's ``m.shape[1:]``).
       row_axis: the axis of the rows, 1 or 2, as in :func:`accumulate_rows`.
       implementation: what the caller asks for, as in :func:`accumulate_rows`.
-      interpret: whether the kernel would run through an interpreter (CPU tests).
-      stochastic: whether ``S`` is a 16-bit momentum rounded stochastically with the bits of
-        a counter (``counter`` of :func:`accumulate_rows`), which both kernels hash themselves
-        (so it changes no choice; a bits array is for XLA only, :func:`accumulate_rows`).
+      interpret: whether the kernel would run through an interpreter (CPU tests). A 16-bit
+        momentum rounded stochastically changes no choice: both kernels hash a counter's bits
+        themselves (a bits array is for XLA only, :func:`accumulate_rows`).
 
     Returns:
       ``"xla"``, ``"mosaic"`` or ``"pallas_triton"``.
@@ -102,7 +101,6 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
       >>> accumulate_rows_implementation((64, 256), 1, "xla")
       'xla'
     """
-    del stochastic  # both kernels take a counter
     fits = {"mosaic": _row_stats_mosaic.blocks(shape, row_axis) is not None,
             "pallas_triton": _row_stats_triton.blocks(shape, row_axis) is not None}
     needs = {"mosaic": f"an extent along axis 1 that is a multiple of 64 and a minor axis with "
@@ -175,7 +173,7 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
                          f"counter= or 'xla'")
     chosen = accumulate_rows_implementation(
         (m.shape[1], m.shape[2]), row_axis, "xla" if bits is not None and sixteen
-        else implementation, interpret, sixteen and counter is not None)
+        else implementation, interpret)
     if chosen == "xla":
         s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis, bits=bits,
                                               counter=counter)

@@ -241,7 +241,7 @@ def test_statistics_pass_with_bits_runs_in_xla():
     g = jnp.asarray(rng.standard_normal((2, 64, 64)), jnp.float32)
     d = jnp.asarray(rng.uniform(0.5, 1.0, (2, 64)), jnp.float32)
     bits = _rounding.momentum_bits(SEED, jnp.int32(1), 0, _rounding.SUM, m.shape)
-    assert pallas_kernels.accumulate_rows_implementation((64, 64), 1, "auto", True, True) == "xla"
+    assert pallas_kernels.accumulate_rows_implementation((64, 64), 1, "auto", True) == "xla"
     s, l1, _ = pallas_kernels.accumulate_rows(m, g, d, row_axis=1, interpret=True, bits=bits)
     want = pallas_kernels.scaled_sum(m, g, d[:, :, None], bits)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want))

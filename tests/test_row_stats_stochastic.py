@@ -247,19 +247,17 @@ def test_block_counters_of_a_shard_give_the_leafs_bits(spec):
 
 
 def test_auto_takes_the_mosaic_kernel_for_a_16_bit_momentum_on_hopper():
-    """On an H200 ``"auto"`` and ``"mosaic"`` take the Mosaic kernel for a stochastically
-    rounded momentum, ``"pallas_triton"`` its kernel; on the CPU ``"auto"`` is XLA."""
+    """On an H200 ``"auto"`` and ``"mosaic"`` take the Mosaic kernel whatever the momentum's
+    dtype (a stochastically rounded one too: the choice no longer asks), ``"pallas_triton"``
+    its kernel; on the CPU ``"auto"`` is XLA."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     with use_abstract_mesh(mesh):
         for row_axis in (1, 2):
-            assert accumulate_rows_implementation((4096, 4096), row_axis, "auto",
-                                                  stochastic=True) == "mosaic"
-            assert accumulate_rows_implementation((4096, 4096), row_axis, "mosaic",
-                                                  stochastic=True) == "mosaic"
-        assert accumulate_rows_implementation((40, 64), 2, "auto", stochastic=True) == "xla"
-        assert accumulate_rows_implementation((4096, 4096), 2, "pallas_triton",
-                                              stochastic=True) == "pallas_triton"
-    assert accumulate_rows_implementation((4096, 4096), 2, "auto", stochastic=True) == "xla"
+            assert accumulate_rows_implementation((4096, 4096), row_axis, "auto") == "mosaic"
+            assert accumulate_rows_implementation((4096, 4096), row_axis, "mosaic") == "mosaic"
+        assert accumulate_rows_implementation((40, 64), 2, "auto") == "xla"
+        assert accumulate_rows_implementation((4096, 4096), 2, "pallas_triton") == "pallas_triton"
+    assert accumulate_rows_implementation((4096, 4096), 2, "auto") == "xla"
 
 
 def test_accumulate_rows_routes_counters_and_bits():
