@@ -27,7 +27,7 @@ whether the two outputs are bitwise equal.
 Needs a Hopper GPU. Usage (repository root)::
 
     python benchmarks/kernel_cold_start.py
-    python benchmarks/kernel_cold_start.py --compare /tmp/_mosaic_lane.py --rounds 2
+    python benchmarks/kernel_cold_start.py --compare path/to/_mosaic_copy.py --rounds 2
 """
 
 from __future__ import annotations
