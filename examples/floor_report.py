@@ -16,9 +16,9 @@
 
 Made from ``--plan floor`` results: ``python examples/quality_study.py --report STUDY.jsonl
 FLOOR.jsonl`` puts it after the study's own sections (and after "bf16 parameters: rounding").
-Per configuration (f, polar, momentum dtype) the mean ± sample standard deviation of the final
+Per configuration (f, polar, momentum dtype, parameter dtype) the mean ± sample standard deviation of the final
 held-out loss over seeds and the median step time; per candidate, the differences from the
-default at the same f paired by seed (the seed fixes the initialization and the batch order, so
+default at the same f and parameter dtype paired by seed (the seed fixes the initialization and the batch order, so
 the two runs of a seed differ only in the candidate change), and a verdict: "within the seed
 spread" when the mean difference is no larger than the larger of the two configurations' seed
 standard deviations, else "ahead" (lower loss) or "behind".
@@ -36,7 +36,8 @@ import numpy as np
 import plan_report
 
 TITLE = "## Past the floor: polar rescaling and 16-bit momentum"
-#: A configuration: (fraction, polar, momentum dtype); the defaults are ("default", "float32").
+#: A configuration: (fraction, polar, momentum dtype, parameter dtype); the defaults' polar and
+#: momentum dtype are ("default", "float32").
 DEFAULT = ("default", "float32")
 
 
@@ -54,13 +55,16 @@ def is_floor_results(path: str) -> bool:
 
 
 
-def config_key(run: dict) -> tuple[float, str, str]:
-    """A run's configuration; results without the floor fields read as the defaults."""
-    return (run["fraction"], run.get("polar", "default"), run.get("mu_dtype", "float32"))
+def config_key(run: dict) -> tuple[float, str, str, str]:
+    """A run's configuration; results without the floor fields read as the defaults (and
+    float32 parameters)."""
+    return (run["fraction"], run.get("polar", "default"), run.get("mu_dtype", "float32"),
+            run.get("param_dtype", "float32"))
 
 
 def by_config(runs: list[dict]) -> dict[tuple, dict[int, dict]]:
-    """``{(f, polar, mu_dtype): {seed: run}}``, configurations in first-run order."""
+    """``{(f, polar, mu_dtype, param_dtype): {seed: run}}``, configurations in first-run
+    order."""
     out = collections.OrderedDict()
     for r in runs:
         out.setdefault(config_key(r), {})[r["seed"]] = r
@@ -68,8 +72,9 @@ def by_config(runs: list[dict]) -> dict[tuple, dict[int, dict]]:
 
 
 def candidates(groups: dict) -> list[tuple[tuple, tuple]]:
-    """(candidate, its default at the same f) for every non-default configuration run."""
-    return [(key, (key[0], *DEFAULT)) for key in groups if key[1:] != DEFAULT]
+    """(candidate, its default at the same f and parameter dtype) for every non-default
+    configuration run."""
+    return [(key, (key[0], *DEFAULT, key[3])) for key in groups if key[1:3] != DEFAULT]
 
 
 def summary(seeds: dict[int, dict]) -> dict:
@@ -101,11 +106,12 @@ def compare(cand: dict[int, dict], base: dict[int, dict]) -> dict:
 
 def config_label(key: tuple) -> str:
     """``f = 1/4, norm_bound polar`` and the like."""
-    f, polar, mu_dtype = key
+    f, polar, mu_dtype, param_dtype = key
     name = "f = 1" if f == 1 else f"f = 1/{round(1 / f)}"
-    parts = [name] + ([f"{polar} polar"] if polar != "default" else []) \
+    parts = [name] + ([f"{param_dtype} parameters"] if param_dtype != "float32" else []) \
+        + ([f"{polar} polar"] if polar != "default" else []) \
         + ([f"{mu_dtype} momentum"] if mu_dtype != "float32" else [])
-    return ", ".join(parts) + (", defaults" if key[1:] == DEFAULT else "")
+    return ", ".join(parts) + (", defaults" if key[1:3] == DEFAULT else "")
 
 
 def _num(x: float | None, fmt: str = ".4f") -> str:
@@ -163,13 +169,15 @@ def section(paths: list[str]) -> str:
         "Generated from " + ", ".join(f"`{p}`" for p in paths) + ". Candidate changes of "
         "Dion3 against its defaults, on the same model, data and "
         f"{meta['steps']}-step schedule as above ({mdl['compute_dtype']} activations, float32 "
-        f"parameters), at {_rates(runs)}. The polars: `norm_bound`, "
+        f"parameters unless a row names bfloat16 ones, stored in bfloat16 and updated with one "
+        f"rounding, `examples/param_rounding.py`), at {_rates(runs)}. The polars: `norm_bound`, "
         "`orthogonalizer=dion3_jax.make_orthogonalizer(preconditioning=\"norm_bound\")`, the "
         "default coefficients with one scale per matrix read off the first Gram matrix "
         "(`docs/POLAR.md`), and `pe4_bound`, the same rescaling before the 4-step "
         "`coefficients=\"polar_express_4\"` with `restarts=()`, at f = 1 and 1/4. The momentum: "
         + _momenta(runs) + ", rounded "
-        "stochastically (`docs/HYPERPARAMETERS.md`), at f = 1/4 and 1/8. Held-out nats/byte "
+        "stochastically (`docs/HYPERPARAMETERS.md`), at f = 1/4 and 1/8, each against float32 "
+        "momentum with the same parameters. Held-out nats/byte "
         "after the last step, mean ± sample standard deviation over seeds; step ms is the median "
         "over the configuration's runs.", "",
         configs, "",
@@ -182,5 +190,16 @@ def section(paths: list[str]) -> str:
         "the spread is within it, and the differences' own standard deviation says how steady "
         "it is.", "",
         pairs, "",
-        *plan_report.footer(meta, runs),
+        *_footers(paths),
     ])
+
+
+def _footers(paths: list[str]) -> list[str]:
+    """Each results file's command, code, date, machine and count (a later file resumed the
+    earlier ones' runs and added its own)."""
+    lines: list[str] = []
+    for path in paths:
+        meta, runs = plan_report.load([path], "floor")
+        if meta is not None:
+            lines += [f"`{path}`:", "", *plan_report.footer(meta, runs), ""]
+    return lines[:-1]

@@ -37,8 +37,9 @@ and with bfloat16 parameters rounded once and twice, three seeds each. ``--plan 
 candidate changes of Dion3 against its defaults at the same learning rates, three seeds each:
 two polars (``POLARS``: ``preconditioning="norm_bound"``, and the 4-step ``polar_express_4``
 after it with no restart; ``docs/POLAR.md``) at f = 1 and 1/4, and bfloat16 and float16
-momenta (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8; every configuration's seed 0
-runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
+momenta (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8, and float16 momentum with
+bfloat16 parameters (updates rounded once) beside float32 momentum with them; every
+configuration's seed 0 runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
 
 Every optimizer config is compiled once, ahead of time and in parallel: the learning rate, μ and
 weight decay live in the optimizer state (``optax.inject_hyperparams``; ``fraction``, the polar
@@ -51,7 +52,7 @@ Usage::
     python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
     python examples/quality_study.py --plan rounding --out runs/quality/rounding.jsonl
-    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 33 runs
+    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 45 runs
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
 plots under ``docs/quality/``; results of ``--plan rounding`` (given among the files) become the
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default="study", choices=["study", "rounding", "floor"],
                    help="study: the adaptive plan of the three phases; rounding: every optimizer "
                         "under the three parameter-storage variants of examples/param_rounding.py;"
-                        " floor: Dion3's norm_bound polar and bfloat16 momentum against the "
+                        " floor: Dion3's candidate polars and 16-bit momenta against its "
                         "defaults")
     p.add_argument("--seeds", type=_common.positive_int, default=3,
                    help="seeds 0, 1, ... of every configuration (--plan rounding and floor)")
@@ -161,7 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plan == "rounding" and (args.param_dtype, args.rounding) != ("float32", "once"):
         p.error("--plan rounding runs every --param-dtype and --rounding itself: pass neither")
     if args.plan == "floor" and (args.param_dtype, args.rounding) != ("float32", "once"):
-        p.error("--plan floor runs float32 parameters: pass neither --param-dtype nor --rounding")
+        p.error("--plan floor sets the parameters' dtype per run: pass neither --param-dtype nor "
+                "--rounding")
     if args.plan == "study" and args.seeds != 3:
         p.error("--seeds is for the fixed plans (--plan rounding, floor); the study plans its "
                 "own seeds")
@@ -269,14 +271,23 @@ class Planner:
     #: The best peak learning rates of the study's sweeps (docs/QUALITY.md), for --plan rounding.
     BEST_ADAMW_LR, BEST_NORMUON_LR = 2e-3, 0.04
     ROUNDING_OPTS = ("dion3", "normuon", "adamw")
-    #: --plan floor: Dion3's (f, polar, momentum dtype), each candidate beside its default.
-    FLOOR_CONFIGS = ((1.0, "default", "float32"), (1.0, "norm_bound", "float32"),
-                     (1.0, "pe4_bound", "float32"),
-                     (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
-                     (0.25, "pe4_bound", "float32"), (0.25, "default", "bfloat16"),
-                     (0.25, "default", "float16"),
-                     (0.125, "default", "float32"), (0.125, "default", "bfloat16"),
-                     (0.125, "default", "float16"))
+    #: --plan floor: Dion3's (f, polar, momentum dtype, parameter dtype), each candidate beside
+    #: its default (the defaults' polar and momentum, same f and parameter dtype).
+    FLOOR_CONFIGS = ((1.0, "default", "float32", "float32"),
+                     (1.0, "norm_bound", "float32", "float32"),
+                     (1.0, "pe4_bound", "float32", "float32"),
+                     (0.25, "default", "float32", "float32"),
+                     (0.25, "norm_bound", "float32", "float32"),
+                     (0.25, "pe4_bound", "float32", "float32"),
+                     (0.25, "default", "bfloat16", "float32"),
+                     (0.25, "default", "float16", "float32"),
+                     (0.125, "default", "float32", "float32"),
+                     (0.125, "default", "bfloat16", "float32"),
+                     (0.125, "default", "float16", "float32"),
+                     (0.25, "default", "float32", "bfloat16"),
+                     (0.25, "default", "float16", "bfloat16"),
+                     (0.125, "default", "float32", "bfloat16"),
+                     (0.125, "default", "float16", "bfloat16"))
 
     def __init__(self, steps: int, max_steps: int, param_dtype: str = "float32",
                  rounding: str = "once", seeds: int = 3):
@@ -345,16 +356,24 @@ class Planner:
                    seed, self.steps, f, dion3_jax.momentum_for_fraction(f), "pow",
                    self.MATRIX_WD, adam_lr=adam_lr, **storage)
 
-    def floor_run(self, fraction: float, polar: str, mu_dtype: str, seed: int) -> Run:
+    def floor_run(self, fraction: float, polar: str, mu_dtype: str, seed: int,
+                  param_dtype: str = "float32") -> Run:
         """A run of --plan floor: Dion3 at ``fraction`` as :meth:`rounding_run` builds it
-        (float32 parameters), with the polar's ``preconditioning`` (``"default"``: the library's
-        default orthogonalizer) and the momentum dtype ``mu_dtype``."""
+        (parameters stored in ``param_dtype``, updates rounded once), with the polar's
+        ``preconditioning`` (``"default"``: the library's default orthogonalizer) and the
+        momentum dtype ``mu_dtype``."""
         import dion3_jax
 
         return Run("floor", "dion3",
                    dion3_jax.transfer_learning_rate(self.BEST_NORMUON_LR, 1.0, fraction), seed,
                    self.steps, fraction, dion3_jax.momentum_for_fraction(fraction), "pow",
-                   self.MATRIX_WD, adam_lr=self.BEST_ADAMW_LR, polar=polar, mu_dtype=mu_dtype)
+                   self.MATRIX_WD, adam_lr=self.BEST_ADAMW_LR, param_dtype=param_dtype,
+                   polar=polar, mu_dtype=mu_dtype)
+
+    def floor_config_run(self, config: tuple, seed: int) -> Run:
+        """:meth:`floor_run` of one of :data:`FLOOR_CONFIGS`."""
+        fraction, polar, mu_dtype, param_dtype = config
+        return self.floor_run(fraction, polar, mu_dtype, seed, param_dtype)
 
     def examples(self, plan: str) -> dict[str, Run]:
         """One run per compiled step of ``plan``, by step name (their values are set per run)."""
@@ -362,7 +381,7 @@ class Planner:
             runs = [self.rounding_run(opt, 0, *v) for opt in self.ROUNDING_OPTS
                     for v in param_rounding.VARIANTS]
         elif plan == "floor":
-            runs = [self.floor_run(*c, 0) for c in self.FLOOR_CONFIGS]
+            runs = [self.floor_config_run(c, 0) for c in self.FLOOR_CONFIGS]
         else:
             runs = [self.adamw(1e-3, 0), self.normuon(0.02, 0)]
             runs += [Run("x", "dion3", 0.04, 0, self.steps, f, adam_lr=1e-3, **self.storage)
@@ -398,7 +417,7 @@ class Planner:
         if plan == "floor":  # every configuration's seed 0 first: a time limit keeps seeds
             for seed in range(self.seeds):
                 yield f"floor seed {seed}", lambda seed=seed: [
-                    self.floor_run(*c, seed) for c in self.FLOOR_CONFIGS]
+                    self.floor_config_run(c, seed) for c in self.FLOOR_CONFIGS]
             return
         yield "adamw lr sweep", lambda: [self.adamw(lr, 0) for lr in self.ADAMW_LRS]
         yield "adamw sweep edge", lambda: list(self._extend(self.adamw, self.ADAMW_LRS))

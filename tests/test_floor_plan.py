@@ -41,13 +41,15 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import floor_report  # noqa: E402
 import quality_study  # noqa: E402
 
-CONFIGS = [(1.0, "default", "float32"), (1.0, "norm_bound", "float32"),
-           (1.0, "pe4_bound", "float32"),
-           (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
-           (0.25, "pe4_bound", "float32"), (0.25, "default", "bfloat16"),
-           (0.25, "default", "float16"),
-           (0.125, "default", "float32"), (0.125, "default", "bfloat16"),
-           (0.125, "default", "float16")]
+CONFIGS = [(1.0, "default", "float32", "float32"), (1.0, "norm_bound", "float32", "float32"),
+           (1.0, "pe4_bound", "float32", "float32"),
+           (0.25, "default", "float32", "float32"), (0.25, "norm_bound", "float32", "float32"),
+           (0.25, "pe4_bound", "float32", "float32"), (0.25, "default", "bfloat16", "float32"),
+           (0.25, "default", "float16", "float32"),
+           (0.125, "default", "float32", "float32"), (0.125, "default", "bfloat16", "float32"),
+           (0.125, "default", "float16", "float32"),
+           (0.25, "default", "float32", "bfloat16"), (0.25, "default", "float16", "bfloat16"),
+           (0.125, "default", "float32", "bfloat16"), (0.125, "default", "float16", "bfloat16")]
 N = len(CONFIGS)
 
 
@@ -63,19 +65,23 @@ def test_floor_plan_is_every_configuration_seed_by_seed():
     assert len(runs) == 3 * N and len({r.key() for r in runs}) == 3 * N
     assert [r.seed for r in runs] == [0] * N + [1] * N + [2] * N
     for seed in range(3):
-        assert [(r.fraction, r.polar, r.mu_dtype) for r in runs[N * seed:N * seed + N]] == CONFIGS
+        assert [(r.fraction, r.polar, r.mu_dtype, r.param_dtype)
+                for r in runs[N * seed:N * seed + N]] == CONFIGS
     for r in runs:  # Planner.rounding_run's Dion3 run, at every f
         f = r.fraction
-        assert (r.opt, r.phase, r.steps, r.param_dtype, r.rounding) == (
-            "dion3", "floor", 300, "float32", "once")
+        assert (r.opt, r.phase, r.steps, r.rounding) == ("dion3", "floor", 300, "once")
         assert math.isclose(r.lr, 0.04 / math.sqrt(f))
         assert math.isclose(r.lr, dion3_jax.transfer_learning_rate(0.04, 1.0, f))
         assert math.isclose(r.mu, dion3_jax.momentum_for_fraction(f)) and r.mu_rule == "pow"
         assert (r.wd, r.adam_lr) == (0.01, 2e-3)
     ref = planner.rounding_run("dion3", 1, "float32", "once")
-    same = next(r for r in runs if (r.fraction, r.polar, r.mu_dtype, r.seed) == (
-        0.25, "default", "float32", 1))
+    same = next(r for r in runs if (r.fraction, r.polar, r.mu_dtype, r.param_dtype, r.seed) == (
+        0.25, "default", "float32", "float32", 1))
     assert dataclasses.replace(same, phase="rounding") == ref
+    same = next(r for r in runs if (r.fraction, r.polar, r.mu_dtype, r.param_dtype, r.seed) == (
+        0.25, "default", "float32", "bfloat16", 1))
+    assert dataclasses.replace(same, phase="rounding") == planner.rounding_run(
+        "dion3", 1, "bfloat16", "once")
     # --seeds cuts the plan to its first seeds.
     assert len(_floor_runs(quality_study.Planner(300, 599, seeds=2))) == 2 * N
 
@@ -84,12 +90,16 @@ def test_floor_configurations_are_distinct_compiled_steps():
     planner = quality_study.Planner(300, 599)
     examples = planner.examples("floor")
     assert len(examples) == N
-    assert sorted((r.fraction, r.polar, r.mu_dtype) for r in examples.values()) == sorted(CONFIGS)
+    assert sorted((r.fraction, r.polar, r.mu_dtype, r.param_dtype)
+                  for r in examples.values()) == sorted(CONFIGS)
     assert set(examples) == {"dion3@1", "dion3@1 polar norm_bound", "dion3@1 polar pe4_bound",
                              "dion3@0.25", "dion3@0.25 polar norm_bound",
                              "dion3@0.25 polar pe4_bound", "dion3@0.25 momentum bfloat16",
                              "dion3@0.25 momentum float16", "dion3@0.125",
-                             "dion3@0.125 momentum bfloat16", "dion3@0.125 momentum float16"}
+                             "dion3@0.125 momentum bfloat16", "dion3@0.125 momentum float16",
+                             "dion3@0.25 bfloat16 once", "dion3@0.25 bfloat16 once momentum float16",
+                             "dion3@0.125 bfloat16 once",
+                             "dion3@0.125 bfloat16 once momentum float16"}
     names = {quality_study.config_name(r.record()) for r in examples.values()}
     assert len(names) == N
     assert "Dion3 f=1/4 μ 0.8145 lr 0.08 wd 0.01, norm_bound polar" in names
@@ -136,14 +146,14 @@ def test_old_result_lines_load_with_the_default_floor_fields(tmp_path):
     assert planner.rounding_run("dion3", 2, "bfloat16", "twice").key() in planner.results
     with open(path) as f:
         run = next(json.loads(line) for line in f if '"run"' in line)
-    assert floor_report.config_key(run) == (0.25, "default", "float32")
+    assert floor_report.config_key(run) == (0.25, "default", "float32", "float32")
     assert not floor_report.is_floor_results(path)
 
 
 def _fake_runs(rng, seeds=(0, 1, 2)) -> list[dict]:
-    return [dict(type="run", phase="floor", fraction=f, polar=p, mu_dtype=m, seed=s,
-                 final_heldout=float(rng.uniform(1.0, 1.2)), step_ms=float(rng.uniform(5, 15)))
-            for s in seeds for f, p, m in CONFIGS]
+    return [dict(type="run", phase="floor", fraction=f, polar=p, mu_dtype=m, param_dtype=d,
+                 seed=s, final_heldout=float(rng.uniform(1.0, 1.2)), step_ms=float(rng.uniform(5, 15)))
+            for s in seeds for f, p, m, d in CONFIGS]
 
 
 def test_report_arithmetic_on_hand_made_runs():
@@ -152,17 +162,17 @@ def test_report_arithmetic_on_hand_made_runs():
     groups = floor_report.by_config(runs)
     assert list(groups) == CONFIGS
     pairs = floor_report.candidates(groups)
-    assert pairs == [(c, (c[0], "default", "float32")) for c in CONFIGS
-                     if c[1:] != ("default", "float32")]
-    loss = {(r["fraction"], r["polar"], r["mu_dtype"], r["seed"]): r["final_heldout"]
-            for r in runs}
+    assert pairs == [(c, (c[0], "default", "float32", c[3])) for c in CONFIGS
+                     if c[1:3] != ("default", "float32")]
+    loss = {(r["fraction"], r["polar"], r["mu_dtype"], r["param_dtype"], r["seed"]):
+            r["final_heldout"] for r in runs}
     for key, seeds in groups.items():
         xs = [loss[(*key, s)] for s in range(3)]
         s = floor_report.summary(seeds)
         assert s["n"] == 3 and math.isclose(s["mean"], sum(xs) / 3, rel_tol=1e-12)
         var = sum((x - sum(xs) / 3) ** 2 for x in xs) / 2  # sample variance
         assert math.isclose(s["std"], math.sqrt(var), rel_tol=1e-9)
-        ms = sorted(r["step_ms"] for r in runs if (r["fraction"], r["polar"], r["mu_dtype"]) == key)
+        ms = sorted(r["step_ms"] for r in runs if floor_report.config_key(r) == key)
         assert s["step_ms"] == ms[1]
     for cand, base in pairs:
         d = [loss[(*cand, s)] - loss[(*base, s)] for s in range(3)]
@@ -208,13 +218,14 @@ def _rows(section: str, first: str) -> dict[str, list[str]]:
 
 
 #: The end-to-end test's configurations: each kind of candidate once (a polar with and without
-#: restarts, a 16-bit momentum) beside its defaults; the planner's own list is tested above.
-SUBSET = ((1.0, "default", "float32"), (1.0, "pe4_bound", "float32"),
-          (0.25, "default", "float32"), (0.25, "norm_bound", "float32"),
-          (0.25, "default", "bfloat16"))
+#: restarts, a 16-bit momentum with bfloat16 parameters) beside its defaults; the planner's own
+#: list is tested above.
+SUBSET = ((1.0, "default", "float32", "float32"), (1.0, "pe4_bound", "float32", "float32"),
+          (0.25, "default", "float32", "float32"), (0.25, "norm_bound", "float32", "float32"),
+          (0.25, "default", "float32", "bfloat16"), (0.25, "default", "float16", "bfloat16"))
 
 
-@pytest.mark.slow  # ~20-30 s on two CPU cores: compiles 5 Dion3 steps of the tiny model
+@pytest.mark.slow  # ~25-35 s on two CPU cores: compiles 6 Dion3 steps of the tiny model
 def test_tiny_floor_plan_end_to_end(tmp_path, monkeypatch):
     """``--plan floor --tiny --seeds 2`` trains each configuration (a subset of the plan's, one
     candidate of each kind) for real on the CPU, and ``--report`` on its lines writes the
@@ -229,7 +240,8 @@ def test_tiny_floor_plan_end_to_end(tmp_path, monkeypatch):
     assert [r["seed"] for r in runs] == [0] * n + [1] * n
     assert [floor_report.config_key(r) for r in runs[:n]] == configs_run
     assert all(math.isfinite(r["final_heldout"]) for r in runs)
-    assert len(set(recs[1]["compile_s"])) == n + 2  # the steps, the evaluation and the grad
+    # The steps, an evaluation per parameter dtype and the grad.
+    assert len(set(recs[1]["compile_s"])) == n + 2 + 1
 
     doc = tmp_path / "QUALITY.md"
     study = os.path.join(ROOT, "docs", "quality", "h200_results.jsonl")
@@ -247,11 +259,11 @@ def test_tiny_floor_plan_end_to_end(tmp_path, monkeypatch):
         assert cells[0] == f"{np.mean(xs):.4f} ± {np.std(xs, ddof=1):.4f} (n=2)"
         assert cells[1] == ", ".join(f"{x:.4f}" for x in xs)
     pairs = _rows(section, "candidate")
-    assert len(pairs) == n - 2
+    assert len(pairs) == n - 3
     for key in configs_run:
-        if key[1:] == ("default", "float32"):
+        if key[1:3] == ("default", "float32"):
             continue
-        base = (key[0], "default", "float32")
+        base = (key[0], "default", "float32", key[3])
         d = [loss[(*key, s)] - loss[(*base, s)] for s in (0, 1)]
         cells = pairs[floor_report.config_label(key)]
         assert cells[0] == f"{np.mean(d):+.4f} ± {np.std(d, ddof=1):.4f} (n=2)"
