@@ -34,7 +34,9 @@ pytest.importorskip("matplotlib")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RESULTS = "docs/quality/h200_results.jsonl"
 ROUNDING = "docs/quality/h200_rounding.jsonl"  # --plan rounding: its own section
-FLOOR = "docs/quality/h100_floor.jsonl"  # --plan floor: its own section
+#: --plan floor: its own section, from three calls (each resumed the earlier files).
+FLOOR = ("docs/quality/h100_floor.jsonl docs/quality/h100_floor_f16.jsonl "
+         "docs/quality/h100_floor_bf16p.jsonl")
 NOTES = "docs/quality/notes.md"
 #: The command docs/QUALITY.md quotes (the GPU run's, with the library copy on PYTHONPATH).
 COMMAND = ("PYTHONPATH=runs/quality_lib python3 examples/quality_study.py "
@@ -55,8 +57,8 @@ def test_committed_report_is_regenerated_from_the_committed_results(study, tmp_p
     quality_study, _ = study
     monkeypatch.chdir(ROOT)
     doc = tmp_path / "QUALITY.md"
-    quality_study.main(["--report", RESULTS, ROUNDING, FLOOR, "--notes", NOTES, "--doc", str(doc),
-                        "--plots", str(tmp_path), "--command", COMMAND])
+    quality_study.main(["--report", RESULTS, ROUNDING, *FLOOR.split(), "--notes", NOTES, "--doc",
+                        str(doc), "--plots", str(tmp_path), "--command", COMMAND])
     with open("docs/QUALITY.md") as f:
         assert doc.read_text() == f.read(), (
             "docs/QUALITY.md is stale: regenerate it with quality_study.py --report "
@@ -100,6 +102,6 @@ def test_both_command_lines_make_the_same_report(study, monkeypatch):
     monkeypatch.setattr(quality_report, "report", lambda *a: calls.append(a) or a[1])
     monkeypatch.chdir(ROOT)
     flags = ["--notes", NOTES, "--doc", "d.md", "--plots", "p", "--command", "c"]
-    quality_report.main([RESULTS, ROUNDING, FLOOR, *flags])
-    quality_study.main(["--report", RESULTS, ROUNDING, FLOOR, *flags])
-    assert calls == [([RESULTS, ROUNDING, FLOOR], "d.md", "p", "c", NOTES)] * 2, calls
+    quality_report.main([RESULTS, ROUNDING, *FLOOR.split(), *flags])
+    quality_study.main(["--report", RESULTS, ROUNDING, *FLOOR.split(), *flags])
+    assert calls == [([RESULTS, ROUNDING, *FLOOR.split()], "d.md", "p", "c", NOTES)] * 2, calls
