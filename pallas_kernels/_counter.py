@@ -20,20 +20,24 @@ An array of ``(batch, a, b)`` matrices whose words step by a fixed amount along 
 :mod:`dion3_jax._rounding`) is described by a :class:`RowCounter`: the key, each row's words at
 its first element, and the two words' steps along the row. The statistics pass's kernel reads
 the rows' words (8 bytes a row) and hashes each element's words in registers, instead of
-reading 4 bytes of precomputed bits per element. :func:`counter_bits` is its reference: the
-same words from the same description, hashed by ``threefry2x32_p``.
+reading 4 bytes of precomputed bits per element (:func:`block_bits`: a word that does not
+step along the rows is hashed once per row). :func:`counter_bits` is its reference: every
+element's words from the same description, hashed by
+:func:`pallas_kernels._counter_hash.counter_hash`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._counter_hash import finish, hi_line, lo_line, tweak
 from pallas_kernels._stochastic_rounding import random_bits
 
 
@@ -76,14 +80,43 @@ def step_words(steps: tuple[int, int]) -> tuple[np.uint32, np.uint32]:
 def element_words(first: Sequence[jax.Array], j: jax.Array, steps: tuple[int, int]
                   ) -> list[jax.Array]:
     """The ``(hi, lo)`` words of the elements at index ``j`` (uint32) along their rows, whose
-    first elements' words are ``first`` (shaped like ``j``): what :func:`counter_bits` and the
-    kernels hash."""
+    first elements' words are ``first`` (broadcastable against ``j``; a word that does not
+    step keeps ``first``'s shape): what :func:`counter_bits` hashes."""
     out = []
     for w, step in zip(first, step_words(steps)):
         if step:
             w = w + (j if step == 1 else j * step)
         out.append(w)
     return out
+
+
+def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], j: jax.Array,
+               steps: tuple[int, int], expand: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """The bits of a kernel's block, :func:`counter_bits`'s, with per-row work done per row.
+
+    A word that does not step along the rows (``steps`` 0 modulo 2³²) is hashed on the rows'
+    vector, xored with the key's tweak there and broadcast; only the other word is formed
+    and hashed per element (:mod:`pallas_kernels._counter_hash`).
+
+    Args:
+      key: the key's two uint32 words (scalars).
+      rows: the block's rows' ``(hi, lo)`` words at their first elements (vectors).
+      j: uint32 block-shaped index of each element along its row.
+      steps: the counter's ``(hi, lo)`` steps along a row.
+      expand: broadcasts a rows' vector to the block (in the kernel's layout).
+
+    Returns:
+      uint32 block-shaped bits.
+    """
+    per_row, per_element = [], []
+    for line, k, w, step in zip((hi_line, lo_line), key, rows, step_words(steps)):
+        if step:
+            per_element.append(line(k, expand(w) + (j if step == 1 else j * step)))
+        else:
+            per_row.append(line(k, w))
+    t = tweak(key[0], key[1])
+    row_part = expand(functools.reduce(operator.xor, per_row, t)) if per_row else t
+    return finish(functools.reduce(operator.xor, per_element, row_part))
 
 
 def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:
@@ -101,13 +134,15 @@ def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> 
       >>> import jax.numpy as jnp
       >>> rows = jnp.zeros((1, 2, 2), jnp.uint32).at[0, 0, 1].set(1)   # rows (0, 0), (1, 0)
       >>> c = RowCounter(jnp.zeros(2, jnp.uint32), rows, (0, 1))       # lo counts along a row
-      >>> from pallas_kernels._stochastic_rounding import random_bits
+      >>> from pallas_kernels._counter_hash import finish, hi_line, lo_line, tweak
+from pallas_kernels._stochastic_rounding import random_bits
       >>> bool(counter_bits(c, (1, 2, 3), 1)[0, 1, 2]
       ...      == random_bits(jnp.zeros(2, jnp.uint32), jnp.uint32(1), jnp.uint32(2)))
       True
     """
     summed = 3 - row_axis
     j = jax.lax.broadcasted_iota(jnp.uint32, shape, summed)
-    first = [jnp.broadcast_to(jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed),
-                              shape) for w in (0, 1)]
-    return random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))
+    # The rows' words stay one per row (a word that does not step is hashed once per row).
+    first = [jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed) for w in (0, 1)]
+    bits = random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))
+    return jnp.broadcast_to(bits, shape)

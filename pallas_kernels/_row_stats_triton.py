@@ -36,10 +36,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _dispatch
 from pallas_kernels._common import pow2_divisor
-from pallas_kernels._counter import RowCounter, check_counter, element_words
+from pallas_kernels._counter import RowCounter, block_bits, check_counter
 from pallas_kernels._row_stats_reference import row_sums, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
-from pallas_kernels._threefry import threefry2x32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,8 +75,8 @@ def _bits(key_ref, words_ref, j0, block: tuple[int, int], summed: int, steps):
     if key_ref is None:
         return None
     j = jax.lax.broadcasted_iota(jnp.uint32, block, summed) + j0.astype(jnp.uint32)
-    first = [jnp.broadcast_to(jnp.expand_dims(words_ref[w, :], summed), block) for w in (0, 1)]
-    return threefry2x32(key_ref[0], key_ref[1], *element_words(first, j, steps))
+    return block_bits((key_ref[0], key_ref[1]), (words_ref[0, :], words_ref[1, :]), j, steps,
+                      lambda w: jnp.broadcast_to(jnp.expand_dims(w, summed), block))
 
 
 def _cols_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None):
