@@ -134,8 +134,7 @@ def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> 
       >>> import jax.numpy as jnp
       >>> rows = jnp.zeros((1, 2, 2), jnp.uint32).at[0, 0, 1].set(1)   # rows (0, 0), (1, 0)
       >>> c = RowCounter(jnp.zeros(2, jnp.uint32), rows, (0, 1))       # lo counts along a row
-      >>> from pallas_kernels._counter_hash import finish, hi_line, lo_line, tweak
-from pallas_kernels._stochastic_rounding import random_bits
+      >>> from pallas_kernels._stochastic_rounding import random_bits
       >>> bool(counter_bits(c, (1, 2, 3), 1)[0, 1, 2]
       ...      == random_bits(jnp.zeros(2, jnp.uint32), jnp.uint32(1), jnp.uint32(2)))
       True
