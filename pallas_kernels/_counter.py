@@ -20,8 +20,8 @@ An array of ``(batch, a, b)`` matrices whose words step by a fixed amount along 
 :mod:`dion3_jax._rounding`) is described by a :class:`RowCounter`: the key, each row's words at
 its first element, and the two words' steps along the row. The statistics pass's kernel reads
 the rows' words (8 bytes a row) and hashes each element's words in registers, instead of
-reading 4 bytes of precomputed bits per element (:func:`block_bits`: a word that does not
-step along the rows is hashed once per row). :func:`counter_bits` is its reference: every
+reading 4 bytes of precomputed bits per element (:func:`row_hash` and :func:`block_bits`: a
+word that does not step along the rows is hashed once per row). :func:`counter_bits` is its reference: every
 element's words from the same description, hashed by
 :func:`pallas_kernels._counter_hash.counter_hash`.
 """
@@ -90,17 +90,36 @@ def element_words(first: Sequence[jax.Array], j: jax.Array, steps: tuple[int, in
     return out
 
 
-def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], j: jax.Array,
-               steps: tuple[int, int], expand: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """The bits of a kernel's block, :func:`counter_bits`'s, with per-row work done per row.
+#: The line hash of each word, ``(hi, lo)``.
+_LINES = (hi_line, lo_line)
 
-    A word that does not step along the rows (``steps`` 0 modulo 2³²) is hashed on the rows'
-    vector, xored with the key's tweak there and broadcast; only the other word is formed
-    and hashed per element (:mod:`pallas_kernels._counter_hash`).
+
+def row_hash(key: Sequence[jax.Array], rows: Sequence[jax.Array], steps: tuple[int, int]
+             ) -> jax.Array | None:
+    """The per-row part of :func:`block_bits`, for a kernel to compute once before its walk:
+    the key's tweak xored with the line hash of each word that does not step along the rows
+    (``steps`` 0 modulo 2³²), one value per row; None where both words step.
+
+    Args:
+      key: the key's two uint32 words (scalars).
+      rows: the rows' ``(hi, lo)`` words at their first elements (vectors).
+      steps: the counter's ``(hi, lo)`` steps along a row.
+    """
+    fixed = [line(k, w) for line, k, w, step in zip(_LINES, key, rows, step_words(steps))
+             if not step]
+    return functools.reduce(operator.xor, fixed, tweak(key[0], key[1])) if fixed else None
+
+
+def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], per_row: jax.Array | None,
+               j: jax.Array, steps: tuple[int, int], expand: Callable[[jax.Array], jax.Array]
+               ) -> jax.Array:
+    """The bits of a kernel's block, :func:`counter_bits`'s: only the words that step along
+    the rows are formed and hashed per element; the rest is ``per_row``, broadcast.
 
     Args:
       key: the key's two uint32 words (scalars).
       rows: the block's rows' ``(hi, lo)`` words at their first elements (vectors).
+      per_row: :func:`row_hash` of ``key``, ``rows`` and ``steps``.
       j: uint32 block-shaped index of each element along its row.
       steps: the counter's ``(hi, lo)`` steps along a row.
       expand: broadcasts a rows' vector to the block (in the kernel's layout).
@@ -108,15 +127,10 @@ def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], j: jax.Array
     Returns:
       uint32 block-shaped bits.
     """
-    per_row, per_element = [], []
-    for line, k, w, step in zip((hi_line, lo_line), key, rows, step_words(steps)):
-        if step:
-            per_element.append(line(k, expand(w) + (j if step == 1 else j * step)))
-        else:
-            per_row.append(line(k, w))
-    t = tweak(key[0], key[1])
-    row_part = expand(functools.reduce(operator.xor, per_row, t)) if per_row else t
-    return finish(functools.reduce(operator.xor, per_element, row_part))
+    per_element = [line(k, expand(w) + (j if step == 1 else j * step))
+                   for line, k, w, step in zip(_LINES, key, rows, step_words(steps)) if step]
+    base = tweak(key[0], key[1]) if per_row is None else expand(per_row)
+    return finish(functools.reduce(operator.xor, per_element, base))
 
 
 def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:
