@@ -21,8 +21,8 @@ An array of ``(batch, a, b)`` matrices whose words step by a fixed amount along 
 its first element, and the two words' steps along the row. The statistics pass's kernel reads
 the rows' words (8 bytes a row) and hashes each element's words in registers, instead of
 reading 4 bytes of precomputed bits per element (:func:`row_hash` and :func:`block_bits`: a
-word that does not step along the rows is hashed once per row). :func:`counter_bits` is its reference: every
-element's words from the same description, hashed by
+word that does not step along the rows is hashed once per row). :func:`counter_bits` is its
+reference: every element's words from the same description, hashed by
 :func:`pallas_kernels._counter_hash.counter_hash`.
 """
 
