@@ -24,9 +24,9 @@ ratios to the Triton kernel and to XLA, and the largest relative difference of i
 from the XLA form's (``S`` is checked bitwise).
 
 A bfloat16 or float16 momentum is rounded stochastically, as the step rounds it: XLA computes
-the Threefry bits of each element's counter words, the Mosaic kernel hashes them itself from a
-``RowCounter`` (``pallas_kernels/_counter.py``; the rows' words of the step's 2-D leaves), and
-so does the Pallas-Triton kernel.
+the counter hash (``pallas_kernels/_counter_hash.py``) of each element's counter words, the
+Mosaic kernel hashes them itself from a ``RowCounter`` (``pallas_kernels/_counter.py``; the
+rows' words of the step's 2-D leaves), and so does the Pallas-Triton kernel.
 
 Variants: ``pallas_triton`` and ``xla`` (the other implementations), ``mosaic`` (the kernel's
 ``CONFIGS``) and ``mosaic:STRIP,STEP,CHUNK,STAGES`` (any other block configuration, e.g.

@@ -16,9 +16,11 @@
 
 A bfloat16 or float16 momentum is rounded stochastically wherever the step writes it
 (``S = d ⊙ M + G`` and the error feedback's ``μ·S``;
-:func:`pallas_kernels._stochastic_rounding.stochastic_round`). Its bits are Threefry-2x32 of
-the element's global index under a key folded from ``MeshOptions.seed``, the step count, the
-leaf's position among the gradients' leaves and the write (:data:`SUM`, :data:`DECAY`). So a
+:func:`pallas_kernels._stochastic_rounding.stochastic_round`). Its bits are the counter hash
+(:mod:`pallas_kernels._counter_hash`) of the element's global index under a key folded (by
+``jax.random``'s Threefry ``fold_in``, once per write) from ``MeshOptions.seed``, the step
+count, the leaf's position among the gradients' leaves and the write (:data:`SUM`,
+:data:`DECAY`). So a
 run is reproducible, and one step's bits are the same on one device and on any mesh: a device
 offsets its shard's indices by the shard's position in the leaf. The counter's two words are an
 element's row-major index over all axes but the last (modulo 2³²: leaves of more than 2³²
@@ -87,20 +89,31 @@ def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
       Bits shaped ``shape``, equal for an element whatever the mesh.
     """
     entries = spec_entries(spec, len(shape))
-    idx = [jax.lax.broadcasted_iota(jnp.uint32, shape, i)
-           + jnp.asarray(_offset(e, n), jnp.uint32) for i, (e, n) in enumerate(zip(entries, shape))]
-    sizes = [n * (math.prod(jax.lax.axis_size(a) for a in e) if e else 1)
-             for e, n in zip(entries, shape)]
-    hi = jnp.zeros(shape, jnp.uint32)
-    for i, n in zip(idx[:-1], sizes[:-1]):
-        hi = hi * jnp.uint32(n % 2 ** 32) + i
-    lo = idx[-1] if idx else hi
-    return random_bits(step_key(seed, count, leaf, write), hi, lo)
+    coef = _coefficients(_global_sizes(entries, shape))
+    words: list[jax.Array] = [jnp.uint32(0), jnp.uint32(0)]
+    for a, (e, n) in enumerate(zip(entries, shape)):
+        # Each axis's index at its own rank, so that a word is formed (and hashed) at the
+        # shape of the axes it counts (``hi``: all but the last; ``lo``: the last).
+        axis = [1] * len(shape)
+        axis[a] = n
+        i = (jax.lax.broadcasted_iota(jnp.uint32, tuple(axis), a)
+             + jnp.asarray(_offset(e, n), jnp.uint32))
+        words = [w + (i if c == 1 else i * np.uint32(c)) if c else w
+                 for w, c in zip(words, coef[a])]
+    bits = random_bits(step_key(seed, count, leaf, write), *words)
+    return jnp.broadcast_to(bits, shape)
+
+
+def _global_sizes(entries, shape: tuple[int, ...]) -> list[int]:
+    """The leaf's global sizes: the shard's ``shape`` times the mesh axes it is sharded on."""
+    return [n * (math.prod(jax.lax.axis_size(a) for a in e) if e else 1)
+            for e, n in zip(entries, shape)]
 
 
 def _coefficients(sizes: list[int]) -> list[tuple[int, int]]:
     """Per leaf axis of global ``sizes``, what one step along it adds to the ``(hi, lo)``
-    words (modulo 2³²), as :func:`momentum_bits` forms them."""
+    words (modulo 2³²): ``hi`` is the row-major index over all axes but the last, ``lo`` the
+    index along the last."""
     out = [(0, 1)]
     stride = 1
     for n in reversed(sizes[:-1]):
@@ -153,9 +166,7 @@ def block_counters(seed: int, count: jax.Array, leaf: int, write: int, local: Le
     """
     shape = local.shape
     entries = spec_entries(spec, len(shape))
-    sizes = [n * (math.prod(jax.lax.axis_size(a) for a in e) if e else 1)
-             for e, n in zip(entries, shape)]
-    coef = _coefficients(sizes)
+    coef = _coefficients(_global_sizes(entries, shape))
     base = [jnp.uint32(0), jnp.uint32(0)]
     for a, e in enumerate(entries):
         off = jnp.asarray(_offset(e, shape[a]), jnp.uint32)

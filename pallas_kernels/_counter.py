@@ -20,20 +20,24 @@ An array of ``(batch, a, b)`` matrices whose words step by a fixed amount along 
 :mod:`dion3_jax._rounding`) is described by a :class:`RowCounter`: the key, each row's words at
 its first element, and the two words' steps along the row. The statistics pass's kernel reads
 the rows' words (8 bytes a row) and hashes each element's words in registers, instead of
-reading 4 bytes of precomputed bits per element. :func:`counter_bits` is its reference: the
-same words from the same description, hashed by ``threefry2x32_p``.
+reading 4 bytes of precomputed bits per element (:func:`row_hash` and :func:`block_bits`: a
+word that does not step along the rows is hashed once per row). :func:`counter_bits` is its
+reference: every element's words from the same description, hashed by
+:func:`pallas_kernels._counter_hash.counter_hash`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._counter_hash import finish, hi_line, lo_line, tweak
 from pallas_kernels._stochastic_rounding import random_bits
 
 
@@ -76,14 +80,57 @@ def step_words(steps: tuple[int, int]) -> tuple[np.uint32, np.uint32]:
 def element_words(first: Sequence[jax.Array], j: jax.Array, steps: tuple[int, int]
                   ) -> list[jax.Array]:
     """The ``(hi, lo)`` words of the elements at index ``j`` (uint32) along their rows, whose
-    first elements' words are ``first`` (shaped like ``j``): what :func:`counter_bits` and the
-    kernels hash."""
+    first elements' words are ``first`` (broadcastable against ``j``; a word that does not
+    step keeps ``first``'s shape): what :func:`counter_bits` hashes."""
     out = []
     for w, step in zip(first, step_words(steps)):
         if step:
             w = w + (j if step == 1 else j * step)
         out.append(w)
     return out
+
+
+#: The line hash of each word, ``(hi, lo)``.
+_LINES = (hi_line, lo_line)
+
+
+def row_hash(key: Sequence[jax.Array], rows: Sequence[jax.Array], steps: tuple[int, int]
+             ) -> jax.Array | None:
+    """The per-row part of :func:`block_bits`, for a kernel to compute once before its walk:
+    the key's tweak xored with the line hash of each word that does not step along the rows
+    (``steps`` 0 modulo 2³²), one value per row; None where both words step.
+
+    Args:
+      key: the key's two uint32 words (scalars).
+      rows: the rows' ``(hi, lo)`` words at their first elements (vectors).
+      steps: the counter's ``(hi, lo)`` steps along a row.
+    """
+    fixed = [line(k, w) for line, k, w, step in zip(_LINES, key, rows, step_words(steps))
+             if not step]
+    return functools.reduce(operator.xor, fixed, tweak(key[0], key[1])) if fixed else None
+
+
+def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], per_row: jax.Array | None,
+               j: jax.Array, steps: tuple[int, int], expand: Callable[[jax.Array], jax.Array]
+               ) -> jax.Array:
+    """The bits of a kernel's block, :func:`counter_bits`'s: only the words that step along
+    the rows are formed and hashed per element; the rest is ``per_row``, broadcast.
+
+    Args:
+      key: the key's two uint32 words (scalars).
+      rows: the block's rows' ``(hi, lo)`` words at their first elements (vectors).
+      per_row: :func:`row_hash` of ``key``, ``rows`` and ``steps``.
+      j: uint32 block-shaped index of each element along its row.
+      steps: the counter's ``(hi, lo)`` steps along a row.
+      expand: broadcasts a rows' vector to the block (in the kernel's layout).
+
+    Returns:
+      uint32 block-shaped bits.
+    """
+    per_element = [line(k, expand(w) + (j if step == 1 else j * step))
+                   for line, k, w, step in zip(_LINES, key, rows, step_words(steps)) if step]
+    base = tweak(key[0], key[1]) if per_row is None else expand(per_row)
+    return finish(functools.reduce(operator.xor, per_element, base))
 
 
 def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:
@@ -108,6 +155,7 @@ def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> 
     """
     summed = 3 - row_axis
     j = jax.lax.broadcasted_iota(jnp.uint32, shape, summed)
-    first = [jnp.broadcast_to(jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed),
-                              shape) for w in (0, 1)]
-    return random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))
+    # The rows' words stay one per row (a word that does not step is hashed once per row).
+    first = [jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed) for w in (0, 1)]
+    bits = random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))
+    return jnp.broadcast_to(bits, shape)

@@ -28,10 +28,11 @@ CTA reduce them along the summed axis (so the loop has no cross-lane or cross-wa
 and each chunk's partial sums go to a small float32 array that XLA adds up after the launch.
 
 A bfloat16 or float16 momentum with a :class:`pallas_kernels._counter.RowCounter` is rounded
-stochastically: the CTA brings its rows' counter words in beside ``d`` (8 bytes a row), forms
-each block element's words from an iota and hashes them in registers
-(:func:`pallas_kernels._threefry.threefry2x32`), so the momentum still moves 2 bytes each way
-per element; ``S`` is then the reference's bit for bit.
+stochastically: the CTA brings its rows' counter words in beside ``d`` (8 bytes a row), hashes
+the word that is fixed along a row once per row and the other, formed from an iota, per block
+element, in registers (:func:`pallas_kernels._counter.block_bits`, the counter hash of
+:mod:`pallas_kernels._counter_hash`), so the momentum still moves 2 bytes each way per element;
+``S`` is then the reference's bit for bit.
 
 Reference: :func:`pallas_kernels._row_stats_reference.accumulate_rows_reference`, the plain jnp
 form (``"xla"``); ``tests/test_row_stats_mosaic.py`` and ``tests/test_row_stats_stochastic.py``
@@ -52,10 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
-from pallas_kernels._counter import RowCounter, check_counter, element_words
+from pallas_kernels._counter import RowCounter, block_bits, check_counter, row_hash
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
-from pallas_kernels._threefry import threefry2x32
 
 #: Rows of the ``WGMMA`` register layout: a block's extent along axis 1 is a multiple of it.
 _LAYOUT_ROWS = 64
@@ -105,16 +105,17 @@ def blocks(shape: tuple[int, int], row_axis: int,
     return strip, step, max(step, pow2_divisor(summed, config.chunk))
 
 
-def _block_bits(key, words, j0, block: tuple[int, int], summed: int,
+def _block_bits(key, words, per_row, j0, block: tuple[int, int], summed: int,
                 steps: tuple[int, int]) -> jax.Array:
     """The random bits of one block (:func:`pallas_kernels._counter.counter_bits`'s, hashed in
-    registers): ``words`` its rows' ``(hi, lo)`` at their first elements, ``j0`` the block's
-    first index along the summed axis."""
+    registers): ``words`` its rows' ``(hi, lo)`` at their first elements, ``per_row`` their
+    :func:`pallas_kernels._counter.row_hash`, ``j0`` the block's first index along the summed
+    axis."""
     wgmma = plgpu.Layout.WGMMA
     j = plgpu.layout_cast(lax.broadcasted_iota(jnp.uint32, block, summed), wgmma)
     j = j + lax.convert_element_type(j0, jnp.uint32)
-    first = [lax.broadcast_in_dim(w, block, (1 - summed,)) for w in words]
-    return threefry2x32(key[0], key[1], *element_words(first, j, steps))
+    return block_bits(key, words, per_row, j, steps,
+                      lambda w: lax.broadcast_in_dim(w, block, (1 - summed,)))
 
 
 def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
@@ -151,17 +152,19 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
     plgpu.barrier_wait(m_bar.at[stages])
     d = lax.broadcast_in_dim(plgpu.load(v_smem.at[0], layout=vector, optimized=False), block,
                              (1 - summed,))
-    if stochastic:
+    if counter_steps is not None:
         plgpu.barrier_wait(m_bar.at[stages + 1])
         key = (key_gmem[0], key_gmem[1])
         words = [plgpu.load(w_smem.at[w], layout=vector, optimized=False) for w in (0, 1)]
+        per_row = row_hash(key, words, counter_steps)        # once, before the walk
 
     def walk(t, sums):
         slot = lax.rem(t, stages)
         plgpu.barrier_wait(m_bar.at[slot])
         plgpu.barrier_wait(g_bar.at[slot])
         bits = (None if not stochastic else
-                _block_bits(key, words, (c * steps + t) * step, block, summed, counter_steps))
+                _block_bits(key, words, per_row, (c * steps + t) * step, block, summed,
+                            counter_steps))
         s = scaled_sum(plgpu.load(m_smem.at[slot], layout=wgmma),
                        plgpu.load(g_smem.at[slot], layout=wgmma), d, bits)
         plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this S slot's last store

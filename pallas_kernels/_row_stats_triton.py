@@ -36,10 +36,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _dispatch
 from pallas_kernels._common import pow2_divisor
-from pallas_kernels._counter import RowCounter, check_counter, element_words
+from pallas_kernels._counter import RowCounter, block_bits, check_counter, row_hash
 from pallas_kernels._row_stats_reference import row_sums, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
-from pallas_kernels._threefry import threefry2x32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,27 +68,37 @@ CONFIGS = {2: RowStatsConfig(strip=64, step=32, chunk=128),
 MIN_MINOR = 16
 
 
-def _bits(key_ref, words_ref, j0, block: tuple[int, int], summed: int, steps):
-    """The random bits of one block (:func:`pallas_kernels._counter.counter_bits`'s, hashed in
-    the program): ``words_ref`` its rows' ``(2, strip)`` first words, ``j0`` the block's first
-    index along the summed axis; None without a counter."""
+def _row_part(key_ref, words_ref, steps):
+    """The rows' key words, first words and :func:`pallas_kernels._counter.row_hash`, read and
+    hashed once per program; None without a counter."""
     if key_ref is None:
         return None
+    key, words = (key_ref[0], key_ref[1]), (words_ref[0, :], words_ref[1, :])
+    return key, words, row_hash(key, words, steps)
+
+
+def _bits(rows, j0, block: tuple[int, int], summed: int, steps):
+    """The random bits of one block (:func:`pallas_kernels._counter.counter_bits`'s, hashed in
+    the program): ``rows`` the :func:`_row_part` of its rows, ``j0`` the block's first index
+    along the summed axis; None without a counter."""
+    if rows is None:
+        return None
+    key, words, per_row = rows
     j = jax.lax.broadcasted_iota(jnp.uint32, block, summed) + j0.astype(jnp.uint32)
-    first = [jnp.broadcast_to(jnp.expand_dims(words_ref[w, :], summed), block) for w in (0, 1)]
-    return threefry2x32(key_ref[0], key_ref[1], *element_words(first, j, steps))
+    return block_bits(key, words, per_row, j, steps,
+                      lambda w: jnp.broadcast_to(jnp.expand_dims(w, summed), block))
 
 
 def _cols_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None):
     """Rows along axis 2: a chunk of a strip of ``strip`` columns (rows of the matrix), walked
     down; with ``steps``, ``refs`` starts with a counter's key and rows' words."""
     key_ref, words_ref, s_ref, l1_ref, sq_ref = (None, None, *refs) if steps is None else refs
-    d = d_ref[...]
+    d, rows = d_ref[...], _row_part(key_ref, words_ref, steps)
     first = pl.program_id(2) * m_ref.shape[0]
 
     def body(r, carry):
         at = pl.ds(r * step, step)
-        bits = _bits(key_ref, words_ref, first + r * step, (step, strip), 0, steps)
+        bits = _bits(rows, first + r * step, (step, strip), 0, steps)
         s = scaled_sum(m_ref[at, :], g_ref[at, :], d[None, :], bits)
         s_ref[at, :] = s
         l1, sq = row_sums(s, 0)
@@ -103,12 +112,12 @@ def _rows_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None):
     """Rows along axis 1: a chunk of a strip of ``strip`` rows, walked across; with
     ``steps``, ``refs`` starts with a counter's key and rows' words."""
     key_ref, words_ref, s_ref, l1_ref, sq_ref = (None, None, *refs) if steps is None else refs
-    d = d_ref[...]
+    d, rows = d_ref[...], _row_part(key_ref, words_ref, steps)
     first = pl.program_id(2) * m_ref.shape[1]
 
     def body(c, carry):
         at = pl.ds(c * step, step)
-        bits = _bits(key_ref, words_ref, first + c * step, (strip, step), 1, steps)
+        bits = _bits(rows, first + c * step, (strip, step), 1, steps)
         s = scaled_sum(m_ref[:, at], g_ref[:, at], d[:, None], bits)
         s_ref[:, at] = s
         l1, sq = row_sums(s, 1)

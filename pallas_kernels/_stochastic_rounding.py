@@ -20,45 +20,44 @@ the distance to the lower neighbour (in units of the gap between the two) makes 
 unbiased, ``E[round(x)] = x``, so the sum's error is a zero-mean random walk instead of a drift.
 
 The random bits are a pure function of a 64-bit key and an element's two index words
-(:func:`random_bits`: Threefry-2x32, the hash behind ``jax.random``), so that a kernel can
-produce the same bits from the indices of the elements it holds.
+(:func:`random_bits`: :func:`pallas_kernels._counter_hash.counter_hash`, two MurmurHash3
+finalizers per element), so that a kernel can produce the same bits from the indices of the
+elements it holds.
 
-References:
-  Gupta et al., `Deep Learning with Limited Numerical Precision
-  <https://arxiv.org/abs/1502.02551>`_, 2015 (stochastic rounding of accumulations).
-  Salmon et al., `Parallel Random Numbers: As Easy as 1, 2, 3
-  <https://doi.org/10.1145/2063384.2063405>`_, 2011 (Threefry).
+Reference: Gupta et al., `Deep Learning with Limited Numerical Precision
+<https://arxiv.org/abs/1502.02551>`_, 2015 (stochastic rounding of accumulations).
 """
 
 from __future__ import annotations
 
 import jax
 from jax import lax
-from jax.extend.random import threefry2x32_p
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels._counter_hash import counter_hash
 
 #: The dtypes :func:`stochastic_round` rounds to.
 STOCHASTIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def random_bits(key: jax.Array, hi: jax.Array, lo: jax.Array) -> jax.Array:
-    """32 random bits per element: Threefry-2x32 of the counter ``(hi, lo)`` under ``key``.
+    """32 random bits per element: the counter hash of ``(hi, lo)`` under ``key``
+    (:func:`pallas_kernels._counter_hash.counter_hash`).
 
     Args:
       key: ``(2,)`` uint32, the key's two words.
       hi: uint32 counter words (e.g. an element's row-major index over all but the last axis).
-      lo: uint32 counter words shaped like ``hi`` (e.g. its index along the last axis).
+      lo: uint32 counter words broadcastable against ``hi`` (e.g. its index along the last
+        axis); a lower-rank word is hashed once per value.
 
     Returns:
-      uint32 bits shaped like ``hi``; each element's depend on its own ``(hi, lo)`` only.
+      uint32 bits of the broadcast shape of ``hi`` and ``lo``; each element's depend on its own
+      ``(hi, lo)`` only.
     """
-    hi, lo = hi.astype(jnp.uint32), lo.astype(jnp.uint32)
-    # All four operands of one type, their varying mesh axes too (inside ``shard_map`` a
-    # shard's counters vary over the mesh axes it is sharded on; Threefry's loop needs one
-    # type); XLA folds the zero away.
-    zero = (hi & np.uint32(0)) | (lo & np.uint32(0))
-    return threefry2x32_p.bind(key[0] + zero, key[1] + zero, hi + zero, lo + zero)[0]
+    key = jnp.asarray(key).astype(jnp.uint32)
+    return counter_hash(key[0], key[1], jnp.asarray(hi).astype(jnp.uint32),
+                        jnp.asarray(lo).astype(jnp.uint32))
 
 
 def _bfloat16(x: jax.Array, bits: jax.Array) -> jax.Array:

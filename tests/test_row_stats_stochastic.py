@@ -58,6 +58,8 @@ _SMALL_TRITON = {2: RowStatsConfig(strip=16, step=32, chunk=64),
 _SHAPES_TRITON = {2: (2, 192, 48), 1: (1, 24, 96)}
 #: Per dtype: the saturation bound of ``S`` (float16's largest finite value; bfloat16's 2⁷⁹).
 _BOUND = {jnp.bfloat16: 2.0 ** 79, jnp.float16: 65504.0}
+#: The counter hash's first multiplier (``pallas_kernels._counter_hash``) as lowered text.
+_M1 = "dense<2246822507>"
 
 
 def _words(rng, shape) -> jax.Array:
@@ -164,7 +166,9 @@ def test_interpreted_kernel_has_no_data_race():
 def test_lowers_for_h200_without_an_array_of_bits(dtype):
     """At a benchmark shape, both row axes: one Mosaic GPU call that writes ``S`` in place of
     the momentum, no element-sized array of bits anywhere (the only uint32 operands are the
-    key and the rows' words) and no Threefry outside the kernel; XLA's form has both."""
+    key and the rows' words) and no hashing outside the kernel (no uint32 product of a block's
+    size, no MurmurHash3 multiplier); XLA's form has both: four products per element (the
+    stepping word's line hash and the final mix)."""
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=H200)
     sds = jax.ShapeDtypeStruct
     for row_axis, shape, steps in ((2, (2, 4096, 11008), (1, 0)), (1, (2, 11008, 4096), (0, 1))):
@@ -184,8 +188,11 @@ def test_lowers_for_h200_without_an_array_of_bits(dtype):
         bits = "x".join(map(str, shape)) + "xui32"
         assert texts[0].count("custom_call @mosaic_gpu") == 1
         assert "output_operand_alias<output_tuple_indices = [2], operand_index = 1" in texts[0]
-        assert bits not in texts[0] and "@threefry2x32" not in texts[0]
-        assert bits in texts[1] and "@threefry2x32" in texts[1]
+        # The counter hash's multiplier: element-sized uint32 products in XLA's form only.
+        products = [sum("stablehlo.multiply" in line and f"tensor<{bits}>" in line
+                        for line in t.splitlines()) for t in texts]
+        assert bits not in texts[0] and _M1 not in texts[0] and products[0] == 0
+        assert bits in texts[1] and _M1 in texts[1] and products[1] == 4
 
 
 _LAYOUTS = [((64, 48), None, None, None),
