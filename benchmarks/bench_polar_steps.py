@@ -59,10 +59,6 @@ VARIANTS = {
     "pe4+aol": dict(coefficients="polar_express_4", restarts=(1,), preconditioning="aol"),
     "pe4+bound r-": dict(coefficients="polar_express_4", restarts=(),
                          preconditioning="norm_bound"),
-    "pe5 gram": dict(coefficients="polar_express", restarts=(2,), preconditioning="none",
-                     restart_form="gram"),
-    "pe5 auto": dict(coefficients="polar_express", restarts=(2,), preconditioning="none",
-                     restart_form="auto"),
 }
 FULL_SHAPES = [(4096, 16384), (8192, 28672), (32, 1024, 4096), (4096, 4096),
                (32, 4096, 1024), (16, 4096, 2816), (8, 11008, 1024),

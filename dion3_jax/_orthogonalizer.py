@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from dion3_jax._polar import Backend, Method, Preconditioning, RestartForm, polar
+from dion3_jax._polar import Backend, Method, Preconditioning, polar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +49,6 @@ class Orthogonalizer:
       eps: added to the Frobenius norm before dividing.
       out_dtype: dtype of the factors (default: the input's).
       preconditioning: the first step's rescaling (``"none"``, ``"norm_bound"``, ``"aol"``).
-      restart_form: how a restart forms its Gram matrix (``"iterate"``, ``"gram"``, ``"auto"``).
     """
 
     method: Method = "gram"
@@ -61,7 +60,6 @@ class Orthogonalizer:
     eps: float = 1e-7
     out_dtype: jax.typing.DTypeLike | None = None
     preconditioning: Preconditioning = "none"
-    restart_form: RestartForm = "iterate"
 
     def __post_init__(self):
         options = polar_options(self)
@@ -99,7 +97,6 @@ def make_orthogonalizer(
     eps: float = 1e-7,
     out_dtype: jax.typing.DTypeLike | None = None,
     preconditioning: Preconditioning = "none",
-    restart_form: RestartForm = "iterate",
 ) -> Orthogonalizer:
     """Returns ``f(batch) = polar(batch, **options)``, validated now rather than at trace.
 
@@ -126,9 +123,6 @@ def make_orthogonalizer(
       preconditioning: the first step's rescaling, read off the first Gram matrix: ``"none"``,
         ``"norm_bound"`` (one scale per matrix; keeps the polar factor) or ``"aol"`` (per-row
         scales; converges to the polar factor of the rescaled matrix).
-      restart_form: how Gram Newton-Schulz forms the Gram matrix at a restart: ``"iterate"``
-        (``X ← Q X``, then its Gram matrix), ``"gram"`` (``Q R₀ Qᵀ`` from the first Gram matrix,
-        a cost independent of the long side) or ``"auto"`` (``"gram"`` from aspect 8/3 on).
 
     Returns:
       An :class:`Orthogonalizer`: a record of the options that maps a ``(batch, rows, cols)``
@@ -148,5 +142,4 @@ def make_orthogonalizer(
     """
     return Orthogonalizer(method=method, coefficients=coefficients, restarts=restarts,
                           steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps,
-                          out_dtype=out_dtype, preconditioning=preconditioning,
-                          restart_form=restart_form)
+                          out_dtype=out_dtype, preconditioning=preconditioning)

@@ -36,16 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from dion3_jax import _gram_restart, _norms, _numbers
+from dion3_jax import _norms, _numbers
 from dion3_jax._coefficients import Coefficients, get_coefficients
 
 Method = Literal["gram", "standard"]
 Backend = Literal["auto", "xla", "mosaic", "jax_triton"]
 Preconditioning = Literal["none", "norm_bound", "aol"]
-RestartForm = Literal["iterate", "gram", "auto"]
 _METHODS = ("gram", "standard")
 _PRECONDITIONINGS = ("none", "norm_bound", "aol")
-_RESTART_FORMS = ("iterate", "gram", "auto")
 _BACKENDS = ("auto", "xla", "mosaic", "jax_triton")
 _DEFAULT_COMPUTE_DTYPE = {"gram": jnp.float16, "standard": jnp.bfloat16}
 #: The aspect ratio (long side over short side) from which ``method="gram"`` runs Gram
@@ -245,8 +243,8 @@ def _gram_next(r: jax.Array, q: jax.Array, k: _StepCoefficients, backend: Backen
 
 
 def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[int] = (2,), *,
-                       backend: Backend = "auto", preconditioning: Preconditioning = "none",
-                       restart_form: RestartForm = "iterate") -> jax.Array:
+                       backend: Backend = "auto", preconditioning: Preconditioning = "none"
+                       ) -> jax.Array:
     """Gram Newton-Schulz on a normalized batch ``x`` of shape ``(B, n, m)``, n ≠ m.
 
     For a wide ``X`` it iterates on ``R = X Xᵀ`` and accumulates ``Q`` (a polynomial in the Gram
@@ -272,11 +270,6 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
       preconditioning: ``"none"``, ``"norm_bound"`` or ``"aol"``: iterate on ``D X`` with ``D``
         read off the first Gram matrix (:func:`dion3_jax.polar`); ``D`` is folded into the
         first ``Q`` (``O(n²)``), so ``X`` is never rescaled.
-      restart_form: ``"iterate"`` forms ``X ← Q X`` and its Gram matrix at a restart;
-        ``"gram"`` forms the same matrix as ``Q R₀ Qᵀ`` from the first Gram matrix
-        (:mod:`dion3_jax._gram_restart`: 4 products of ``n³`` instead of ``1.5·m/n``);
-        ``"auto"`` takes ``"gram"`` from aspect
-        :data:`~dion3_jax._gram_restart.GRAM_RESTART_MIN_ASPECT` on.
 
     Returns:
       The approximate polar factor of each matrix, shaped and typed like ``x``.
@@ -284,43 +277,27 @@ def gram_newton_schulz(x: jax.Array, coeffs: Coefficients, restarts: Sequence[in
     References:
       Amsel et al., "Dion3: Full-Stack Orthogonal Updates", arXiv:2608.11612 (2026).
     """
-    restart_set = set(restarts) - {0}
-    from_gram = bool(restart_set) and uses_gram_restart(restart_form, *x.shape[1:])
-    r = pallas_kernels.syrk(x, transpose=_tall(x), implementation=backend,
-                            out_dtype=jnp.promote_types(x.dtype, jnp.float32) if from_gram
-                            else None)
+    restart_set = set(restarts)
+    last = len(coeffs) - 1
+    r = _gram(x, backend)
     d = _gram_scales(r, preconditioning)
     if d is not None:
         r = _scaled_gram(r, d)
-    r0, r = (r, r.astype(x.dtype)) if from_gram else (None, r)
-    q = acc = None   # acc: the factor of the earlier (re)starts, restarting from R₀ only
+    q: jax.Array | None = None
     for i, k in enumerate(_operands(coeffs, x.dtype)):
-        if i in restart_set:
+        if i in restart_set and i != 0:
             assert q is not None   # set by step 0 (the checker cannot tell)
-            if r0 is not None:
-                acc = q if acc is None else _gram_restart.compose(q, acc, _tall(x))
-                r = _gram_restart.restarted_gram(acc, r0, _tall(x), backend)
-            else:
-                if d is not None:
-                    q, d = _scaled_factor(q, x, d), None
-                x, r = _restart(q, x, backend)
+            if d is not None:
+                q, d = _scaled_factor(q, x, d), None
+            x, r = _restart(q, x, backend)
             q = None
-        update = i != len(coeffs) - 1 and (i + 1) not in restart_set
+        update = i != last and (i + 1) not in restart_set
         if q is None:
             r, q = _gram_first(r, k, backend, update)
         else:
             r, q = _gram_next(r, q, k, backend, update)
     assert q is not None
-    if acc is not None:
-        q = _gram_restart.compose(q, acc, _tall(x))
     return _apply(q if d is None else _scaled_factor(q, x, d), x)
-
-
-def uses_gram_restart(restart_form: RestartForm, n: int, m: int) -> bool:
-    """Whether Gram Newton-Schulz on an ``n × m`` matrix restarts from its first Gram matrix."""
-    aspect = max(n, m) / min(n, m)
-    return restart_form == "gram" or (
-        restart_form == "auto" and aspect >= _gram_restart.GRAM_RESTART_MIN_ASPECT)
 
 
 def _padded_shape(n: int, m: int, multiples: tuple[int, int]) -> tuple[int, int]:
@@ -361,8 +338,7 @@ def runs_gram(method: str, n: int, m: int) -> bool:
 
 def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence[int],
              backend: Backend, multiples: tuple[int, int] | None,
-             preconditioning: Preconditioning = "none",
-             restart_form: RestartForm = "iterate") -> jax.Array:
+             preconditioning: Preconditioning = "none") -> jax.Array:
     """Newton-Schulz on the normalized batch ``y`` of shape ``(B, n, m)``, wide or tall.
 
     With ``multiples`` (the kernels' tile multiples, :func:`_multiples`), ``y`` is zero-padded
@@ -378,18 +354,16 @@ def _iterate(y: jax.Array, coeffs: Coefficients, method: str, restarts: Sequence
             y = jnp.pad(y, ((0, 0), (0, rows - n), (0, cols - m)))
     if runs_gram(method, n, m):
         y = gram_newton_schulz(y, coeffs, restarts, backend=backend,
-                               preconditioning=preconditioning, restart_form=restart_form)
+                               preconditioning=preconditioning)
     else:
         y = standard_newton_schulz(y, coeffs, backend=backend, preconditioning=preconditioning)
     return y if y.shape[1:] == (n, m) else y[:, :n, :m]
 
 
 def _validate(method, restarts, backend, compute_dtype, out_dtype, eps, n_steps,
-              preconditioning="none", restart_form="iterate"):
+              preconditioning="none"):
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method=!r}")
-    if restart_form not in _RESTART_FORMS:
-        raise ValueError(f"restart_form must be one of {_RESTART_FORMS}, got {restart_form=!r}")
     if preconditioning not in _PRECONDITIONINGS:
         raise ValueError(f"preconditioning must be one of {_PRECONDITIONINGS}, got "
                          f"{preconditioning=!r}")
@@ -414,8 +388,7 @@ def polar(x: jax.Array, *, method: Method = "gram",
           restarts: Sequence[int] = (2,), steps: int | None = None,
           compute_dtype: jax.typing.DTypeLike | None = None, backend: Backend = "auto",
           eps: float = 1e-7, out_dtype: jax.typing.DTypeLike | None = None,
-          preconditioning: Preconditioning = "none",
-          restart_form: RestartForm = "iterate") -> jax.Array:
+          preconditioning: Preconditioning = "none") -> jax.Array:
     r"""Approximates the polar factor ``U Vᵀ`` of each matrix in a batch.
 
     The input is normalized in float32, ``X ← X / (‖X‖_F + eps)``, cast to ``compute_dtype``
@@ -448,11 +421,6 @@ def polar(x: jax.Array, *, method: Method = "gram",
         with ``dᵢ = (Σⱼ |Rᵢⱼ|)^(-1/2)`` (AOL), which also bounds ``‖D X‖₂`` by 1 but iterates
         towards ``polar(D X)``, not ``polar(X)``. Both start the iteration with singular values
         closer to 1, which the ``"polar_express_4"`` coefficients are fitted for.
-      restart_form: how Gram Newton-Schulz forms the Gram matrix at a restart (docs/POLAR.md):
-        ``"iterate"`` from ``X ← Q X`` (``1.5·r`` products of ``n³`` at aspect ``r``);
-        ``"gram"`` as ``Q R₀ Qᵀ`` from the first Gram matrix, kept in float32 and multiplied as
-        two 16-bit halves (4 products whatever the aspect, as accurate); ``"auto"``:
-        ``"gram"`` from aspect 8/3 on, where it needs fewer products.
 
     Returns:
       An array with the shape of ``x`` and dtype ``out_dtype`` (default: ``x``'s).
@@ -471,8 +439,7 @@ def polar(x: jax.Array, *, method: Method = "gram",
     """
     return _polar_parts([x], method=method, coefficients=coefficients, restarts=restarts,
                         steps=steps, compute_dtype=compute_dtype, backend=backend, eps=eps,
-                        out_dtype=out_dtype, preconditioning=preconditioning,
-                        restart_form=restart_form)
+                        out_dtype=out_dtype, preconditioning=preconditioning)
 
 
 def resolved_compute_dtype(method: str, compute_dtype=None):
@@ -495,25 +462,24 @@ def _normalized(x: jax.Array, eps: float, compute_dtype, norm=None) -> jax.Array
 
 
 def _polar_normalized(y: jax.Array, *, method, coefficients, restarts, steps, compute_dtype,
-                      backend, eps, out_dtype=None, preconditioning="none",
-                      restart_form="iterate") -> jax.Array:
+                      backend, eps, out_dtype=None, preconditioning="none") -> jax.Array:
     """:func:`polar` of a batch ``y`` of shape ``(B, n, m)`` that the caller has already divided
     by its norms (plus ``eps``) and cast to the compute dtype: the iteration only, with no pass
     over ``y`` first (Dion3's payloads arrive so)."""
     coeffs = get_coefficients(coefficients, steps)
     _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs),
-              preconditioning, restart_form)
+              preconditioning)
     out_dtype = y.dtype if out_dtype is None else out_dtype
     y = y.astype(resolved_compute_dtype(method, compute_dtype))
     if y.size == 0:
         return y.astype(out_dtype)
     return _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend),
-                    preconditioning, restart_form).astype(out_dtype)
+                    preconditioning).astype(out_dtype)
 
 
 def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, steps,
                  compute_dtype, backend, eps, out_dtype=None, norms=None,
-                 preconditioning="none", restart_form="iterate") -> jax.Array:
+                 preconditioning="none") -> jax.Array:
     """:func:`polar` of ``concatenate(parts)`` (same trailing shape and dtype; leading axes are
     a batch), with each part normalized and cast on its own before the concatenation: the batch
     is assembled once, in the compute dtype (half the bytes of a float32 stack for float16).
@@ -521,7 +487,7 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
     (shape: the part's batch shape)."""
     coeffs = get_coefficients(coefficients, steps)
     _validate(method, restarts, backend, compute_dtype, out_dtype, eps, len(coeffs),
-              preconditioning, restart_form)
+              preconditioning)
     parts = [jnp.asarray(x) for x in parts]
     x = parts[0]
     if x.ndim < 2:
@@ -553,5 +519,5 @@ def _polar_parts(parts: Sequence[jax.Array], *, method, coefficients, restarts, 
           for p, q in zip(parts, norms)]
     y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=0)
     y = _iterate(y, coeffs, method, restarts, backend, _multiples(y, backend),
-                 preconditioning, restart_form).astype(out_dtype)
+                 preconditioning).astype(out_dtype)
     return y.reshape((*batch[0], n, m)) if len(parts) == 1 else y

@@ -35,8 +35,8 @@ stores the parameters in bfloat16 (``--rounding`` then says how the update is ad
 f = 1/4, NorMuon and AdamW at the study's best learning rates, each with float32 master weights
 and with bfloat16 parameters rounded once and twice, three seeds each. ``--plan floor`` tests
 candidate changes of Dion3 against its defaults at the same learning rates, three seeds each:
-three polars (``POLARS``: ``preconditioning="norm_bound"``, the 4-step ``polar_express_4``
-after it with no restart, and ``restart_form="auto"``; ``docs/POLAR.md``) at f = 1 and 1/4, and bfloat16 and float16
+two polars (``POLARS``: ``preconditioning="norm_bound"``, and the 4-step ``polar_express_4``
+after it with no restart; ``docs/POLAR.md``) at f = 1 and 1/4, and bfloat16 and float16
 momenta (``mu_dtype``, rounded stochastically) at f = 1/4 and 1/8, and float16 momentum with
 bfloat16 parameters (updates rounded once) beside float32 momentum with them; every
 configuration's seed 0 runs first, then the seeds 1, then 2 (``--seeds`` cuts them).
@@ -52,7 +52,7 @@ Usage::
     python examples/quality_study.py --out runs/quality/results.jsonl      # one H200, ~5 min
     python examples/quality_study.py --report runs/quality/results.jsonl   # docs/QUALITY.md
     python examples/quality_study.py --plan rounding --out runs/quality/rounding.jsonl
-    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 51 runs
+    python examples/quality_study.py --plan floor --out runs/quality/floor.jsonl  # 45 runs
 
 ``--report`` needs no accelerator: it reads the JSON lines and writes ``docs/QUALITY.md`` and the
 plots under ``docs/quality/``; results of ``--plan rounding`` (given among the files) become the
@@ -287,9 +287,7 @@ class Planner:
                      (0.25, "default", "float32", "bfloat16"),
                      (0.25, "default", "float16", "bfloat16"),
                      (0.125, "default", "float32", "bfloat16"),
-                     (0.125, "default", "float16", "bfloat16"),
-                     (1.0, "gram_restart", "float32", "float32"),
-                     (0.25, "gram_restart", "float32", "float32"))
+                     (0.125, "default", "float16", "bfloat16"))
 
     def __init__(self, steps: int, max_steps: int, param_dtype: str = "float32",
                  rounding: str = "once", seeds: int = 3):
@@ -491,13 +489,10 @@ def _make_tx(family: str, param_dtype: str = "float32", polar: str = "default",
 
 #: --plan floor's polars other than the default, as ``make_orthogonalizer`` options:
 #: ``norm_bound``, the default coefficients after the scalar rescaling; ``pe4_bound``, the
-#: 4-step ``polar_express_4`` coefficients after the same rescaling, with no restart;
-#: ``gram_restart``, the default iteration restarted from its first Gram matrix where the
-#: aspect ratio makes that cheaper (``restart_form="auto"``).
+#: 4-step ``polar_express_4`` coefficients after the same rescaling, with no restart.
 POLARS = {
     "norm_bound": dict(preconditioning="norm_bound"),
     "pe4_bound": dict(coefficients="polar_express_4", restarts=(), preconditioning="norm_bound"),
-    "gram_restart": dict(restart_form="auto"),
 }
 
 
