@@ -334,12 +334,13 @@ def test_replica_sync_dtype_ring_mean():
 
 
 @pytest.mark.slow
-def test_replica_sync_dtype_table():
-    out = subprocess.run([sys.executable, "benchmarks/replica_sync_dtype.py", "--rows", "32",
-                          "--cols", "64", "--replicas", "2", "--trials", "1", "--steps", "4"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count("| 2 |") == 3
+def test_replica_sync_dtype_table(capsys):
+    """The table, one row per wire (``main`` in this process: the script sets no process-wide
+    option)."""
+    capsys.readouterr()
+    _benchmark("replica_sync_dtype").main(["--rows", "32", "--cols", "64", "--replicas", "2",
+                                           "--trials", "1", "--steps", "4"])
+    assert capsys.readouterr().out.count("| 2 |") == 3
 
 
 @pytest.mark.slow
