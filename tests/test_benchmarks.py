@@ -46,33 +46,53 @@ def _benchmark(name: str):
         sys.path.pop(0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("args", [
-    ["benchmarks/bench_polar.py", "--small", "--reps", "1"],
-    # One run for every path of the step benchmark: the baselines, compiled up front on two
-    # threads, FSDP on a mesh of two devices, each Dion3 variant with and without megabatching;
-    # standard NS here (profile_step runs Gram NS) at f = 1/4 (bench_commits runs f = 1).
-    ["benchmarks/bench_step.py", "--small", "--reps", "1", "--compile-workers", "2", "--fsdp",
-     "--no-megabatch", "--cpu-devices", "2", "--fractions", "0.25", "--methods", "standard",
-     "--backends", "xla"],
-    ["benchmarks/bench_selection.py", "--small", "--reps", "1", "--rotate", "2"],
-    ["benchmarks/bench_layout.py", "--small", "--reps", "1", "--fractions", "0.25"],
-    ["benchmarks/bench_payload.py", "--small", "--reps", "1", "--variants", "default", "w8",
-     "--fractions", "0.25"],
-    ["benchmarks/profile_step.py", "--small", "--fraction", "0.25", "--steps", "2", "--queued",
-     "--show-hlo", "sort", "--fsdp", "--cpu-devices", "4", "--xla-option",
-     "xla_cpu_enable_fast_math=false"],
+# One run for every path of the step benchmark: the baselines, compiled up front on two threads,
+# FSDP on a mesh of two devices, each Dion3 variant with and without megabatching; standard NS
+# here (profile_step runs Gram NS) at f = 1/4 (bench_commits runs f = 1).
+_BENCH_STEP = ["--small", "--reps", "1", "--compile-workers", "2", "--fsdp", "--no-megabatch",
+               "--cpu-devices", "2", "--fractions", "0.25", "--methods", "standard",
+               "--backends", "xla"]
+_PROFILE_STEP = ["--small", "--fraction", "0.25", "--steps", "2", "--queued", "--show-hlo",
+                 "sort", "--fsdp", "--cpu-devices", "4", "--xla-option",
+                 "xla_cpu_enable_fast_math=false"]
+
+
+#: (script, its arguments): the scripts that set no process-wide option.
+_IN_PROCESS = [
+    ("bench_polar", ["--small", "--reps", "1"]),
+    ("bench_selection", ["--small", "--reps", "1", "--rotate", "2"]),
+    ("bench_layout", ["--small", "--reps", "1", "--fractions", "0.25"]),
+    ("bench_payload", ["--small", "--reps", "1", "--variants", "default", "w8", "--fractions",
+                       "0.25"]),
     # No GPU warm-up: on the CPU one 8192² bfloat16 product of the warm-up loop takes seconds.
-    ["benchmarks/bench_kernels.py", "--smoke", "--polar", "--peers", "--warmup-s", "0",
-     "--reps", "1", "--rotate", "2"],
-])
+    ("bench_kernels", ["--smoke", "--polar", "--peers", "--warmup-s", "0", "--reps", "1",
+                       "--rotate", "2"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,args", _IN_PROCESS, ids=[name for name, _ in _IN_PROCESS])
+def test_benchmark_script_runs_in_process(name, args, capsys, request):
+    """The scripts that set no process-wide option run their ``main(args)`` in this process:
+    one interpreter start (and JAX import) fewer each."""
+    if name == "bench_kernels":
+        # The suite turns most XLA optimizations off (conftest.py), which makes bench_kernels'
+        # smoke run twice as slow: its run time outweighs its compile time.
+        request.getfixturevalue("default_xla_optimizations")
+    capsys.readouterr()
+    _benchmark(name).main(args)
+    assert "ms" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["benchmarks/bench_step.py", *_BENCH_STEP],
+                                  ["benchmarks/profile_step.py", *_PROFILE_STEP]],
+                         ids=["bench_step", "profile_step"])
 def test_benchmark_script_runs(args):
-    # The suite turns most XLA optimizations off (conftest.py), which makes bench_kernels'
-    # smoke run twice as slow: its run time outweighs its compile time.
-    env = (dict(os.environ, JAX_DISABLE_MOST_OPTIMIZATIONS="0")
-           if args[0] == "benchmarks/bench_kernels.py" else None)
+    """The scripts that simulate CPU devices (``--cpu-devices``: set before JAX's backend
+    starts) run as commands."""
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=env)
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ms" in out.stdout
 
@@ -215,12 +235,13 @@ def test_bench_commits_old_dirs_are_named_by_distinct_suffixes(tmp_path):
 @pytest.mark.slow
 def test_bench_commits_times_several_exported_versions_in_one_table(tmp_path):
     """Two exports of HEAD (suffixes _a and _b) and the working tree in the same rounds: one
-    ms column per version and one ``new / name`` ratio per older one."""
-    cmd = [sys.executable, "benchmarks/bench_commits.py", "--commit", "HEAD"]
+    ms column per version and one ``new / name`` ratio per older one. (The exports run
+    ``main`` in this process: they import neither version; the timed run, which does, is a
+    command.)"""
+    bench_commits = _benchmark("bench_commits")
     for suffix in ("_a", "_b"):
-        out = subprocess.run([*cmd, "--export-to", str(tmp_path / suffix), "--suffix", suffix],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
+        assert bench_commits.main(["--commit", "HEAD", "--export-to", str(tmp_path / suffix),
+                                   "--suffix", suffix]) == []
         assert (tmp_path / suffix / f"dion3_jax{suffix}" / "__init__.py").exists()
     out = subprocess.run([sys.executable, "benchmarks/bench_commits.py", "--small", "--reps", "1",
                           "--fractions", "1", "--old-dir", str(tmp_path / "_a"),
@@ -260,7 +281,7 @@ def test_bench_commits_against_head():
 
 
 @pytest.mark.slow
-def test_profile_step_profiles_an_exported_version_first(tmp_path):
+def test_profile_step_profiles_an_exported_version_first(tmp_path, capsys):
     """profile_step.py --old-dir: HEAD exported by bench_commits.py is profiled before the
     working tree, in one process, a set of tables each, the older one named by its commit; it
     refuses options that write one step's results."""
@@ -275,9 +296,12 @@ def test_profile_step_profiles_an_exported_version_first(tmp_path):
     assert f": old = {commit}: dion3 f=1 (its defaults)," in heads[0], heads
     assert ": dion3 f=1 gram auto passes=auto," in heads[1], heads
     assert out.stdout.count("| op kind | ops | ms / step | share |") == 2, out.stdout
-    out = subprocess.run([*cmd, "--json", str(tmp_path / "ops.json")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2 and "--old-dir" in out.stderr, out.stderr[-2000:]
+    # (refused while parsing its arguments, before any JAX work: run in this process)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        _benchmark("profile_step").main([*cmd[2:], "--json", str(tmp_path / "ops.json")])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "--old-dir" in err, err[-2000:]
     assert not (tmp_path / "ops.json").exists()
 
 
@@ -310,12 +334,13 @@ def test_replica_sync_dtype_ring_mean():
 
 
 @pytest.mark.slow
-def test_replica_sync_dtype_table():
-    out = subprocess.run([sys.executable, "benchmarks/replica_sync_dtype.py", "--rows", "32",
-                          "--cols", "64", "--replicas", "2", "--trials", "1", "--steps", "4"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count("| 2 |") == 3
+def test_replica_sync_dtype_table(capsys):
+    """The table, one row per wire (``main`` in this process: the script sets no process-wide
+    option)."""
+    capsys.readouterr()
+    _benchmark("replica_sync_dtype").main(["--rows", "32", "--cols", "64", "--replicas", "2",
+                                           "--trials", "1", "--steps", "4"])
+    assert capsys.readouterr().out.count("| 2 |") == 3
 
 
 @pytest.mark.slow
