@@ -32,7 +32,8 @@ Per shape and spectrum, in one process on the same inputs: the spectral-norm dis
 form's ``R`` from ``Q₁ R₀ Q₁`` in float64 (``Q₁`` the same float16 iterate, ``R₀`` exact), its
 most negative eigenvalue, and the relative Frobenius error of the whole 5-step polar against
 float64's ``U Vᵀ`` with that restart, with the largest singular value of the result (above
-about 1.13, the spurious eigenvalues were amplified). A tall input is iterated as its wide
+about 1.13, the spurious eigenvalues were amplified; "non-finite" where a form overflowed). A
+tall input is iterated as its wide
 transpose (``polar(Xᵀ) = polar(X)ᵀ``).
 
 Usage::
@@ -155,6 +156,10 @@ def row(shape, spectrum: str, form: str, x64: np.ndarray) -> list:
     err = np.linalg.norm(out - _exact_polar(x64)[0]) / np.linalg.norm(_exact_polar(x64)[0])
     aspect = max(shape) / min(shape)
     cost = 1.5 * aspect if form == "iterate" else sum(COST[form])
+    if not (np.isfinite(r).all() and np.isfinite(out).all()):
+        return ["x".join(map(str, shape)), spectrum, form, f"{cost:.2f}",
+                *(["non-finite"] * 2), f"{np.linalg.eigvalsh(exact).min():+.2e}",
+                *(["non-finite"] * 2)]
     return ["x".join(map(str, shape)), spectrum, form, f"{cost:.2f}",
             f"{np.linalg.norm(r - exact, 2):.2e}", f"{np.linalg.eigvalsh(r).min():+.2e}",
             f"{np.linalg.eigvalsh(exact).min():+.2e}", f"{err:.4e}",
@@ -166,7 +171,12 @@ def main(argv=None) -> list[list]:
     p.add_argument("--small", action="store_true", help="one tiny shape (a smoke run)")
     p.add_argument("--seed", type=int, default=0, help="the inputs' seed")
     args = p.parse_args(argv)
-    jax.config.update("jax_enable_x64", True)
+    with jax.enable_x64(True):
+        return _table(args)
+
+
+def _table(args: argparse.Namespace) -> list[list]:
+    """Prints the table and returns its rows."""
     rng = np.random.default_rng(args.seed)
     print(f"seed {args.seed}; jax {jax.__version__} on {jax.devices()[0].platform}")
     header = ["shape", "spectrum", "form", "products", "‖R − exact‖₂", "λmin(R)",
