@@ -24,8 +24,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from seeds import module_seed
+
+pytestmark = pytest.mark.tooling
 
 SEED = module_seed()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
