@@ -159,7 +159,9 @@ def _momenta(runs: list[dict]) -> str:
 
 def section(paths: list[str]) -> str:
     """The Markdown section from the ``--plan floor`` results files ``paths``."""
-    meta, runs = plan_report.load(paths, "floor")
+    loaded = [plan_report.load([p], "floor") for p in paths]   # each file's (meta, runs)
+    meta = next((m for m, _ in loaded if m is not None), None)
+    runs = [r for _, file_runs in loaded for r in file_runs]
     if meta is None:
         raise ValueError(f"no meta record in {paths}")
     configs, pairs = tables(by_config(runs))
@@ -190,16 +192,15 @@ def section(paths: list[str]) -> str:
         "the spread is within it, and the differences' own standard deviation says how steady "
         "it is.", "",
         pairs, "",
-        *_footers(paths),
+        *_footers(paths, loaded),
     ])
 
 
-def _footers(paths: list[str]) -> list[str]:
+def _footers(paths: list[str], loaded: list[tuple[dict | None, list[dict]]]) -> list[str]:
     """Each results file's command, code, date, machine and count (a later file resumed the
-    earlier ones' runs and added its own)."""
+    earlier ones' runs and added its own); ``loaded``: each file's ``(meta, runs)``."""
     lines: list[str] = []
-    for path in paths:
-        meta, runs = plan_report.load([path], "floor")
+    for path, (meta, runs) in zip(paths, loaded):
         if meta is not None:
             lines += [f"`{path}`:", "", *plan_report.footer(meta, runs), ""]
     return lines[:-1]
