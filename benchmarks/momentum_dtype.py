@@ -75,7 +75,8 @@ def _row_sum_error(grads: np.ndarray, dtype, nearest: bool) -> float:
 
     def body(m, xs):
         g, t = xs
-        bits = _rounding.momentum_bits(0, t, 0, _rounding.SUM, m.shape) if stochastic else None
+        key = _rounding.step_key(0, t, 0, _rounding.SUM)
+        bits = _rounding.momentum_bits(key, m.shape) if stochastic else None
         return pallas_kernels.scaled_sum(m, g, jnp.ones((), jnp.float32), bits), None
 
     steps = jnp.arange(grads.shape[0], dtype=jnp.int32)

@@ -67,20 +67,31 @@ def step_key(seed: int, count: jax.Array, leaf: int, write: int) -> jax.Array:
     return jax.random.key_data(key)
 
 
+def step_keys(seed: int, count: jax.Array, write: int, leaves: int) -> jax.Array:
+    """:func:`step_key` of every leaf ``0 … leaves − 1`` at once: ``(leaves, 2)`` uint32.
+
+    The same keys, folded for all leaves in one batched Threefry hash: a step that called
+    :func:`step_key` once per leaf would put two Threefry hashes per leaf and write into its
+    program, whose compile time grows with each (about 0.4 s per leaf on a GPU).
+    """
+    key = jax.random.key(seed, impl="threefry2x32")
+    for x in (_DOMAIN, count):
+        key = jax.random.fold_in(key, x)
+    fold = lambda leaf: jax.random.fold_in(jax.random.fold_in(key, leaf), write)  # noqa: E731
+    return jax.random.key_data(jax.vmap(fold)(jnp.arange(leaves, dtype=jnp.uint32)))
+
+
 def _offset(axes: tuple[str, ...], extent: int) -> jax.Array | int:
     """This device's first index along a leaf axis sharded over mesh ``axes`` (none: 0)."""
     return jax.lax.axis_index(axes) * extent if axes else 0
 
 
-def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
-                  shape: tuple[int, ...], spec: P = P()) -> jax.Array:
+def momentum_bits(key: jax.Array, shape: tuple[int, ...], spec: P = P()) -> jax.Array:
     """uint32 random bits for this device's shard of a leaf's momentum.
 
     Args:
-      seed: the run's seed (``MeshOptions.seed``).
-      count: the step count (traced int32).
-      leaf: the leaf's position among the gradients' leaves.
-      write: :data:`SUM` or :data:`DECAY`.
+      key: the write's ``(2,)`` uint32 key (:func:`step_key`: the run's seed, the step count,
+        the leaf's position among the gradients' leaves and :data:`SUM` or :data:`DECAY`).
       shape: the local shard's shape.
       spec: the leaf's ``PartitionSpec`` (``P()`` without a mesh); inside ``shard_map`` a
         shard's elements take their global indices from it.
@@ -100,7 +111,7 @@ def momentum_bits(seed: int, count: jax.Array, leaf: int, write: int,
              + jnp.asarray(_offset(e, n), jnp.uint32))
         words = [w + (i if c == 1 else i * np.uint32(c)) if c else w
                  for w, c in zip(words, coef[a])]
-    bits = random_bits(step_key(seed, count, leaf, write), *words)
+    bits = random_bits(key, *words)
     return jnp.broadcast_to(bits, shape)
 
 
@@ -149,12 +160,12 @@ def _digit_words(flat: jax.Array, axes: list[int], local: tuple[int, ...], coef,
     return words
 
 
-def block_counters(seed: int, count: jax.Array, leaf: int, write: int, local: LeafLayout,
-                   spec: P = P()) -> list[RowCounter | None]:
+def block_counters(key: jax.Array, local: LeafLayout, spec: P = P()
+                   ) -> list[RowCounter | None]:
     """The counters of :func:`momentum_bits`'s bits in this device's blocks of a leaf.
 
     Args:
-      seed, count, leaf, write: as :func:`momentum_bits`.
+      key: the write's key, as :func:`momentum_bits`.
       local: the layout of the local shard (its :meth:`~LeafLayout.to_blocks`).
       spec: the leaf's ``PartitionSpec``, as :func:`momentum_bits`.
 
@@ -175,7 +186,6 @@ def block_counters(seed: int, count: jax.Array, leaf: int, write: int, local: Le
     groups = [list(local.perm[:nb]), list(local.perm[nb:nb + nf]), list(local.perm[nb + nf:])]
     rows_axes, summed_axes = (groups[2], groups[1]) if local.out_last else groups[1:]
     step = _row_step(summed_axes, shape, coef)
-    key = step_key(seed, count, leaf, write)
     heads, out, start = local.num_heads, [], 0
     for bl, n in zip(local.blocks, local.split_sizes):
         k = jax.lax.broadcasted_iota(jnp.uint32, (bl.batch, n), 0)

@@ -227,21 +227,29 @@ def _summed_partials(partials: dict) -> dict:
     return out
 
 
-def _momentum_bits(plan: Plan, dtypes, count, write: int) -> list[jax.Array | None]:
+def _write_keys(plan: Plan, dtypes, count, write: int) -> jax.Array | None:
+    """Every leaf's key of ``write`` at step ``count`` (:func:`_rounding.step_keys`, one batched
+    hash), or None where no momentum of ``dtypes`` is rounded stochastically."""
+    if not any(_rounding.stochastic(t) for t in dtypes):
+        return None
+    return _rounding.step_keys(plan.seed, count, write, len(plan.leaves))
+
+
+def _momentum_bits(plan: Plan, dtypes, keys: jax.Array | None) -> list[jax.Array | None]:
     """Per leaf (``dtypes``: its momentum's), the random bits of a 16-bit momentum's stochastic
-    rounding at ``write`` in the local shard's shape (:mod:`dion3_jax._rounding`); None for
-    other dtypes (rounded to nearest)."""
-    return [_rounding.momentum_bits(plan.seed, count, i, write, p.local.shape, p.spec)
+    rounding under its key in ``keys`` (:func:`_write_keys`), in the local shard's shape
+    (:mod:`dion3_jax._rounding`); None for other dtypes (rounded to nearest)."""
+    return [_rounding.momentum_bits(keys[i], p.local.shape, p.spec)
             if _rounding.stochastic(t) else None
             for i, (p, t) in enumerate(zip(plan.leaves, dtypes))]
 
 
-def _statistics_kernel(plan: Plan, u: Unit, dtype, count, counters: dict) -> bool:
+def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict) -> bool:
     """Whether unit ``u``'s statistics pass runs in a kernel (its momentum of ``dtype``); for a
-    16-bit momentum, only with its block's counter at step ``count``, which this puts in
-    ``counters`` (keyed ``(leaf, block)``; :func:`_rounding.block_counters`, made only where a
-    kernel runs). A named kernel that cannot take the unit raises a ``ValueError`` that names
-    the leaf."""
+    16-bit momentum, only with its block's counter under its leaf's key in ``keys``
+    (:func:`_write_keys`), which this puts in ``counters`` (keyed ``(leaf, block)``;
+    :func:`_rounding.block_counters`, made only where a kernel runs). A named kernel that
+    cannot take the unit raises a ``ValueError`` that names the leaf."""
     stochastic = _rounding.stochastic(dtype)
     shape, ra = _local_shape(plan, u)[1:], u.layout.row_axis
     try:
@@ -251,8 +259,7 @@ def _statistics_kernel(plan: Plan, u: Unit, dtype, count, counters: dict) -> boo
         if not stochastic:
             return True
         p = plan.leaves[u.leaf]
-        counter = _rounding.block_counters(plan.seed, count, u.leaf, _rounding.SUM, p.local,
-                                           p.spec)[u.block]
+        counter = _rounding.block_counters(keys[u.leaf], p.local, p.spec)[u.block]
         if counter is None and plan.pass_implementation != "auto":
             raise ValueError(f"implementation={plan.pass_implementation!r} needs random bits "
                              f"that step evenly along each row of the {shape} blocks (a "
@@ -283,9 +290,10 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
     """
     one_pass = _one_pass_groups(plan)
     counters: dict = {}
+    keys = _write_keys(plan, [m.dtype for m in moms], count, _rounding.SUM)
     kernel = {(u.leaf, u.block): u for u in (plan.units[i] for i in one_pass)
-              if _statistics_kernel(plan, u, moms[u.leaf].dtype, count, counters)}
-    bits = _momentum_bits(plan, [m.dtype for m in moms], count, _rounding.SUM)
+              if _statistics_kernel(plan, u, moms[u.leaf].dtype, keys, counters)}
+    bits = _momentum_bits(plan, [m.dtype for m in moms], keys)
     momentum: list[list[jax.Array | None]] = [
         list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r)))
         if any((i, b) not in kernel for b in range(len(p.local.blocks)))
@@ -718,8 +726,9 @@ def error_feedback(plan: Plan, mu, acc: Accumulated, polars, row_src, batch_src,
     momentum = [list(b) for b in acc.momentum]
     decays = {u.leaf for u in plan.units if u.uid not in acc.one_pass}   # (no bits for others)
     dtypes = [b[0].dtype if i in decays else jnp.float32 for i, b in enumerate(acc.momentum)]
+    keys = _write_keys(plan, dtypes, count, _rounding.DECAY)
     bits = [None if r is None else p.local.to_blocks(r)
-            for p, r in zip(plan.leaves, _momentum_bits(plan, dtypes, count, _rounding.DECAY))]
+            for p, r in zip(plan.leaves, _momentum_bits(plan, dtypes, keys))]
     scales: list[list[jax.Array | None]] = [[None] * len(b) for b in acc.momentum]
     for b, src in zip(plan.batches, batch_src):
         u = plan.units[b.uids[0]]

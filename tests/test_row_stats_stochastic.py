@@ -100,8 +100,8 @@ def _bits16(x) -> np.ndarray:
                                   pytest.param("pallas_triton", marks=pytest.mark.slow)])
 def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
     """``S`` bit for bit the reference's, which is not round-to-nearest's and not that of
-    another key (so the kernel hashes the key and the words); saturated sums stay at the bound, ``inf``/NaN stay; the
-    row sums are those of the kernel's ``S`` (float64, within float32 summation error)."""
+    another key (so the kernel hashes the key and the words); saturated sums stay at the
+    bound, ``inf``/NaN stay; the row sums are those of the kernel's ``S`` (float64, within float32 summation error)."""
     rng = np.random.default_rng(SEED)
     shape = (_SHAPES if impl == "mosaic" else _SHAPES_TRITON)[row_axis]
     m, g, d = _inputs(rng, shape, row_axis, dtype)
@@ -211,9 +211,9 @@ def test_block_counters_give_the_leafs_bits(shape, dn, heads, splits):
     """Per block of a leaf (stacked, transposed, heads, split, merged reduction axes), the
     counter's bits are the leaf's bits in that block."""
     layout = _layout.make_layout(shape, dn, heads, splits)
-    whole = layout.to_blocks(_rounding.momentum_bits(SEED, jnp.int32(3), 2, _rounding.SUM,
-                                                     shape))
-    counters = _rounding.block_counters(SEED, jnp.int32(3), 2, _rounding.SUM, layout)
+    key = _rounding.step_key(SEED, jnp.int32(3), 2, _rounding.SUM)
+    whole = layout.to_blocks(_rounding.momentum_bits(key, shape))
+    counters = _rounding.block_counters(key, layout)
     for want, counter, block in zip(whole, counters, layout.blocks):
         got = counter_bits(counter, want.shape, block.row_axis)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -224,7 +224,8 @@ def test_block_counters_are_none_where_the_words_do_not_step_evenly():
     ``lo`` word by 1 in turn, so the block has no counter."""
     dn = _layout.DimensionNumbers(reduction_axis=(1, 3), output_axis=(0, 2))
     layout = _layout.make_layout((4, 8, 6, 5), dn)
-    assert _rounding.block_counters(SEED, jnp.int32(0), 0, _rounding.SUM, layout) == [None]
+    key = _rounding.step_key(SEED, jnp.int32(0), 0, _rounding.SUM)
+    assert _rounding.block_counters(key, layout) == [None]
 
 
 @pytest.mark.parametrize("spec", [P("a", None, None), P(None, "b", None), P(None, None, "b"),
@@ -237,14 +238,16 @@ def test_block_counters_of_a_shard_give_the_leafs_bits(spec):
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2,
                          devices=jax.devices()[:8])
     shape = (8, 16, 32)
-    whole = _rounding.momentum_bits(SEED, jnp.int32(4), 1, _rounding.SUM, shape)
+    whole = _rounding.momentum_bits(_rounding.step_key(SEED, jnp.int32(4), 1, _rounding.SUM),
+                                    shape)
     local = tuple(n // int(np.prod([mesh.shape[a] for a in
                                     ((e,) if isinstance(e, str) else e or ())]))
                   for n, e in zip(shape, tuple(spec)))
     layout = _layout.make_layout(local)
 
     def bits(c):
-        [counter] = _rounding.block_counters(SEED, c, 1, _rounding.SUM, layout, spec)
+        key = _rounding.step_key(SEED, c, 1, _rounding.SUM)
+        [counter] = _rounding.block_counters(key, layout, spec)
         [block] = layout.blocks
         return layout.from_blocks([counter_bits(counter, block.shape, block.row_axis)], local)
 
