@@ -43,6 +43,9 @@ the polar's products and both passes in XLA); on a GPU the difference of the two
 the Mosaic GPU kernels cost in each stage (their lowering, and their compile, which jaxlib
 does when XLA instantiates the executable).
 
+With ``--mu-dtypes DTYPE ...`` each Dion3 step is also compiled with those momentum dtypes
+(``mu=bfloat16``: a 16-bit momentum, rounded stochastically, whose step hashes random bits).
+
 With ``--cache-dir DIR`` every compile goes through JAX's persistent compilation cache in
 ``DIR`` (every executable written, whatever its compile time and size). Run the same command
 twice: the first run fills the cache, the second one's compile stage is what a repeated run pays
@@ -177,6 +180,10 @@ def main(argv=None) -> None:
     ap.add_argument("--first-call", action="store_true",
                     help="also allocate the model and time each compiled step's first and "
                          "second call")
+    ap.add_argument("--mu-dtypes", nargs="+", default=[], metavar="DTYPE",
+                    choices=["float32", "bfloat16", "float16"],
+                    help="also compile each Dion3 step with these momentum dtypes (rows marked "
+                         "mu=DTYPE; a 16-bit one is rounded stochastically)")
     ap.add_argument("--cache-dir", metavar="DIR",
                     help="compile through JAX's persistent compilation cache in DIR (run "
                          "twice: the second run's compile stage is a warm cache's)")
@@ -199,7 +206,8 @@ def main(argv=None) -> None:
         # Each row's unit is AdamW compiled with the same options (the "adamw" of its tag).
         builds = [("", None)] + ([(" +opts", options)] if options else [])
         variants = [("adamw" + tag, tag, optax.adamw(a.lr), opts) for tag, opts in builds]
-        kinds = _KERNEL_VARIANTS if a.no_kernel_rows else _KERNEL_VARIANTS[:1]
+        kinds = list(_KERNEL_VARIANTS if a.no_kernel_rows else _KERNEL_VARIANTS[:1])
+        kinds += [(f" mu={dt}", {"mu_dtype": jnp.dtype(dt)}) for dt in a.mu_dtypes]
         variants += [(f"dion3 f={f:g}{kind}" + tag, tag, dion3_jax.dion3(a.lr, f, **kw), opts)
                      for tag, opts in builds for f in a.fractions for kind, kw in kinds]
         runs = {name: [] for name, *_ in variants}
