@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from dion3_jax import _megabatch, _norms, _rounding, _rules, _selection
-from dion3_jax._collectives import batched_all_gather, batched_psum, replica_mean
+from dion3_jax import _megabatch, _norms, _rounding, _rules, _selection, _storage
+from dion3_jax._collectives import batched_all_gather, batched_psum, nontrivial, replica_mean
 from dion3_jax._plan import Plan, Unit
 
 #: What the payload pass of a group whose every row is selected (``full``) or of selected rows
@@ -271,7 +271,7 @@ def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict) -> bool
         raise ValueError(f"{name} ({jnp.dtype(dtype).name} momentum): {e}") from None
 
 
-def _accumulate(plan: Plan, grads, moms, scales, count):
+def _accumulate(plan: Plan, grads, moms, scales, count, g_scales):
     """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
     step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
     units' sums of squares and the :func:`_one_pass_groups` units.
@@ -283,7 +283,9 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
     own shape (which lets XLA write it in place of a donated momentum of any layout) and left
     to XLA to fuse into its readers. A 16-bit momentum is rounded stochastically (random bits
     of the step ``count``, :func:`_momentum_bits`); the kernels hash the same bits themselves
-    from the blocks' counters (:func:`_rounding.block_counters`).
+    from the blocks' counters (:func:`_rounding.block_counters`). ``g_scales``: per leaf, the
+    write scale of a float16 momentum (:func:`_write_scales`; ``scales`` already carry it), or
+    None.
 
     Returns:
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
@@ -295,10 +297,11 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
               if _statistics_kernel(plan, u, moms[u.leaf].dtype, keys, counters)}
     bits = _momentum_bits(plan, [m.dtype for m in moms], keys)
     momentum: list[list[jax.Array | None]] = [
-        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r)))
+        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r, c)))
         if any((i, b) not in kernel for b in range(len(p.local.blocks)))
         else [None] * len(p.local.blocks)
-        for i, (p, m, g, d, r) in enumerate(zip(plan.leaves, moms, grads, scales, bits))]
+        for i, (p, m, g, d, r, c) in enumerate(zip(plan.leaves, moms, grads, scales, bits,
+                                                   g_scales))]
     partials = {}
     for (leaf, block), u in kernel.items():
         local, ra = plan.leaves[leaf].local, u.layout.row_axis
@@ -306,7 +309,8 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
         s, l1, sq = pallas_kernels.accumulate_rows(m, g, jnp.squeeze(d, 3 - ra), row_axis=ra,
                                                    implementation=plan.pass_implementation,
                                                    partial_sums=True,
-                                                   counter=counters.get((leaf, block)))
+                                                   counter=counters.get((leaf, block)),
+                                                   g_scale=g_scales[leaf])
         momentum[leaf][block] = s
         partials[(leaf, block)] = (l1, sq)
     known = _summed_partials(partials)
@@ -317,10 +321,13 @@ def _accumulate(plan: Plan, grads, moms, scales, count):
     return filled, full_sq, _row_stats(plan, filled, known, one_pass), one_pass
 
 
-def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count) -> Accumulated:
-    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`); the row statistics and each unit's
-    selection scores."""
-    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales, count)
+def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count, g_scales=None
+                         ) -> Accumulated:
+    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`; ``g_scales``: :func:`_write_scales`,
+    default none); the row statistics and each unit's selection scores."""
+    g_scales = [None] * len(moms) if g_scales is None else g_scales
+    momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales, count,
+                                                            g_scales)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if plan.normuon else None)
     raw = {} if plan.random_selection else _l1_scores(plan, l1)
@@ -863,10 +870,72 @@ class Coefficients(NamedTuple):
     beta2: Any   # NorMuon's second-moment EMA coefficient (:func:`normalize`)
 
 
-def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, count):
+def _all_axes(plan: Plan) -> tuple[str, ...]:
+    """The mesh axes whose devices' momenta meet in the step (its own and a manual replica
+    axis)."""
+    ctx = plan.ctx
+    axes = tuple(ctx.axis_names) if ctx.distributed else ()
+    if ctx.compressed and ctx.replica_axis not in axes:
+        axes += (ctx.replica_axis,)
+    return nontrivial(axes)
+
+
+def _pmax(plan: Plan, x: jax.Array) -> jax.Array:
+    axes = _all_axes(plan)
+    return jax.lax.pmax(x, axes) if axes else x
+
+
+def _write_scales(plan: Plan, grads, moms, bounds, count) -> list[jax.Array | None]:
+    """Per leaf, the write scale of a float16 momentum (:mod:`dion3_jax._storage`) from its
+    ``bounds`` entry, or at the first step from its gradient's largest entry (one ``pmax`` for
+    all leaves); None for other dtypes."""
+    idx = [i for i, m in enumerate(moms) if _storage.scaled(m.dtype)]
+    out: list[jax.Array | None] = [None] * len(moms)
+    if not idx:
+        return out
+
+    def first():
+        return _pmax(plan, jnp.stack([jnp.max(jnp.abs(grads[i])).astype(jnp.float32)
+                                      for i in idx]))
+
+    kept = jnp.stack([jnp.asarray(bounds[i], jnp.float32) for i in idx])
+    scale = _storage.write_scale(jax.lax.cond(count == 0, first, lambda: kept))
+    for j, i in enumerate(idx):
+        out[i] = scale[j]
+    return out
+
+
+def _new_bounds(plan: Plan, acc: Accumulated, g_scales, bounds) -> list[jax.Array]:
+    """Per leaf, the bound the next write of a float16 momentum is scaled by: the largest row
+    norm of ``S`` in the gradients' units (:func:`_storage.row_bound`, from the row sums the
+    step has or new ones), over every device; ``bounds``' entry for other leaves."""
+    per_leaf: dict[int, list[jax.Array]] = {}
+    for u in plan.units:
+        c = g_scales[u.leaf]
+        if c is None:
+            continue
+        sq = acc.row_sq.get((u.leaf, u.block))
+        if sq is None:
+            sq = _selection.row_sq_sums(acc.momentum[u.leaf][u.block], u.layout.row_axis)
+        per_leaf.setdefault(u.leaf, []).append(_storage.row_bound(sq, c))
+    if not per_leaf:
+        return list(bounds)
+    found = _pmax(plan, jnp.stack([jnp.max(jnp.stack(v)) for v in per_leaf.values()]))
+    out = list(bounds)
+    for j, i in enumerate(per_leaf):
+        out[i] = found[j]
+    return out
+
+
+def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, count,
+         bounds=None):
     """The per-device Dion3 step: lists of leaves in (``scales``: the momenta's per-row factors
-    ``d``), ``(updates, momenta, variances, scales)`` out."""
-    acc = accumulate_and_score(plan, grads, moms, vars_, scales, count)
+    ``d``; ``bounds``: per leaf, the float16 momenta's :mod:`dion3_jax._storage` bounds),
+    ``(updates, momenta, variances, scales, bounds)`` out."""
+    bounds = [jnp.zeros((), jnp.float32)] * len(moms) if bounds is None else bounds
+    g_scales = _write_scales(plan, grads, moms, bounds, count)
+    scales = [d if c is None else d * c for d, c in zip(scales, g_scales)]
+    acc = accumulate_and_score(plan, grads, moms, vars_, scales, count, g_scales)
     picks, rows, sq_sums = select(plan, acc)
     batches = gather_and_send(plan, acc, picks, rows, sq_sums)
     polars, factors = megabatched_polar(plan, batches)
@@ -875,5 +944,7 @@ def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, cou
     momentum, new_scales = error_feedback(plan, coefficients.mu, acc, polars, row_src, batch_src,
                                           count)
     dirs, variance = normalize(plan, coefficients.beta2, acc, rows, polars, factors, batch_src)
+    new_d = [d if c is None else d / c
+             for d, c in zip(_leaves(plan, new_scales, scales), g_scales)]
     return (scatter_and_apply(plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
-            _leaves(plan, variance, vars_), _leaves(plan, new_scales, scales))
+            _leaves(plan, variance, vars_), new_d, _new_bounds(plan, acc, g_scales, bounds))

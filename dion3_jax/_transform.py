@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dion3_jax import _distributed, _param_metadata, _plan, _step
+from dion3_jax import _distributed, _param_metadata, _plan, _step, _storage
 from dion3_jax._config import AdjustLR, Dion3Config, Flavor, PassImplementation, make_config
 from dion3_jax._distributed import MeshOptions
 from dion3_jax._layout import DimensionNumbers
@@ -73,8 +73,12 @@ class ScaleByDion3State(NamedTuple):
         parameters, else the parameter's).
       variance: the NorMuon per-row second moments, float32, each param's shape with its
         reduction axes of size 1; None for ``flavor="muon"``.
-      momentum_scale: the momentum's per-row factors (1 or ``μ``), float32, shaped like the
-        second moments.
+      momentum_scale: the momentum's per-row factors (1 or ``μ``; a float16 momentum's also
+        carry its storage scale), float32, shaped like the second moments.
+      momentum_bound: for a float16 momentum, per leaf, the largest row norm of the momentum
+        the last step wrote, a float32 scalar that sets the next write's storage scale
+        (:mod:`dion3_jax._storage`; 0 for the leaves of other dtypes); None when no leaf's
+        momentum is float16.
     """
 
     # optax's name for the step count (its states' too), which shadows tuple.count.
@@ -82,6 +86,7 @@ class ScaleByDion3State(NamedTuple):
     momentum: optax.Updates
     variance: optax.Updates | None
     momentum_scale: optax.Updates
+    momentum_bound: optax.Updates | None = None
 
     def full_momentum(self) -> optax.Updates:
         """The momentum, ``momentum * momentum_scale``, in the momentum's dtype."""
@@ -89,9 +94,22 @@ class ScaleByDion3State(NamedTuple):
                             self.momentum_scale)
 
     def folded(self) -> Self:
-        """This state with ``momentum`` = :meth:`full_momentum` and ``momentum_scale`` ones."""
-        return self._replace(momentum=self.full_momentum(),
-                             momentum_scale=jax.tree.map(jnp.ones_like, self.momentum_scale))
+        """This state with ``momentum`` = :meth:`full_momentum` and ``momentum_scale`` ones;
+        a float16 momentum keeps a power of two per leaf in ``momentum_scale``
+        (:func:`dion3_jax._storage.fold_unit`), its storage scale, so that its entries stay
+        within float16's range."""
+        def fold(m, d):
+            if not _storage.scaled(m.dtype):
+                return (m * d).astype(m.dtype)
+            return (m * (d / _storage.fold_unit(d))).astype(m.dtype)
+
+        def ones(m, d):          # (``ones_like`` keeps the factors' sharding)
+            return (jnp.ones_like(d) * _storage.fold_unit(d) if _storage.scaled(m.dtype)
+                    else jnp.ones_like(d))
+
+        return self._replace(momentum=jax.tree.map(fold, self.momentum, self.momentum_scale),
+                             momentum_scale=jax.tree.map(ones, self.momentum,
+                                                         self.momentum_scale))
 
 
 def fold_momentum_scale(opt_state: OptState) -> OptState:
@@ -216,10 +234,14 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
              else jnp.zeros([], jnp.int32))
     # The per-row state's Flax Variables must not shard its size-1 reduction axes.
     axes = [pl.layout.reduction_axes for pl in plans]
+    # A float16 momentum's storage bounds (0: the first step reads the gradients').
+    bound = (treedef.unflatten([_zeros((), jnp.float32, p, jax.P(), ctx, commit) for p in leaves])
+             if any(_storage.scaled(m.dtype) for m in mom) else None)
     return ScaleByDion3State(
         count=count, momentum=treedef.unflatten(mom),
         variance=_param_metadata.row_state_tree(params, var, axes) if normuon else None,
-        momentum_scale=_param_metadata.row_state_tree(params, scale, axes))
+        momentum_scale=_param_metadata.row_state_tree(params, scale, axes),
+        momentum_bound=bound)
 
 
 def _plan_key(grads, moms) -> tuple:
@@ -244,6 +266,8 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
     normuon = cfg.flavor == "normuon"
     vars_in = treedef.flatten_up_to(state.variance) if normuon else []
     scales = treedef.flatten_up_to(state.momentum_scale)
+    bounded = state.momentum_bound is not None
+    bounds_in = treedef.flatten_up_to(state.momentum_bound) if bounded else []
     key = _plan_key(updates, moms)
     if key not in plans:
         plans[key] = _plan.build_plan(cfg, updates, [m.dtype for m in moms])
@@ -251,22 +275,26 @@ def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
 
     coefficients = _step.Coefficients(cfg.mu, cfg.beta2)
 
-    def step(g, m, v, d, count):
-        return _step.step(plan, coefficients, g, m, v if normuon else [None] * len(g), d, count)
+    def step(g, m, v, d, b, count):
+        u, m, v, d, b = _step.step(plan, coefficients, g, m, v if normuon else [None] * len(g),
+                                   d, count, b if bounded else None)
+        return u, m, v, d, b if bounded else []
 
     if plan.ctx.distributed:
         specs = [lp.spec for lp in plan.leaves]
         rspecs = [lp.var_spec for lp in plan.leaves]
         vspecs = rspecs if normuon else []
+        bspecs = [jax.P()] * len(bounds_in)
         step = _distributed.shard_map(plan.ctx, step,
-                                      in_specs=(specs, specs, vspecs, rspecs, jax.P()),
-                                      out_specs=(specs, specs, vspecs, rspecs))
-    new_u, new_m, new_v, new_d = step(list(grads), list(moms), list(vars_in), list(scales),
-                                      state.count)
+                                      in_specs=(specs, specs, vspecs, rspecs, bspecs, jax.P()),
+                                      out_specs=(specs, specs, vspecs, rspecs, bspecs))
+    new_u, new_m, new_v, new_d, new_b = step(list(grads), list(moms), list(vars_in),
+                                             list(scales), list(bounds_in), state.count)
     new_state = ScaleByDion3State(
         count=jnp.asarray(optax.safe_increment(state.count)), momentum=treedef.unflatten(new_m),
         variance=treedef.unflatten(new_v) if normuon else None,
-        momentum_scale=treedef.unflatten(new_d))
+        momentum_scale=treedef.unflatten(new_d),
+        momentum_bound=treedef.unflatten(new_b) if bounded else None)
     return treedef.unflatten(new_u), new_state
 
 

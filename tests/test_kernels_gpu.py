@@ -295,8 +295,9 @@ def test_statistics_kernel_agrees_with_float64(impl, row_axis, shape, dtype):
                                             (2, (3, 256, 96)), (1, (3, 64, 48))])
 def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(impl, dtype, row_axis, shape):
     """A 16-bit momentum through each kernel, rounded stochastically with bits it hashes
-    itself from a counter (random key and rows' words, wrapping steps), its momentum donated:
-    ``S`` is the XLA form's bit for bit, the row sums within float32 summation error."""
+    itself from a counter (random key and rows' words, wrapping steps), its momentum donated
+    (a float16 one with its gradients scaled by ``2⁷``, as a float16 momentum's storage scale
+    does): ``S`` is the XLA form's bit for bit, the row sums within float32 summation error."""
     from pallas_kernels._counter import RowCounter
 
     if impl not in _AVAILABLE:
@@ -309,10 +310,11 @@ def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(impl, dtype, row_axis,
     g = jnp.asarray(rng.standard_normal(shape, np.float32) / 64)
     d = jnp.asarray(rng.choice([0.8145, 1.0], (shape[0], shape[row_axis])).astype(np.float32))
     counter = RowCounter(words(2), words(shape[0], 2, shape[row_axis]), (0x9E3779B9, 1))
+    g_scale = jnp.float32(2.0 ** 7) if dtype == jnp.float16 else None
     want = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation="xla", counter=counter))(m, g, d)
+        *a, row_axis=row_axis, implementation="xla", counter=counter, g_scale=g_scale))(m, g, d)
     s, l1, sq = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation=impl, counter=counter),
+        *a, row_axis=row_axis, implementation=impl, counter=counter, g_scale=g_scale),
         donate_argnums=0)(m + 0, g, d)
     np.testing.assert_array_equal(np.asarray(s).view(np.uint16),
                                   np.asarray(want[0]).view(np.uint16))
@@ -328,8 +330,9 @@ def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(impl, dtype, row_axis,
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_step_with_16bit_momentum_through_mosaic_is_xlas_bit_for_bit(dtype, fraction):
     """Three steps of ``scale_by_dion3`` with a 16-bit momentum (stacked, transposed and plain
-    matrices): the statistics pass through the Mosaic kernel leaves the momentum of the
-    all-XLA step bit for bit (the row sums, added in another order, select the same rows)."""
+    matrices; a float16 one stored with its scale): the statistics pass through the Mosaic
+    kernel leaves the momentum and its row factors of the all-XLA step bit for bit (the row
+    sums, added in another order, select the same rows)."""
     import dion3_jax
 
     rng = np.random.default_rng(SEED)
@@ -344,10 +347,11 @@ def test_step_with_16bit_momentum_through_mosaic_is_xlas_bit_for_bit(dtype, frac
         state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
         for g in grads:
             _, state = jax.jit(tx.update)(g, state)
-        return state.full_momentum()
+        return state.momentum, state.momentum_scale
 
-    got, want = run("mosaic"), run("xla")
+    (got, got_d), (want, want_d) = run("mosaic"), run("xla")
     for k in shapes:
         assert got[k].dtype == dtype
         np.testing.assert_array_equal(np.asarray(got[k]).view(np.uint16),
                                       np.asarray(want[k]).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(got_d[k]), np.asarray(want_d[k]))

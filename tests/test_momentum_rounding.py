@@ -235,30 +235,38 @@ def test_step_rounds_16bit_momentum_stochastically_and_reproducibly(monkeypatch)
         np.testing.assert_array_equal(np.asarray(f32[k]), np.asarray(f32_nearest[k]))
 
 
-@pytest.mark.slow  # ~4 s; the fast loop keeps a shard's bits against the leaf's
-def test_sharded_bfloat16_momentum_equals_one_device():
-    """A row-sharded bfloat16 momentum after two steps is the one-device momentum, bit for bit
-    (the bits are per global element; the sums before them are elementwise; the rows are
-    selected over the whole matrix, as on one device)."""
+@pytest.mark.slow  # ~4 s a case; the fast loop keeps a shard's bits against the leaf's
+@pytest.mark.parametrize("dtype,spec", [(jnp.bfloat16, P(None, "x")),
+                                        (jnp.float16, P(None, "x")), (jnp.float16, P("x", None))])
+def test_sharded_16bit_momentum_equals_one_device(dtype, spec):
+    """A sharded 16-bit momentum after three steps is the one-device momentum, bit for bit in
+    float64 (``momentum × momentum_scale``): the bits are per global element, the sums before
+    them elementwise, the rows selected over the whole matrix, as on one device. A float16
+    momentum's storage scale is the same power of two on every device (row-sharded: the same
+    as on one device; column-sharded, from partial row norms: another power of two, which
+    stochastic rounding commutes with)."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices")
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:8])
     rng = np.random.default_rng(SEED)
-    grads = [{"w": jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)} for _ in range(2)]
+    grads = [{"w": jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)} for _ in range(3)]
     options = dion3_jax.MeshOptions(selection_scope="global")
 
     def run(put):
-        tx = dion3_jax.scale_by_dion3(0.25, 0.9, mu_dtype=jnp.bfloat16,
-                                      mesh_options=options)
+        tx = dion3_jax.scale_by_dion3(0.25, 0.9, mu_dtype=dtype, mesh_options=options)
         state = tx.init(put(jax.tree.map(jnp.zeros_like, grads[0])))
         for g in grads:
             _, state = jax.jit(tx.update)(put(g), state)
-        return np.asarray(state.full_momentum()["w"], np.float64)
+        assert state.momentum["w"].dtype == dtype
+        return (np.asarray(state.momentum["w"], np.float64)
+                * np.asarray(state.momentum_scale["w"], np.float64)), state.momentum_bound
 
-    one = run(lambda t: t)
+    one, one_bound = run(lambda t: t)
     with jax.set_mesh(mesh):
-        sharded = run(lambda t: jax.device_put(t, NamedSharding(mesh, P(None, "x"))))
+        sharded, bound = run(lambda t: jax.device_put(t, NamedSharding(mesh, spec)))
     np.testing.assert_array_equal(sharded, one)
+    if dtype == jnp.float16 and spec == P(None, "x"):
+        np.testing.assert_array_equal(np.asarray(bound["w"]), np.asarray(one_bound["w"]))
 
 
 def test_statistics_pass_with_bits_runs_in_xla():

@@ -82,11 +82,12 @@ def _counter(rng, shape, row_axis, steps):
     return RowCounter(_words(rng, (2,)), _words(rng, (shape[0], 2, shape[row_axis])), steps)
 
 
-def _kernel(m, g, d, row_axis, counter, impl="mosaic"):
+def _kernel(m, g, d, row_axis, counter, impl="mosaic", g_scale=None):
     kernel, config = ((accumulate_rows_mosaic, _SMALL) if impl == "mosaic"
                       else (accumulate_rows_triton, _SMALL_TRITON))
     s, l1, sq = jax.jit(functools.partial(kernel, row_axis=row_axis, config=config[row_axis],
-                                          interpret=True))(m, g, d, counter=counter)
+                                          interpret=True))(m, g, d, counter=counter,
+                                                           g_scale=g_scale)
     return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
 
 
@@ -127,6 +128,40 @@ def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
                                    rtol=shape[summed] * 2.0 ** -23)
         np.testing.assert_allclose(np.asarray(got_sum)[ok], np.asarray(want_sum)[ok],
                                    rtol=shape[summed] * 2.0 ** -23)
+
+
+@pytest.mark.parametrize("row_axis", [1, 2])
+@pytest.mark.parametrize("dtype,stochastic", [(jnp.float16, True), (jnp.float32, False)])
+@pytest.mark.parametrize("impl", ["mosaic",
+                                  pytest.param("pallas_triton", marks=pytest.mark.slow)])
+def test_interpreted_kernel_scales_the_gradients(impl, dtype, stochastic, row_axis):
+    """With ``g_scale = 2^k`` (``k`` drawn in ±[1, 20]) the kernel's ``S`` is the reference's
+    bit for bit, and the reference's is that of the gradients multiplied by ``2^k`` first
+    (exact in float64); a scale of 1 leaves ``S`` as without one."""
+    rng = np.random.default_rng()
+    shape = (_SHAPES if impl == "mosaic" else _SHAPES_TRITON)[row_axis]
+    m = jnp.asarray(rng.standard_normal(shape), dtype)
+    g = jnp.asarray(rng.standard_normal(shape) * 2.0 ** rng.integers(-30, 30), jnp.float32)
+    d = jnp.asarray(rng.uniform(0.5, 1.0, (shape[0], shape[row_axis])), jnp.float32)
+    k = int(rng.choice([-1, 1]) * rng.integers(1, 21))
+    scale = jnp.float32(2.0 ** k)
+    counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0)
+                       ) if stochastic else None
+    got = _kernel(m, g, d, row_axis, counter, impl, g_scale=scale)
+    want = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=counter,
+                                     g_scale=scale)
+    premultiplied = jnp.asarray(np.asarray(g, np.float64) * 2.0 ** k, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(
+        np.asarray(want[0]),
+        np.asarray(accumulate_rows_reference(m, premultiplied, d, row_axis=row_axis,
+                                             counter=counter)[0]))
+    for got_sum, want_sum in zip(got[1:], want[1:]):
+        np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum),
+                                   rtol=shape[3 - row_axis] * 2.0 ** -23)
+    one = _kernel(m, g, d, row_axis, counter, impl, g_scale=jnp.float32(1))[0]
+    np.testing.assert_array_equal(np.asarray(one),
+                                  np.asarray(_kernel(m, g, d, row_axis, counter, impl)[0]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -295,23 +330,24 @@ def _xla_polar():
     return dion3_jax.make_orthogonalizer(backend="xla")
 
 
-@pytest.mark.slow  # ~5 s; the fast loop keeps the kernel against the reference, bit for bit
-def test_the_step_through_the_interpreted_kernel_gives_xlas_momentum(monkeypatch):
-    """Two steps of a bfloat16 momentum (a matrix and a stack of two) at f = 1, the statistics
-    pass through the interpreted Mosaic kernel with the blocks' counters: the momentum is the
-    XLA step's bit for bit, and the updates agree (the row sums add up in another order)."""
+@pytest.mark.slow  # ~5 s a case; the fast loop keeps the kernel against the reference
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_step_through_the_interpreted_kernel_gives_xlas_momentum(monkeypatch, dtype):
+    """Two steps of a 16-bit momentum (a matrix and a stack of two) at f = 1, the statistics
+    pass through the interpreted Mosaic kernel with the blocks' counters (a float16 one with
+    its storage scale): the momentum and its row factors are the XLA step's bit for bit, and
+    the updates agree (the row sums add up in another order)."""
     rng = np.random.default_rng(SEED + 3)
     grads = [{"w": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
               "k": jnp.asarray(rng.standard_normal((2, 64, 32)), jnp.float32)}
              for _ in range(2)]
 
     def run():
-        tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=jnp.bfloat16,
-                                      orthogonalizer=_xla_polar())
+        tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=dtype, orthogonalizer=_xla_polar())
         state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
         for g in grads:
             updates, state = jax.jit(tx.update)(g, state)
-        return state.full_momentum(), updates
+        return (state.momentum, state.momentum_scale), updates
 
     want_m, want_u = run()
     calls = []
@@ -327,8 +363,9 @@ def test_the_step_through_the_interpreted_kernel_gives_xlas_momentum(monkeypatch
     got_m, got_u = run()
     assert calls and all(c is not None for c in calls)      # both leaves, each trace
     for k in grads[0]:
-        assert got_m[k].dtype == jnp.bfloat16
-        np.testing.assert_array_equal(_bits16(got_m[k]), _bits16(want_m[k]))
+        assert got_m[0][k].dtype == dtype
+        np.testing.assert_array_equal(_bits16(got_m[0][k]), _bits16(want_m[0][k]))
+        np.testing.assert_array_equal(np.asarray(got_m[1][k]), np.asarray(want_m[1][k]))
         np.testing.assert_allclose(np.asarray(got_u[k]), np.asarray(want_u[k]), rtol=1e-4,
                                    atol=1e-6)
 
