@@ -89,9 +89,13 @@ class ScaleByDion3State(NamedTuple):
     momentum_bound: optax.Updates | None = None
 
     def full_momentum(self) -> optax.Updates:
-        """The momentum, ``momentum * momentum_scale``, in the momentum's dtype."""
-        return jax.tree.map(lambda m, d: (m * d).astype(m.dtype), self.momentum,
-                            self.momentum_scale)
+        """The momentum, ``momentum * momentum_scale``, in the momentum's dtype; a float16
+        momentum's in float32 (stored with a scale, it may lie outside float16's range)."""
+        def full(m, d):
+            if _storage.scaled(m.dtype):
+                return m.astype(jnp.float32) * d
+            return (m * d).astype(m.dtype)
+        return jax.tree.map(full, self.momentum, self.momentum_scale)
 
     def folded(self) -> Self:
         """This state with ``momentum`` = :meth:`full_momentum` and ``momentum_scale`` ones;
@@ -174,9 +178,10 @@ def momentum_dtype(mu_dtype, param_dtype) -> jnp.dtype:
     otherwise.
 
     Dion3's momentum sums the gradients of a row until the row is selected, so a rarely selected
-    row accumulates many of them: in float16 it overflows, and in either 16-bit type the
-    accumulation error changes which rows are selected (``benchmarks/momentum_dtype.py``;
-    the README's "Momentum dtype").
+    row accumulates many of them. A 16-bit momentum is rounded stochastically to keep that sum
+    unbiased, and a float16 one is stored with a power-of-two scale per leaf to keep it within
+    float16's range (``dion3_jax._storage``); docs/HYPERPARAMETERS.md, "Momentum dtype", has
+    what each costs and saves (``benchmarks/momentum_dtype.py``, the quality study).
     """
     if mu_dtype is not None:
         return jnp.dtype(mu_dtype)
