@@ -219,6 +219,9 @@ def main(argv=None) -> None:
     ap.add_argument("--old-dir", nargs="+", default=[], metavar="DIR",
                     help="also the Dion3 step of these versions (bench_commits.py --export-to), "
                          "each row named by the version (old, or its suffix)")
+    ap.add_argument("--mu-dtypes", nargs="+", default=[], metavar="DTYPE",
+                    choices=["float32", "bfloat16", "float16"],
+                    help="also the working tree's Dion3 step with these momentum dtypes")
     a = ap.parse_args(argv)
     mesh = h200_mesh()
     shapes = model_shapes(a.layers, a.d, a.ff)
@@ -231,7 +234,9 @@ def main(argv=None) -> None:
     print(f"{'step':<18} {'compile s':>8} {'passes':>6} {'GB moved':>9}")
     variants = [("optax.adamw", optax.adamw(1e-3))] + [
         (f"{name} f={f:g}", module.dion3(1e-3, f))
-        for f in a.fractions for name, module in versions.items()]
+        for f in a.fractions for name, module in versions.items()] + [
+        (f"dion3 f={f:g} {dt}", dion3_jax.dion3(1e-3, f, mu_dtype=jnp.dtype(dt)))
+        for f in a.fractions for dt in a.mu_dtypes]
     for name, tx in variants:
         hlo, seconds = compile_for_h200(tx, shapes, mesh)
         print("\n".join(_census_lines(name, seconds, passes(hlo), a.top)), flush=True)

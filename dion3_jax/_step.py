@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from dion3_jax import _megabatch, _norms, _rounding, _rules, _selection, _storage
@@ -271,7 +272,7 @@ def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict) -> bool
         raise ValueError(f"{name} ({jnp.dtype(dtype).name} momentum): {e}") from None
 
 
-def _accumulate(plan: Plan, grads, moms, scales, count, g_scales):
+def _accumulate(plan: Plan, grads, moms, scales, count, out_scales):
     """``S = d ⊙ M + G`` per block (``d``: the per-row factors ``scales``, the decay that the
     step before left), its row statistics (:func:`_row_stats`), the :func:`_payload_decays`
     units' sums of squares and the :func:`_one_pass_groups` units.
@@ -283,9 +284,9 @@ def _accumulate(plan: Plan, grads, moms, scales, count, g_scales):
     own shape (which lets XLA write it in place of a donated momentum of any layout) and left
     to XLA to fuse into its readers. A 16-bit momentum is rounded stochastically (random bits
     of the step ``count``, :func:`_momentum_bits`); the kernels hash the same bits themselves
-    from the blocks' counters (:func:`_rounding.block_counters`). ``g_scales``: per leaf, the
-    write scale of a float16 momentum (:func:`_write_scales`; ``scales`` already carry it), or
-    None.
+    from the blocks' counters (:func:`_rounding.block_counters`). ``out_scales``: per leaf, the
+    write scale ``c`` of a float16 momentum (:func:`_write_scales`), or None: ``S`` is written
+    as ``c·(d ⊙ M + G)``.
 
     Returns:
       ``(S blocks, full sums, (ℓ1, row_sq), one-pass units)``.
@@ -301,7 +302,7 @@ def _accumulate(plan: Plan, grads, moms, scales, count, g_scales):
         if any((i, b) not in kernel for b in range(len(p.local.blocks)))
         else [None] * len(p.local.blocks)
         for i, (p, m, g, d, r, c) in enumerate(zip(plan.leaves, moms, grads, scales, bits,
-                                                   g_scales))]
+                                                   out_scales))]
     partials = {}
     for (leaf, block), u in kernel.items():
         local, ra = plan.leaves[leaf].local, u.layout.row_axis
@@ -310,7 +311,7 @@ def _accumulate(plan: Plan, grads, moms, scales, count, g_scales):
                                                    implementation=plan.pass_implementation,
                                                    partial_sums=True,
                                                    counter=counters.get((leaf, block)),
-                                                   g_scale=g_scales[leaf])
+                                                   out_scale=out_scales[leaf])
         momentum[leaf][block] = s
         partials[(leaf, block)] = (l1, sq)
     known = _summed_partials(partials)
@@ -321,13 +322,13 @@ def _accumulate(plan: Plan, grads, moms, scales, count, g_scales):
     return filled, full_sq, _row_stats(plan, filled, known, one_pass), one_pass
 
 
-def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count, g_scales=None
+def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count, out_scales=None
                          ) -> Accumulated:
-    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`; ``g_scales``: :func:`_write_scales`,
+    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`; ``out_scales``: :func:`_write_scales`,
     default none); the row statistics and each unit's selection scores."""
-    g_scales = [None] * len(moms) if g_scales is None else g_scales
+    out_scales = [None] * len(moms) if out_scales is None else out_scales
     momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales, count,
-                                                            g_scales)
+                                                            out_scales)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]
                 if plan.normuon else None)
     raw = {} if plan.random_selection else _l1_scores(plan, l1)
@@ -905,24 +906,41 @@ def _write_scales(plan: Plan, grads, moms, bounds, count) -> list[jax.Array | No
     return out
 
 
-def _new_bounds(plan: Plan, acc: Accumulated, g_scales, bounds) -> list[jax.Array]:
+def _bound_terms(plan: Plan, acc: Accumulated, u: Unit) -> jax.Array:
+    """Sums of ``(S·2⁻³²)²`` over parts of unit ``u``'s block that together hold every entry
+    (flattened, in the units ``S`` was written in): its rows', else (a full unit whose payload
+    norm the step took from the whole matrix) its matrices', else (a unit with neither) new
+    row sums."""
+    sq = acc.row_sq.get((u.leaf, u.block))
+    if sq is None:
+        sq = acc.full_sq.get(u.uid)
+    if sq is None:
+        sq = _selection.row_sq_sums(acc.momentum[u.leaf][u.block], u.layout.row_axis)
+    return jnp.ravel(sq)
+
+
+def _new_bounds(plan: Plan, acc: Accumulated, out_scales, bounds) -> list[jax.Array]:
     """Per leaf, the bound the next write of a float16 momentum is scaled by: the largest row
-    norm of ``S`` in the gradients' units (:func:`_storage.row_bound`, from the row sums the
-    step has or new ones), over every device; ``bounds``' entry for other leaves."""
-    per_leaf: dict[int, list[jax.Array]] = {}
+    norm of ``S`` in the gradients' units (the largest of its :func:`_bound_terms`, as a norm,
+    over its write scale ``c``), over every device: one reduction, one ``pmax`` and one
+    elementwise pass for all leaves; ``bounds``' entry for other leaves."""
+    leaves, terms, ids = [], [], []
     for u in plan.units:
-        c = g_scales[u.leaf]
-        if c is None:
+        if out_scales[u.leaf] is None:
             continue
-        sq = acc.row_sq.get((u.leaf, u.block))
-        if sq is None:
-            sq = _selection.row_sq_sums(acc.momentum[u.leaf][u.block], u.layout.row_axis)
-        per_leaf.setdefault(u.leaf, []).append(_storage.row_bound(sq, c))
-    if not per_leaf:
+        if u.leaf not in leaves:
+            leaves.append(u.leaf)
+        t = _bound_terms(plan, acc, u)
+        terms.append(t)
+        ids.append(np.full(t.shape, leaves.index(u.leaf), np.int32))
+    if not leaves:
         return list(bounds)
-    found = _pmax(plan, jnp.stack([jnp.max(jnp.stack(v)) for v in per_leaf.values()]))
+    sq = _pmax(plan, jax.ops.segment_max(jnp.concatenate(terms), np.concatenate(ids),
+                                         num_segments=len(leaves)))
+    scales = jnp.stack([out_scales[i] for i in leaves])
+    found = jnp.sqrt(sq) * np.float32(2.0 ** 32) / scales
     out = list(bounds)
-    for j, i in enumerate(per_leaf):
+    for j, i in enumerate(leaves):
         out[i] = found[j]
     return out
 
@@ -933,9 +951,8 @@ def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, cou
     ``d``; ``bounds``: per leaf, the float16 momenta's :mod:`dion3_jax._storage` bounds),
     ``(updates, momenta, variances, scales, bounds)`` out."""
     bounds = [jnp.zeros((), jnp.float32)] * len(moms) if bounds is None else bounds
-    g_scales = _write_scales(plan, grads, moms, bounds, count)
-    scales = [d if c is None else d * c for d, c in zip(scales, g_scales)]
-    acc = accumulate_and_score(plan, grads, moms, vars_, scales, count, g_scales)
+    out_scales = _write_scales(plan, grads, moms, bounds, count)
+    acc = accumulate_and_score(plan, grads, moms, vars_, scales, count, out_scales)
     picks, rows, sq_sums = select(plan, acc)
     batches = gather_and_send(plan, acc, picks, rows, sq_sums)
     polars, factors = megabatched_polar(plan, batches)
@@ -945,6 +962,6 @@ def step(plan: Plan, coefficients: Coefficients, grads, moms, vars_, scales, cou
                                           count)
     dirs, variance = normalize(plan, coefficients.beta2, acc, rows, polars, factors, batch_src)
     new_d = [d if c is None else d / c
-             for d, c in zip(_leaves(plan, new_scales, scales), g_scales)]
+             for d, c in zip(_leaves(plan, new_scales, scales), out_scales)]
     return (scatter_and_apply(plan, grads, dirs, row_src), _leaves(plan, momentum, moms),
-            _leaves(plan, variance, vars_), new_d, _new_bounds(plan, acc, g_scales, bounds))
+            _leaves(plan, variance, vars_), new_d, _new_bounds(plan, acc, out_scales, bounds))

@@ -28,7 +28,7 @@ leaf, chosen at each write from a bound on the leaf's entries:
   down to ``2⁻²⁴`` of the bound keep all 11 bits. At the first step (``count == 0``) the bound
   is the gradients' largest entry.
 - The step writes ``S·c = (c·d) ⊙ M + c·G`` (:func:`pallas_kernels.accumulate_rows`'s
-  ``g_scale``) and leaves ``d/c`` in the momentum's row factors, so the state's
+  ``out_scale``) and leaves ``d/c`` in the momentum's row factors, so the state's
   ``momentum * momentum_scale`` is the momentum in the gradients' units, as for any dtype.
 
 Every power of two is exact, and for a value in float16's normal range stochastic rounding
@@ -85,12 +85,6 @@ def write_scale(bound: jax.Array) -> jax.Array:
     ok = jnp.isfinite(bound) & (bound >= np.finfo(np.float32).tiny)
     e = jnp.clip(TARGET - _ceil_log2(jnp.where(ok, bound, 1.0)), -LIMIT, LIMIT)
     return jnp.where(ok, _pow2(e), np.float32(1))
-
-
-def row_bound(row_sq: jax.Array, scale: jax.Array) -> jax.Array:
-    """The largest row norm, in the gradients' units, of a block written with ``scale``, from
-    its rows' sums of ``(S·2⁻³²)²`` (:func:`pallas_kernels.accumulate_rows`'s ``sq``)."""
-    return jnp.sqrt(jnp.max(row_sq)) * np.float32(2.0 ** 32) / scale
 
 
 def fold_unit(d: jax.Array) -> jax.Array:

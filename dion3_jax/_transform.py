@@ -351,9 +351,9 @@ def scale_by_dion3(
       num_heads: per-head matrices (one int, a tree or a callable, like ``dimension_numbers``).
       split_sizes: independent row blocks of the output axis, e.g. fused QKV (a tuple of ints,
         a tree or a callable).
-      mu_dtype: dtype of the momentum. Default: float32 for 16-bit parameters (a rarely
-        selected row sums many gradients: float16 overflows and 16-bit rounding changes which
-        rows are selected), else each parameter's dtype.
+      mu_dtype: dtype of the momentum. Default: float32 for 16-bit parameters, else each
+        parameter's dtype. A bfloat16 or float16 momentum is rounded stochastically, and a
+        float16 one stored with a power-of-two scale per leaf (docs/HYPERPARAMETERS.md).
       orthogonalizer: the polar operator: ``None`` (Gram Newton-Schulz, Polar Express
         coefficients, restart at step 2, float16, fastest kernel backend), an
         :class:`dion3_jax.Orthogonalizer` from :func:`dion3_jax.make_orthogonalizer`, or any

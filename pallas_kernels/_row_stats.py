@@ -116,7 +116,7 @@ def accumulate_rows_implementation(shape: tuple[int, int], row_axis: int,
 def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                     implementation: RowStatsImplementation = "auto", interpret: bool = False,
                     partial_sums: bool = False, bits: jax.Array | None = None,
-                    counter: RowCounter | None = None, g_scale: jax.Array | None = None
+                    counter: RowCounter | None = None, out_scale: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``S = d ⊙ M + G`` per row, and each row's ℓ1 norm and scaled sum of squares.
 
@@ -142,9 +142,9 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         each row's counter words): a bfloat16 or float16 ``S`` is rounded stochastically with
         :func:`pallas_kernels._counter.counter_bits`, which the kernels hash themselves, bit
         for bit XLA's. Not with ``bits``.
-      g_scale: a float32 scalar, a power of two: ``S = d ⊙ M + g_scale·G`` (``G`` multiplied
-        first, exactly), for a momentum kept in units of ``1/g_scale`` of the gradients' (the
-        range of a float16 momentum, :func:`pallas_kernels.scaled_sum`).
+      out_scale: a float32 scalar, a power of two: ``S = out_scale·(d ⊙ M + G)`` (``d`` and
+        ``G`` multiplied first, exactly), for a momentum kept in units of ``1/out_scale`` of
+        the gradients' (the range of a float16 momentum, :func:`pallas_kernels.scaled_sum`).
 
     Returns:
       ``(S, l1, sq)``: ``S`` in ``m``'s dtype (computed in float32), and float32 ``(batch, n)``
@@ -165,8 +165,8 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
       (1.5, 24.0)
     """
     _check(m, g, scale, row_axis)
-    if g_scale is not None and jnp.shape(g_scale) not in ((), (1,)):
-        raise ValueError(f"g_scale must be a scalar, got shape {jnp.shape(g_scale)}")
+    if out_scale is not None and jnp.shape(out_scale) not in ((), (1,)):
+        raise ValueError(f"out_scale must be a scalar, got shape {jnp.shape(out_scale)}")
     if bits is not None and counter is not None:
         raise ValueError("accumulate_rows takes the random bits as bits= or counter=, not both")
     sixteen = jnp.dtype(m.dtype) in STOCHASTIC_DTYPES
@@ -181,14 +181,14 @@ def accumulate_rows(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: i
         else implementation, interpret)
     if chosen == "xla":
         s, l1, sq = accumulate_rows_reference(m, g, scale, row_axis=row_axis, bits=bits,
-                                              counter=counter, g_scale=g_scale)
+                                              counter=counter, out_scale=out_scale)
         return (s, l1[:, None], sq[:, None]) if partial_sums else (s, l1, sq)
     if chosen == "mosaic":
         s, l1, sq = _row_stats_mosaic.accumulate_rows_mosaic(
             m, g, scale, row_axis=row_axis, interpret=interpret, counter=counter,
-            g_scale=g_scale)
+            out_scale=out_scale)
     else:
         s, l1, sq = _row_stats_triton.accumulate_rows_triton(
             m, g, scale, row_axis=row_axis, interpret=interpret, counter=counter,
-            g_scale=g_scale)
+            out_scale=out_scale)
     return (s, l1, sq) if partial_sums else (s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1))

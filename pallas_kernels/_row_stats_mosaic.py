@@ -119,15 +119,16 @@ def _block_bits(key, words, per_row, j0, block: tuple[int, int], summed: int,
 
 
 def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
-          stages: int, counter_steps: tuple[int, int] | None, g_scaled: bool):
+          stages: int, counter_steps: tuple[int, int] | None, out_scaled: bool):
     """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``; with ``counter_steps``, ``refs``
     starts with the counter's key and rows and its scratch ends with a slot for the rows'
-    words, and ``S`` is rounded stochastically with bits hashed here; with ``g_scaled`` the
-    next input is the gradients' float32 scale (one element), read once."""
+    words, and ``S`` is rounded stochastically with bits hashed here; with ``out_scaled`` the
+    next input is ``S``'s float32 scale (one element), read once, which multiplies ``d`` and
+    ``G``."""
     stochastic = counter_steps is not None
     refs = list(refs)
     key_gmem, words_gmem = (refs.pop(0), refs.pop(0)) if stochastic else (None, None)
-    gs = refs.pop(0)[0] if g_scaled else None
+    out = refs.pop(0)[0] if out_scaled else None
     if stochastic:
         l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, w_smem, m_bar, g_bar = refs
     else:
@@ -153,8 +154,8 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
     for t in range(min(stages, steps)):
         fetch(t, t)
     plgpu.barrier_wait(m_bar.at[stages])
-    d = lax.broadcast_in_dim(plgpu.load(v_smem.at[0], layout=vector, optimized=False), block,
-                             (1 - summed,))
+    d = plgpu.load(v_smem.at[0], layout=vector, optimized=False)
+    d = lax.broadcast_in_dim(d if out is None else d * out, block, (1 - summed,))
     if counter_steps is not None:
         plgpu.barrier_wait(m_bar.at[stages + 1])
         key = (key_gmem[0], key_gmem[1])
@@ -169,8 +170,8 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
                 _block_bits(key, words, per_row, (c * steps + t) * step, block, summed,
                             counter_steps))
         g = plgpu.load(g_smem.at[slot], layout=wgmma)
-        if gs is not None:
-            g = g.astype(jnp.float32) * gs
+        if out is not None:
+            g = g.astype(jnp.float32) * out
         s = scaled_sum(plgpu.load(m_smem.at[slot], layout=wgmma), g, d, bits)
         plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)  # this S slot's last store
         s_smem[slot] = s
@@ -198,7 +199,7 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
 @functools.partial(jax.jit, static_argnames=("row_axis", "config", "interpret"))
 def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                            config: MosaicRowStatsConfig | None = None, interpret: bool = False,
-                           counter: RowCounter | None = None, g_scale: jax.Array | None = None
+                           counter: RowCounter | None = None, out_scale: jax.Array | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`pallas_kernels.accumulate_rows` through the Mosaic GPU kernel (checked
     arguments; a shape :func:`blocks` takes).
@@ -213,7 +214,8 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
       counter: for a bfloat16 or float16 ``m``, round ``S`` stochastically with the bits this
         :class:`pallas_kernels._counter.RowCounter` describes, hashed in the kernel (each
         CTA reads its rows' words, 8 bytes a row); ignored for other dtypes.
-      g_scale: a float32 scalar the gradients are multiplied by (each CTA reads it once).
+      out_scale: a float32 scalar, a power of two: ``S = out_scale·(d ⊙ M + G)`` (each CTA
+        reads it once and multiplies ``d`` and the gradients by it).
 
     Returns:
       ``(S, l1, sq)`` as :func:`pallas_kernels.accumulate_rows` returns them with
@@ -237,7 +239,7 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
         functools.partial(_body, row_axis=row_axis, strip=strip, step=step,
                           steps=chunk // step, stages=stages,
                           counter_steps=None if counter is None else counter.steps,
-                          g_scaled=g_scale is not None),
+                          out_scaled=out_scale is not None),
         out_type=(partial, partial),
         scratch_types=[plgpu.SMEM((stages, *block), m.dtype),
                        plgpu.SMEM((stages, *block), g.dtype),
@@ -251,6 +253,6 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
     s = jax.new_ref(m)
     words = (() if counter is None else
              (counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)))
-    scaled = () if g_scale is None else (jnp.reshape(g_scale, (1,)).astype(jnp.float32),)
+    scaled = () if out_scale is None else (jnp.reshape(out_scale, (1,)).astype(jnp.float32),)
     l1, sq = kernel(scale.astype(jnp.float32), s, g, *words, *scaled)
     return s[...], l1, sq

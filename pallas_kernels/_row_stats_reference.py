@@ -54,16 +54,16 @@ def _split_sum(scale: jax.Array, m: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | None = None,
-               g_scale: jax.Array | None = None) -> jax.Array:
+               out_scale: jax.Array | None = None) -> jax.Array:
     """``S = scale ⊙ M + G`` in ``M``'s dtype, computed in float32 (``scale`` broadcasts
     against ``m``); where ``M`` and ``G`` are finite, ``S`` saturates at
     ``±min(SATURATION, finfo(M.dtype).max)`` (a sum past float32's range included), elsewhere
     the ``inf`` or NaN of a non-finite operand stays.
 
-    ``g_scale`` (a float32 scalar, a power of two): ``G`` is multiplied by it first (exactly,
-    unless it leaves float32's range), so that ``S = scale ⊙ M + g_scale·G``: a momentum stored
-    in units of ``1/g_scale`` of the gradients' (a float16 momentum's range,
-    ``dion3_jax``'s step).
+    ``out_scale`` (a float32 scalar, a power of two): ``S = out_scale·(scale ⊙ M + G)``,
+    computed as ``(out_scale·scale) ⊙ M + out_scale·G`` (both products exact, unless they leave
+    float32's range): a momentum stored in units of ``1/out_scale`` of the gradients' (a float16
+    momentum's range, ``dion3_jax``'s step).
 
     ``bits`` (uint32, broadcastable to ``m``): for a bfloat16 or float16 ``M``, round ``S``
     stochastically with these random bits
@@ -75,8 +75,9 @@ def scaled_sum(m: jax.Array, g: jax.Array, scale: jax.Array, bits: jax.Array | N
     bound = np.float32(min(SATURATION, float(jnp.finfo(dtype).max)))
     stochastic = bits is not None and jnp.dtype(dtype) in STOCHASTIC_DTYPES
     m, g, scale = m.astype(jnp.float32), g.astype(jnp.float32), scale.astype(jnp.float32)
-    if g_scale is not None:
-        g = g * jnp.asarray(g_scale, jnp.float32)
+    if out_scale is not None:
+        out_scale = jnp.asarray(out_scale, jnp.float32)
+        g, scale = g * out_scale, scale * out_scale
     plain = scale * m + g
     s = _split_sum(scale, m, g) if stochastic else plain
     # Eight element ops, as a deep model's step runs this once per matrix; a NaN operand makes
@@ -99,11 +100,11 @@ def row_sums(s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 def accumulate_rows_reference(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_axis: int,
                               bits: jax.Array | None = None, counter: RowCounter | None = None,
-                              g_scale: jax.Array | None = None
+                              out_scale: jax.Array | None = None
                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The plain jnp form of :func:`accumulate_rows` (the ``"xla"`` implementation); a
     ``counter`` gives the bits :func:`pallas_kernels._counter.counter_bits` computes."""
     if counter is not None and jnp.dtype(m.dtype) in STOCHASTIC_DTYPES:
         bits = counter_bits(counter, m.shape, row_axis)
-    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis), bits, g_scale)
+    s = scaled_sum(m, g, jnp.expand_dims(scale, 3 - row_axis), bits, out_scale)
     return (s, *row_sums(s, 3 - row_axis))

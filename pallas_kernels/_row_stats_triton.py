@@ -89,34 +89,35 @@ def _bits(rows, j0, block: tuple[int, int], summed: int, steps):
                       lambda w: jnp.broadcast_to(jnp.expand_dims(w, summed), block))
 
 
-def _operands(refs, steps, g_scaled: bool):
-    """``(key, words, g_scale, s, l1, sq)`` refs from a kernel's trailing ``refs`` (None for
+def _operands(refs, steps, out_scaled: bool):
+    """``(key, words, out_scale, s, l1, sq)`` refs from a kernel's trailing ``refs`` (None for
     the operands this call does not have)."""
     refs = list(refs)
     key_ref, words_ref = (None, None) if steps is None else (refs.pop(0), refs.pop(0))
-    gs_ref = refs.pop(0) if g_scaled else None
-    return key_ref, words_ref, gs_ref, *refs
+    os_ref = refs.pop(0) if out_scaled else None
+    return key_ref, words_ref, os_ref, *refs
 
 
-def _g(g_ref, at, gs_ref):
-    """A block of ``G``, times the ``g_scale`` operand where there is one."""
+def _g(g_ref, at, os_ref):
+    """A block of ``G``, times ``S``'s scale where there is one."""
     g = g_ref[at]
-    return g if gs_ref is None else g.astype(jnp.float32) * gs_ref[0]
+    return g if os_ref is None else g.astype(jnp.float32) * os_ref[0]
 
 
 def _cols_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None,
-                 g_scaled: bool = False):
+                 out_scaled: bool = False):
     """Rows along axis 2: a chunk of a strip of ``strip`` columns (rows of the matrix), walked
     down; with ``steps``, ``refs`` starts with a counter's key and rows' words, then (with
-    ``g_scaled``) the gradients' scale."""
-    key_ref, words_ref, gs_ref, s_ref, l1_ref, sq_ref = _operands(refs, steps, g_scaled)
+    ``out_scaled``) ``S``'s scale, which multiplies ``d`` and ``G``."""
+    key_ref, words_ref, os_ref, s_ref, l1_ref, sq_ref = _operands(refs, steps, out_scaled)
     d, rows = d_ref[...], _row_part(key_ref, words_ref, steps)
+    d = d if os_ref is None else d * os_ref[0]
     first = pl.program_id(2) * m_ref.shape[0]
 
     def body(r, carry):
         at = pl.ds(r * step, step)
         bits = _bits(rows, first + r * step, (step, strip), 0, steps)
-        s = scaled_sum(m_ref[at, :], _g(g_ref, (at, slice(None)), gs_ref), d[None, :], bits)
+        s = scaled_sum(m_ref[at, :], _g(g_ref, (at, slice(None)), os_ref), d[None, :], bits)
         s_ref[at, :] = s
         l1, sq = row_sums(s, 0)
         return carry[0] + l1, carry[1] + sq
@@ -126,18 +127,19 @@ def _cols_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None,
 
 
 def _rows_kernel(d_ref, m_ref, g_ref, *refs, step: int, strip: int, steps=None,
-                 g_scaled: bool = False):
+                 out_scaled: bool = False):
     """Rows along axis 1: a chunk of a strip of ``strip`` rows, walked across; with
-    ``steps``, ``refs`` starts with a counter's key and rows' words, then (with ``g_scaled``)
+    ``steps``, ``refs`` starts with a counter's key and rows' words, then (with ``out_scaled``)
     the gradients' scale."""
-    key_ref, words_ref, gs_ref, s_ref, l1_ref, sq_ref = _operands(refs, steps, g_scaled)
+    key_ref, words_ref, os_ref, s_ref, l1_ref, sq_ref = _operands(refs, steps, out_scaled)
     d, rows = d_ref[...], _row_part(key_ref, words_ref, steps)
+    d = d if os_ref is None else d * os_ref[0]
     first = pl.program_id(2) * m_ref.shape[1]
 
     def body(c, carry):
         at = pl.ds(c * step, step)
         bits = _bits(rows, first + c * step, (strip, step), 1, steps)
-        s = scaled_sum(m_ref[:, at], _g(g_ref, (slice(None), at), gs_ref), d[:, None], bits)
+        s = scaled_sum(m_ref[:, at], _g(g_ref, (slice(None), at), os_ref), d[:, None], bits)
         s_ref[:, at] = s
         l1, sq = row_sums(s, 1)
         return carry[0] + l1, carry[1] + sq
@@ -162,14 +164,14 @@ def blocks(shape: tuple[int, int], row_axis: int,
 @functools.partial(jax.jit, static_argnames=("row_axis", "interpret", "config"))
 def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis: int,
                            interpret: bool = False, config: RowStatsConfig | None = None,
-                           counter: RowCounter | None = None, g_scale: jax.Array | None = None
+                           counter: RowCounter | None = None, out_scale: jax.Array | None = None
                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`pallas_kernels.accumulate_rows` with ``partial_sums=True`` through the
     Pallas-Triton kernel (checked arguments; a shape :func:`blocks` takes; ``config`` default
     :data:`CONFIGS`): the row sums as ``(batch, chunks, n)`` per-chunk sums. ``counter``: for
     a bfloat16 or float16 ``m``, round ``S`` stochastically with the bits it describes, hashed
-    in the kernel (:mod:`pallas_kernels._counter`); ignored for other dtypes. ``g_scale``: a
-    float32 scalar the gradients are multiplied by (read once per program)."""
+    in the kernel (:mod:`pallas_kernels._counter`); ignored for other dtypes. ``out_scale``: a
+    float32 power of two, ``S = out_scale·(d ⊙ M + G)`` (read once per program)."""
     config = CONFIGS[row_axis] if config is None else config
     b, rows, cols = m.shape
     found = blocks((rows, cols), row_axis, config)
@@ -196,13 +198,13 @@ def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis
         specs += [pl.BlockSpec((2,), lambda k, i, c: (0,)),
                   pl.BlockSpec((None, 2, strip), lambda k, i, c: (k, 0, i))]
         operands += [counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)]
-    if g_scale is not None:
+    if out_scale is not None:
         specs.append(pl.BlockSpec((1,), lambda k, i, c: (0,)))
-        operands.append(jnp.reshape(g_scale, (1,)).astype(jnp.float32))
+        operands.append(jnp.reshape(out_scale, (1,)).astype(jnp.float32))
     s, l1, sq = pl.pallas_call(
         functools.partial(kernel, step=step, strip=strip,
                           steps=None if counter is None else counter.steps,
-                          g_scaled=g_scale is not None),
+                          out_scaled=out_scale is not None),
         out_shape=(jax.ShapeDtypeStruct(m.shape, m.dtype), partial, partial),
         grid=(b, n // strip, summed // chunk), in_specs=specs,
         out_specs=(whole, part, part), input_output_aliases={1: 0},

@@ -310,11 +310,12 @@ def test_stochastic_statistics_kernel_is_xlas_bit_for_bit(impl, dtype, row_axis,
     g = jnp.asarray(rng.standard_normal(shape, np.float32) / 64)
     d = jnp.asarray(rng.choice([0.8145, 1.0], (shape[0], shape[row_axis])).astype(np.float32))
     counter = RowCounter(words(2), words(shape[0], 2, shape[row_axis]), (0x9E3779B9, 1))
-    g_scale = jnp.float32(2.0 ** 7) if dtype == jnp.float16 else None
+    out_scale = jnp.float32(2.0 ** 7) if dtype == jnp.float16 else None
     want = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation="xla", counter=counter, g_scale=g_scale))(m, g, d)
+        *a, row_axis=row_axis, implementation="xla", counter=counter,
+        out_scale=out_scale))(m, g, d)
     s, l1, sq = jax.jit(lambda *a: pallas_kernels.accumulate_rows(
-        *a, row_axis=row_axis, implementation=impl, counter=counter, g_scale=g_scale),
+        *a, row_axis=row_axis, implementation=impl, counter=counter, out_scale=out_scale),
         donate_argnums=0)(m + 0, g, d)
     np.testing.assert_array_equal(np.asarray(s).view(np.uint16),
                                   np.asarray(want[0]).view(np.uint16))

@@ -82,12 +82,12 @@ def _counter(rng, shape, row_axis, steps):
     return RowCounter(_words(rng, (2,)), _words(rng, (shape[0], 2, shape[row_axis])), steps)
 
 
-def _kernel(m, g, d, row_axis, counter, impl="mosaic", g_scale=None):
+def _kernel(m, g, d, row_axis, counter, impl="mosaic", out_scale=None):
     kernel, config = ((accumulate_rows_mosaic, _SMALL) if impl == "mosaic"
                       else (accumulate_rows_triton, _SMALL_TRITON))
     s, l1, sq = jax.jit(functools.partial(kernel, row_axis=row_axis, config=config[row_axis],
                                           interpret=True))(m, g, d, counter=counter,
-                                                           g_scale=g_scale)
+                                                           out_scale=out_scale)
     return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
 
 
@@ -135,9 +135,10 @@ def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
 @pytest.mark.parametrize("impl", ["mosaic",
                                   pytest.param("pallas_triton", marks=pytest.mark.slow)])
 def test_interpreted_kernel_scales_the_gradients(impl, dtype, stochastic, row_axis):
-    """With ``g_scale = 2^k`` (``k`` drawn in ±[1, 20]) the kernel's ``S`` is the reference's
-    bit for bit, and the reference's is that of the gradients multiplied by ``2^k`` first
-    (exact in float64); a scale of 1 leaves ``S`` as without one."""
+    """With ``out_scale = 2^k`` (``k`` drawn in ±[1, 20]) the kernel's ``S`` is the reference's
+    bit for bit, and the reference's is that of the row factors and the gradients multiplied by
+    ``2^k`` first (exact in float64): ``2^k·(d ⊙ M + G)``; a scale of 1 leaves ``S`` as without
+    one."""
     rng = np.random.default_rng()
     shape = (_SHAPES if impl == "mosaic" else _SHAPES_TRITON)[row_axis]
     m = jnp.asarray(rng.standard_normal(shape), dtype)
@@ -147,19 +148,19 @@ def test_interpreted_kernel_scales_the_gradients(impl, dtype, stochastic, row_ax
     scale = jnp.float32(2.0 ** k)
     counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0)
                        ) if stochastic else None
-    got = _kernel(m, g, d, row_axis, counter, impl, g_scale=scale)
+    got = _kernel(m, g, d, row_axis, counter, impl, out_scale=scale)
     want = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=counter,
-                                     g_scale=scale)
-    premultiplied = jnp.asarray(np.asarray(g, np.float64) * 2.0 ** k, jnp.float32)
+                                     out_scale=scale)
+    g_k, d_k = (jnp.asarray(np.asarray(x, np.float64) * 2.0 ** k, jnp.float32) for x in (g, d))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(
         np.asarray(want[0]),
-        np.asarray(accumulate_rows_reference(m, premultiplied, d, row_axis=row_axis,
+        np.asarray(accumulate_rows_reference(m, g_k, d_k, row_axis=row_axis,
                                              counter=counter)[0]))
     for got_sum, want_sum in zip(got[1:], want[1:]):
         np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum),
                                    rtol=shape[3 - row_axis] * 2.0 ** -23)
-    one = _kernel(m, g, d, row_axis, counter, impl, g_scale=jnp.float32(1))[0]
+    one = _kernel(m, g, d, row_axis, counter, impl, out_scale=jnp.float32(1))[0]
     np.testing.assert_array_equal(np.asarray(one),
                                   np.asarray(_kernel(m, g, d, row_axis, counter, impl)[0]))
 
