@@ -240,7 +240,7 @@ def _momentum_bits(plan: Plan, dtypes, keys: jax.Array | None) -> list[jax.Array
     """Per leaf (``dtypes``: its momentum's), the random bits of a 16-bit momentum's stochastic
     rounding under its key in ``keys`` (:func:`_write_keys`), in the local shard's shape
     (:mod:`dion3_jax._rounding`); None for other dtypes (rounded to nearest)."""
-    return [_rounding.momentum_bits(keys[i], p.local.shape, p.spec)
+    return [_rounding.momentum_bits(_some(keys)[i], p.local.shape, p.spec)
             if _rounding.stochastic(t) else None
             for i, (p, t) in enumerate(zip(plan.leaves, dtypes))]
 
@@ -876,7 +876,7 @@ def _all_axes(plan: Plan) -> tuple[str, ...]:
     axis)."""
     ctx = plan.ctx
     axes = tuple(ctx.axis_names) if ctx.distributed else ()
-    if ctx.compressed and ctx.replica_axis not in axes:
+    if ctx.compressed and ctx.replica_axis is not None and ctx.replica_axis not in axes:
         axes += (ctx.replica_axis,)
     return nontrivial(axes)
 

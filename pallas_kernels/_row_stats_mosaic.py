@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 from jax import lax
@@ -126,13 +127,15 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
     next input is ``S``'s float32 scale (one element), read once, which multiplies ``d`` and
     ``G``."""
     stochastic = counter_steps is not None
-    refs = list(refs)
-    key_gmem, words_gmem = (refs.pop(0), refs.pop(0)) if stochastic else (None, None)
-    out = refs.pop(0)[0] if out_scaled else None
+    rest = list(refs)
+    key_gmem: Any = rest.pop(0) if stochastic else None
+    words_gmem: Any = rest.pop(0) if stochastic else None
+    out = rest.pop(0)[0] if out_scaled else None
+    w_smem: Any = None
     if stochastic:
-        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, w_smem, m_bar, g_bar = refs
+        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, w_smem, m_bar, g_bar = rest
     else:
-        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar, g_bar = refs
+        l1_gmem, sq_gmem, m_smem, g_smem, s_smem, v_smem, m_bar, g_bar = rest
     k, i, c = lax.axis_index("k"), lax.axis_index("i"), lax.axis_index("c")
     rows = pl.ds(i * strip, strip)
     summed = 1 if row_axis == 1 else 0              # the block's summed axis
