@@ -59,15 +59,16 @@ def test_fold_unit_is_the_power_of_two_below_the_largest_factor():
     assert float(_storage.fold_unit(jnp.zeros(4))) == 1.0
 
 
-def _momenta(scale: float, dtype, steps: int, fraction=1.0, mu=0.9):
-    """The state after ``steps`` steps of gradients ``scale·N(0, 1)`` (fresh draws) on a 48×64
-    and a stacked 2×32×48 float32 matrix."""
+def _momenta(scale: float, dtype, steps: int, fraction=1.0, mu=0.9, float32=True):
+    """The states after ``steps`` steps of gradients ``scale·N(0, 1)`` (fresh draws) on a 48×64
+    and a stacked 2×32×48 float32 matrix, with a float32 momentum (None without ``float32``)
+    and one of ``dtype``, and the gradients."""
     rng = np.random.default_rng()
     shapes = {"w": (48, 64), "k": (2, 32, 48)}
     grads = [{k: jnp.asarray(scale * rng.standard_normal(s), jnp.float32)
               for k, s in shapes.items()} for _ in range(steps)]
-    out = {}
-    for mu_dtype in (jnp.float32, dtype):
+    out = {jnp.float32: None}
+    for mu_dtype in (jnp.float32, dtype) if float32 else (dtype,):
         tx = dion3_jax.scale_by_dion3(fraction, mu, mu_dtype=mu_dtype)
         state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
         for g in grads:
@@ -103,14 +104,14 @@ def test_the_bound_is_the_largest_row_norm_and_sets_the_next_write():
     step, by the gradients' largest entry)."""
     f32, f16, grads = _momenta(3e-3, jnp.float16, 2, mu=0.5)
     full = _full(f32)
+    tx = dion3_jax.scale_by_dion3(1.0, 0.5, mu_dtype=jnp.float16)
+    first = jax.jit(tx.update)(grads[0], tx.init(jax.tree.map(jnp.zeros_like, grads[0])))[1]
     for k, m in full.items():
         rows = m / 0.5
         axes = tuple(range(rows.ndim - 1)) if k == "w" else (1,)   # (in, out): rows = out
         want = np.max(np.sqrt(np.sum(rows ** 2, axis=axes)))
         np.testing.assert_allclose(float(f16.momentum_bound[k]), want, rtol=2.0 ** -9)
         # the second write's scale came from the first step's bound
-        tx = dion3_jax.scale_by_dion3(1.0, 0.5, mu_dtype=jnp.float16)
-        first = jax.jit(tx.update)(grads[0], tx.init(jax.tree.map(jnp.zeros_like, grads[0])))[1]
         scale = float(_storage.write_scale(first.momentum_bound[k]))
         d = np.asarray(f16.momentum_scale[k], np.float64) * scale
         assert set(np.unique(d)) <= {0.5, 1.0}, np.unique(d)
@@ -132,7 +133,7 @@ def test_folding_a_float16_momentum_keeps_it_in_range():
     (gradients ~1e-6): the folded momentum times its row factors (a power of two per leaf) is
     the unfolded one within one float16 rounding, its entries below 65504, and the optimizer
     continues from it as from the unfolded state (float16's rounding over one step)."""
-    _, f16, grads = _momenta(1e-6, jnp.float16, 3, fraction=0.5)
+    _, f16, grads = _momenta(1e-6, jnp.float16, 3, fraction=0.5, float32=False)
     folded = dion3_jax.fold_momentum_scale(f16)
     before, after = _full(f16), _full(folded)
     tx = dion3_jax.scale_by_dion3(0.5, 0.9, mu_dtype=jnp.float16)
