@@ -132,11 +132,12 @@ def test_folding_a_float16_momentum_keeps_it_in_range():
     """``fold_momentum_scale`` of a float16 momentum stored with a scale of 2²⁰ and more
     (gradients ~1e-6): the folded momentum times its row factors (a power of two per leaf) is
     the unfolded one within one float16 rounding, its entries below 65504, and the optimizer
-    continues from it as from the unfolded state (float16's rounding over one step)."""
+    continues from it as from the unfolded state (float16's rounding over one step; at f = 1,
+    where that rounding cannot change which rows a near-tie selects)."""
     _, f16, grads = _momenta(1e-6, jnp.float16, 3, fraction=0.5, float32=False)
     folded = dion3_jax.fold_momentum_scale(f16)
     before, after = _full(f16), _full(folded)
-    tx = dion3_jax.scale_by_dion3(0.5, 0.9, mu_dtype=jnp.float16)
+    tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=jnp.float16)
     for k in before:
         d = np.asarray(folded.momentum_scale[k])
         assert np.all(d == d.flat[0]) and _is_pow2(d.flat[0]) and d.flat[0] < 2.0 ** -20
