@@ -322,11 +322,10 @@ def _accumulate(plan: Plan, grads, moms, scales, count, out_scales):
     return filled, full_sq, _row_stats(plan, filled, known, one_pass), one_pass
 
 
-def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count, out_scales=None
+def accumulate_and_score(plan: Plan, grads, moms, vars_, scales, count, out_scales
                          ) -> Accumulated:
-    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`; ``out_scales``: :func:`_write_scales`,
-    default none); the row statistics and each unit's selection scores."""
-    out_scales = [None] * len(moms) if out_scales is None else out_scales
+    """``M ← d ⊙ M + G`` per block (:func:`_accumulate`; ``out_scales``: :func:`_write_scales`);
+    the row statistics and each unit's selection scores."""
     momentum, full_sq, (l1, row_sq), one_pass = _accumulate(plan, grads, moms, scales, count,
                                                             out_scales)
     variance = ([p.local.to_blocks(v) for p, v in zip(plan.leaves, vars_)]

@@ -60,15 +60,21 @@ def scaled(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.dtype(jnp.float16)
 
 
-def _ceil_log2(x: jax.Array) -> jax.Array:
-    """``⌈log2 x⌉`` of a positive normal float32, from its bits (exact on every backend)."""
+def _usable(x: jax.Array) -> jax.Array:
+    """Whether float32 ``x`` is finite and at least float32's smallest normal number."""
+    return jnp.isfinite(x) & (x >= np.finfo(np.float32).tiny)
+
+
+def _floor_log2(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``⌊log2 x⌋`` of a positive normal float32 from its bits (exact on every backend), and
+    whether ``x`` is not a power of two (its mantissa bits are not all zero)."""
     u = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    exponent = (u >> np.uint32(23)).astype(jnp.int32) - 127
-    return exponent + ((u & np.uint32(0x7FFFFF)) != 0).astype(jnp.int32)
+    return (u >> np.uint32(23)).astype(jnp.int32) - 127, (u & np.uint32(0x7FFFFF)) != 0
 
 
 def _pow2(e: jax.Array) -> jax.Array:
-    """``2^e`` for int32 ``e`` within float32's normal range, exactly (from its bits)."""
+    """``2^e`` for int32 ``e`` within ``±LIMIT``, exactly (from its bits)."""
+    e = jnp.clip(e, -LIMIT, LIMIT)
     return lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.uint32), jnp.float32)
 
 
@@ -82,9 +88,9 @@ def write_scale(bound: jax.Array) -> jax.Array:
       (268435456.0, 1.0)
     """
     bound = jnp.asarray(bound, jnp.float32)
-    ok = jnp.isfinite(bound) & (bound >= np.finfo(np.float32).tiny)
-    e = jnp.clip(TARGET - _ceil_log2(jnp.where(ok, bound, 1.0)), -LIMIT, LIMIT)
-    return jnp.where(ok, _pow2(e), np.float32(1))
+    ok = _usable(bound)
+    floor, inexact = _floor_log2(jnp.where(ok, bound, 1.0))
+    return jnp.where(ok, _pow2(TARGET - floor - inexact.astype(jnp.int32)), np.float32(1))
 
 
 def fold_unit(d: jax.Array) -> jax.Array:
@@ -92,6 +98,4 @@ def fold_unit(d: jax.Array) -> jax.Array:
     ``2^⌊log2 max d⌋``, so that ``M·(d/unit)`` stays within twice the stored range; 1 where no
     factor is positive."""
     top = jnp.max(d.astype(jnp.float32))
-    ok = jnp.isfinite(top) & (top >= np.finfo(np.float32).tiny)
-    u = lax.bitcast_convert_type(jnp.where(ok, top, 1.0), jnp.uint32)
-    return _pow2(jnp.clip((u >> np.uint32(23)).astype(jnp.int32) - 127, -LIMIT, LIMIT))
+    return _pow2(_floor_log2(jnp.where(_usable(top), top, 1.0))[0])

@@ -102,18 +102,14 @@ class ScaleByDion3State(NamedTuple):
         a float16 momentum keeps a power of two per leaf in ``momentum_scale``
         (:func:`dion3_jax._storage.fold_unit`), its storage scale, so that its entries stay
         within float16's range."""
-        def fold(m, d):
-            if not _storage.scaled(m.dtype):
-                return (m * d).astype(m.dtype)
-            return (m * (d / _storage.fold_unit(d))).astype(m.dtype)
-
-        def ones(m, d):          # (``ones_like`` keeps the factors' sharding)
-            return (jnp.ones_like(d) * _storage.fold_unit(d) if _storage.scaled(m.dtype)
-                    else jnp.ones_like(d))
-
-        return self._replace(momentum=jax.tree.map(fold, self.momentum, self.momentum_scale),
-                             momentum_scale=jax.tree.map(ones, self.momentum,
-                                                         self.momentum_scale))
+        units = jax.tree.map(lambda m, d: _storage.fold_unit(d) if _storage.scaled(m.dtype)
+                             else jnp.ones((), jnp.float32), self.momentum, self.momentum_scale)
+        # (``ones_like`` keeps the factors' sharding; a unit of 1 leaves both as before)
+        return self._replace(
+            momentum=jax.tree.map(lambda m, d, u: (m * (d / u)).astype(m.dtype),
+                                  self.momentum, self.momentum_scale, units),
+            momentum_scale=jax.tree.map(lambda m, d, u: jnp.ones_like(d) * u,
+                                        self.momentum, self.momentum_scale, units))
 
 
 def fold_momentum_scale(opt_state: OptState) -> OptState:
