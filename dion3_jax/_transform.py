@@ -215,6 +215,20 @@ def _check_like_state(updates, momentum) -> None:
     _check_floating(updates, "gradients")
 
 
+def _check_bounds(state: ScaleByDion3State) -> None:
+    """A float16 momentum needs its storage bound (:mod:`dion3_jax._storage`): without one the
+    step could not choose its write scale, so a state without ``momentum_bound`` (one built by
+    hand, or restored from before the field existed) is refused, naming the first such leaf."""
+    if state.momentum_bound is not None:
+        return
+    for path, m in jax.tree_util.tree_flatten_with_path(state.momentum)[0]:
+        if _storage.scaled(m.dtype):
+            raise ValueError(
+                f"momentum{jax.tree_util.keystr(path)} is float16 but the state's momentum_bound "
+                "is None; rebuild the state with init, or set momentum_bound to float32 zeros "
+                "shaped () per leaf (0: no bound yet, so the next write is unscaled and sets it)")
+
+
 def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     _check_floating(params, "parameters")
     ctx, plans = _plan.leaf_plans(cfg, params)
@@ -261,6 +275,7 @@ def _plan_key(grads, moms) -> tuple:
 
 def _update(cfg: Dion3Config, plans: dict, updates, state: ScaleByDion3State):
     _check_like_state(updates, state.momentum)
+    _check_bounds(state)
     treedef: _TreeDef = jax.tree.structure(updates)
     grads = treedef.flatten_up_to(updates)
     moms = treedef.flatten_up_to(state.momentum)

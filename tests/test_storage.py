@@ -128,6 +128,31 @@ def test_float32_and_bfloat16_momenta_carry_no_bound():
         assert (state.momentum_bound is not None) == has, dtype
 
 
+def test_a_float16_momentum_without_a_bound_is_refused_until_zeros_are_given():
+    """A state whose float16 momentum has no ``momentum_bound`` (built by hand, or from before
+    the field) raises a ``ValueError`` that names the leaf; with zeros in its place (no bound
+    yet) the step writes unscaled, as the error says, and sets the bound: the momentum, times
+    its row factors, matches a float32 momentum's within float16's rounding (float64)."""
+    rng = np.random.default_rng()
+    grads = [{"w": jnp.asarray(1e-2 * rng.standard_normal((24, 40)), jnp.float32)}
+             for _ in range(3)]
+    tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=jnp.float16)
+    state = jax.jit(tx.update)(grads[0], tx.init(jax.tree.map(jnp.zeros_like, grads[0])))[1]
+    with pytest.raises(ValueError, match=r"momentum\['w'\] is float16.*momentum_bound"):
+        tx.update(grads[1], state._replace(momentum_bound=None))
+    state = state._replace(momentum_bound={"w": jnp.zeros((), jnp.float32)})
+    ref = dion3_jax.scale_by_dion3(1.0, 0.9)
+    want = ref.init(jax.tree.map(jnp.zeros_like, grads[0]))
+    for g in grads:
+        want = jax.jit(ref.update)(g, want)[1]
+    for g in grads[1:]:
+        state = jax.jit(tx.update)(g, state)[1]
+    assert float(state.momentum_bound["w"]) > 0
+    top = float(np.max(np.abs(_full(want)["w"])))
+    np.testing.assert_allclose(_full(state)["w"], _full(want)["w"], rtol=0,
+                               atol=3 * 2.0 ** -10 * top)
+
+
 def test_folding_a_float16_momentum_keeps_it_in_range():
     """``fold_momentum_scale`` of a float16 momentum stored with a scale of 2²⁰ and more
     (gradients ~1e-6): the folded momentum times its row factors (a power of two per leaf) is
