@@ -194,7 +194,7 @@ def dion3(
       num_heads: per-head matrices (:func:`scale_by_dion3`).
       split_sizes: independent row blocks of the output axis, e.g. fused QKV
         (:func:`scale_by_dion3`).
-      mu_dtype: dtype of the momentum; default float32 for 16-bit parameters, else each
+      mu_dtype: dtype of the momentum; default float16 for 16-bit parameters, else each
         parameter's (:func:`scale_by_dion3`).
       orthogonalizer: the polar operator: ``None`` (the default Gram Newton-Schulz), a
         :func:`dion3_jax.make_orthogonalizer` record or a callable (:func:`scale_by_dion3`).

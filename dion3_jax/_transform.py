@@ -69,7 +69,7 @@ class ScaleByDion3State(NamedTuple):
 
     Attributes:
       count: the number of updates applied; shape ``()``, int32.
-      momentum: shaped like the params; dtype ``mu_dtype`` (default: float32 for 16-bit
+      momentum: shaped like the params; dtype ``mu_dtype`` (default: float16 for 16-bit
         parameters, else the parameter's).
       variance: the NorMuon per-row second moments, float32, each param's shape with its
         reduction axes of size 1; None for ``flavor="muon"``.
@@ -170,17 +170,21 @@ def _zeros(shape, dtype, ref, spec, ctx: _distributed.Context, commit: bool) -> 
 
 
 def momentum_dtype(mu_dtype, param_dtype) -> jnp.dtype:
-    """``mu_dtype`` if given, else float32 for 16-bit parameters and the parameter's own dtype
-    otherwise.
+    """``mu_dtype`` if given, else float16 for 16-bit (bfloat16, float16) parameters and
+    the parameter's own dtype promoted to float32 otherwise.
 
     Dion3's momentum sums the gradients of a row until the row is selected, so a rarely selected
     row accumulates many of them. A 16-bit momentum is rounded stochastically to keep that sum
     unbiased, and a float16 one is stored with a power-of-two scale per leaf to keep it within
-    float16's range (``dion3_jax._storage``); docs/HYPERPARAMETERS.md, "Momentum dtype", has
-    what each costs and saves (``benchmarks/momentum_dtype.py``, the quality study).
+    float16's range (``dion3_jax._storage``). float16 is the 16-bit parameters' default because
+    it trained like float32 in the quality study while saving 2 bytes per matrix entry;
+    docs/HYPERPARAMETERS.md, "Momentum dtype", has what each dtype costs and saves
+    (``benchmarks/momentum_dtype.py``, the quality study, the step's time and memory).
     """
     if mu_dtype is not None:
         return jnp.dtype(mu_dtype)
+    if jnp.dtype(param_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return jnp.dtype(jnp.float16)
     return jnp.promote_types(param_dtype, jnp.float32)
 
 
@@ -362,7 +366,7 @@ def scale_by_dion3(
       num_heads: per-head matrices (one int, a tree or a callable, like ``dimension_numbers``).
       split_sizes: independent row blocks of the output axis, e.g. fused QKV (a tuple of ints,
         a tree or a callable).
-      mu_dtype: dtype of the momentum. Default: float32 for 16-bit parameters, else each
+      mu_dtype: dtype of the momentum. Default: float16 for 16-bit parameters, else each
         parameter's dtype. A bfloat16 or float16 momentum is rounded stochastically, and a
         float16 one stored with a power-of-two scale per leaf (docs/HYPERPARAMETERS.md).
       orthogonalizer: the polar operator: ``None`` (Gram Newton-Schulz, Polar Express

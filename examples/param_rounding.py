@@ -29,9 +29,11 @@ Variants (``--param-dtype``, ``--rounding``):
 With 16-bit parameters every optimizer runs on float32 copies of the gradients and the
 parameters (:func:`float32_view`), so its state and its update are float32 in both 16-bit
 variants and the two differ only in the rounding of the update. For Dion3's and NorMuon's
-matrices that is what the library does by itself (float32 momentum and update for 16-bit
-leaves); for ``optax.adamw`` and the AdamW branch it gives float32 moments, where optax alone
-would keep them in the parameter's dtype.
+matrices the library itself returns float32 updates for 16-bit leaves, and the study names
+Dion3's momentum dtype (``mu_dtype``, float32 unless a run says otherwise), so the view keeps
+it; left to its default, 16-bit leaves would get a float16 momentum and the view's float32
+copies a float32 one. For ``optax.adamw`` and the AdamW branch the view gives float32 moments,
+where optax alone would keep them in the parameter's dtype.
 """
 
 from __future__ import annotations

@@ -88,7 +88,9 @@ def test_float32_view_keeps_the_librarys_matrix_updates():
     rng = np.random.default_rng(SEED + 1)
     params = {"w": jnp.asarray(rng.standard_normal((64, 128)) * 0.5, jnp.bfloat16),
               "b": jnp.asarray(rng.standard_normal(128), jnp.bfloat16)}
-    tx = dion3_jax.dion3(0.03, 0.25, weight_decay=0.1)
+    # The momentum dtype named, as the study names it: by default the bfloat16 matrix would get
+    # a float16 momentum and its float32 copy a float32 one.
+    tx = dion3_jax.dion3(0.03, 0.25, weight_decay=0.1, mu_dtype=jnp.float32)
     view = param_rounding.float32_view(tx)
     state, view_state = tx.init(params), view.init(params)
     for step in range(3):

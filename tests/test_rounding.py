@@ -97,7 +97,8 @@ def test_16bit_params_are_rounded_once(dtype, fraction, wd, schedule):
     lr = optax.linear_schedule(0.05, 0.01, STEPS) if schedule else 0.03
     clip = optax.clip_by_global_norm(20.0)
     tx = optax.chain(clip, dion3_jax.dion3(lr, fraction, weight_decay=wd))
-    direction = dion3_jax.scale_by_dion3(fraction)   # the same step on float32 inputs
+    # The same step on float32 inputs, with the float16 momentum that 16-bit parameters get.
+    direction = dion3_jax.scale_by_dion3(fraction, mu_dtype=jnp.float16)
     state, ref_state = tx.init(params), direction.init({"w": jnp.zeros(SHAPE)})
     for step, g in enumerate(grads):
         clipped, _ = jax.jit(clip.update)(g, clip.init(params))
@@ -127,7 +128,7 @@ def test_nnx_optimizer_rounds_bfloat16_kernels_once():
     model = _Tiny(nnx.Rngs(SEED % 1000), jnp.bfloat16)
     lr, wd = 0.02, 0.05
     opt = nnx.Optimizer(model, dion3_jax.dion3(lr, 0.25, weight_decay=wd), wrt=nnx.Param)
-    direction = dion3_jax.scale_by_dion3(0.25)
+    direction = dion3_jax.scale_by_dion3(0.25, mu_dtype=jnp.float16)   # bfloat16's default
     ref_state = direction.init({"w": jnp.zeros(SHAPE)})
     x = jnp.asarray(np.random.default_rng(SEED).standard_normal((16, SHAPE[0])), jnp.bfloat16)
     for step in range(STEPS):

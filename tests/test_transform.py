@@ -279,7 +279,8 @@ def test_bfloat16_params_stay_bfloat16():
     assert upd["w"].dtype == jnp.float32        # rounded once, by apply_updates
     assert bool(jnp.all(jnp.isfinite(new["w"].astype(jnp.float32))))
     inner = state.inner_states["dion3"].inner_state[0]
-    assert inner.momentum["w"].dtype == jnp.float32     # the 16-bit default: float32 momentum
+    assert inner.momentum["w"].dtype == jnp.float16     # the 16-bit default: float16 momentum
+    assert inner.momentum_bound is not None
     assert inner.variance["w"].dtype == jnp.float32
     tx16 = dion3_jax.dion3(0.02, 0.5, mu_dtype=jnp.bfloat16)
     assert tx16.init(params).inner_states["dion3"].inner_state[0].momentum["w"].dtype == \
@@ -292,28 +293,28 @@ def test_float16_momentum_is_stored_within_its_range():
     of two (``dion3_jax._storage``): its entries stay below 65504 and ``momentum ×
     momentum_scale`` is the float32 momentum's within float16's rounding (40 steps of at most
     one float16 gap each at the largest entry, 2⁻¹⁰ of it), on fresh random gradients. The
-    default momentum of float16 parameters is float32; for float32 parameters it is the
-    parameter's dtype."""
+    default momentum of float16 parameters is this float16 one; for float32 parameters it is
+    the parameter's dtype."""
     params = {"w": jnp.zeros((16, 64), jnp.float16)}
     rng = np.random.default_rng()
     grads = [{"w": jnp.asarray(3000 * (1 + rng.random((16, 64))), jnp.float16)}
              for _ in range(40)]
     full = {}
-    for mu_dtype in (None, jnp.float16):
+    for mu_dtype in (jnp.float32, None):
         tx = dion3_jax.scale_by_dion3(1, mu=0.99, mu_dtype=mu_dtype)
         state = tx.init(params)
         for g in grads:
             u, state = jax.jit(tx.update)(g, state)
         assert u["w"].dtype == jnp.float32
         m = state.momentum["w"]
-        assert m.dtype == (jnp.float32 if mu_dtype is None else jnp.float16)
+        assert m.dtype == (jnp.float32 if mu_dtype else jnp.float16)
         assert bool(jnp.all(jnp.isfinite(m))) and bool(jnp.all(jnp.isfinite(u["w"]))), mu_dtype
-        if mu_dtype is not None:
+        if mu_dtype is None:
             assert float(jnp.max(jnp.abs(m.astype(jnp.float32)))) < 65504.0
         full[mu_dtype] = np.asarray(m, np.float64) * np.asarray(state.momentum_scale["w"])
-    assert np.max(full[None]) > 65504.0
-    np.testing.assert_allclose(full[jnp.float16], full[None], rtol=0,
-                               atol=40 * 2.0 ** -10 * np.max(np.abs(full[None])))
+    assert np.max(full[jnp.float32]) > 65504.0
+    np.testing.assert_allclose(full[None], full[jnp.float32], rtol=0,
+                               atol=40 * 2.0 ** -10 * np.max(np.abs(full[jnp.float32])))
     assert dion3_jax.scale_by_dion3().init({"w": jnp.zeros((4, 8))}).momentum["w"].dtype == \
         jnp.float32
 
