@@ -160,21 +160,11 @@ def _digit_words(flat: jax.Array, axes: list[int], local: tuple[int, ...], coef,
     return words
 
 
-def block_counters(key: jax.Array, local: LeafLayout, spec: P = P()
-                   ) -> list[RowCounter | None]:
-    """The counters of :func:`momentum_bits`'s bits in this device's blocks of a leaf.
-
-    Args:
-      key: the write's key, as :func:`momentum_bits`.
-      local: the layout of the local shard (its :meth:`~LeafLayout.to_blocks`).
-      spec: the leaf's ``PartitionSpec``, as :func:`momentum_bits`.
-
-    Returns:
-      Per block, a :class:`pallas_kernels._counter.RowCounter` whose
-      :func:`pallas_kernels._counter.counter_bits` are ``local.to_blocks(momentum_bits(...))``'s
-      block, or None where the block's words do not step evenly along its rows (reduction
-      axes whose steps in the counter's words do not chain, e.g. across a sharded axis).
-    """
+def block_words(local: LeafLayout, spec: P = P()
+                ) -> tuple[list[jax.Array], tuple[int, int] | None]:
+    """The key-free part of :func:`block_counters`: per block of the local shard, each row's
+    ``(batch, 2, n)`` words at its first element, and the ``(hi, lo)`` step along the rows
+    (None where the words do not step evenly). Leaves of one layout and spec share them."""
     shape = local.shape
     entries = spec_entries(spec, len(shape))
     coef = _coefficients(_global_sizes(entries, shape))
@@ -185,15 +175,34 @@ def block_counters(key: jax.Array, local: LeafLayout, spec: P = P()
     nb, nf = len(local.batch_shape), len(local.first_shape)
     groups = [list(local.perm[:nb]), list(local.perm[nb:nb + nf]), list(local.perm[nb + nf:])]
     rows_axes, summed_axes = (groups[2], groups[1]) if local.out_last else groups[1:]
-    step = _row_step(summed_axes, shape, coef)
-    heads, out, start = local.num_heads, [], 0
+    heads, words, start = local.num_heads, [], 0
     for bl, n in zip(local.blocks, local.split_sizes):
         k = jax.lax.broadcasted_iota(jnp.uint32, (bl.batch, n), 0)
         r = jax.lax.broadcasted_iota(jnp.uint32, (bl.batch, n), 1)
         row = (k % np.uint32(heads)) * np.uint32(n) + r + np.uint32(start)
-        words = [b + x + y for b, x, y in zip(
+        words.append(jnp.stack([b + x + y for b, x, y in zip(
             base, _digit_words(k // np.uint32(heads), groups[0], shape, coef),
-            _digit_words(row, rows_axes, shape, coef))]
-        out.append(None if step is None else RowCounter(key, jnp.stack(words, 1), step))
+            _digit_words(row, rows_axes, shape, coef))], 1))
         start += n
-    return out
+    return words, _row_step(summed_axes, shape, coef)
+
+
+def block_counters(key: jax.Array, local: LeafLayout, spec: P = P(), words=None
+                   ) -> list[RowCounter | None]:
+    """The counters of :func:`momentum_bits`'s bits in this device's blocks of a leaf.
+
+    Args:
+      key: the write's key, as :func:`momentum_bits`.
+      local: the layout of the local shard (its :meth:`~LeafLayout.to_blocks`).
+      spec: the leaf's ``PartitionSpec``, as :func:`momentum_bits`.
+      words: :func:`block_words` of ``local`` and ``spec``, when the caller has them already
+        (another leaf of the same layout made them).
+
+    Returns:
+      Per block, a :class:`pallas_kernels._counter.RowCounter` whose
+      :func:`pallas_kernels._counter.counter_bits` are ``local.to_blocks(momentum_bits(...))``'s
+      block, or None where the block's words do not step evenly along its rows (reduction
+      axes whose steps in the counter's words do not chain, e.g. across a sharded axis).
+    """
+    rows, step = block_words(local, spec) if words is None else words
+    return [None if step is None else RowCounter(key, w, step) for w in rows]

@@ -245,12 +245,14 @@ def _momentum_bits(plan: Plan, dtypes, keys: jax.Array | None) -> list[jax.Array
             for i, (p, t) in enumerate(zip(plan.leaves, dtypes))]
 
 
-def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict) -> bool:
+def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict, words: dict
+                       ) -> bool:
     """Whether unit ``u``'s statistics pass runs in a kernel (its momentum of ``dtype``); for a
     16-bit momentum, only with its block's counter under its leaf's key in ``keys``
     (:func:`_write_keys`), which this puts in ``counters`` (keyed ``(leaf, block)``;
-    :func:`_rounding.block_counters`, made only where a kernel runs). A named kernel that
-    cannot take the unit raises a ``ValueError`` that names the leaf."""
+    :func:`_rounding.block_counters`, made only where a kernel runs; ``words`` keeps their
+    :func:`_rounding.block_words` per layout). A named kernel that cannot take the unit raises
+    a ``ValueError`` that names the leaf."""
     stochastic = _rounding.stochastic(dtype)
     shape, ra = _local_shape(plan, u)[1:], u.layout.row_axis
     try:
@@ -260,7 +262,11 @@ def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict) -> bool
         if not stochastic:
             return True
         p = plan.leaves[u.leaf]
-        counter = _rounding.block_counters(keys[u.leaf], p.local, p.spec)[u.block]
+        layout = (p.local, p.spec)
+        if layout not in words:       # made once for all leaves of one layout
+            words[layout] = _rounding.block_words(p.local, p.spec)
+        counter = _rounding.block_counters(keys[u.leaf], p.local, p.spec,
+                                           words[layout])[u.block]
         if counter is None and plan.pass_implementation != "auto":
             raise ValueError(f"implementation={plan.pass_implementation!r} needs random bits "
                              f"that step evenly along each row of the {shape} blocks (a "
@@ -293,16 +299,20 @@ def _accumulate(plan: Plan, grads, moms, scales, count, out_scales):
     """
     one_pass = _one_pass_groups(plan)
     counters: dict = {}
+    words: dict = {}
     keys = _write_keys(plan, [m.dtype for m in moms], count, _rounding.SUM)
     kernel = {(u.leaf, u.block): u for u in (plan.units[i] for i in one_pass)
-              if _statistics_kernel(plan, u, moms[u.leaf].dtype, keys, counters)}
-    bits = _momentum_bits(plan, [m.dtype for m in moms], keys)
+              if _statistics_kernel(plan, u, moms[u.leaf].dtype, keys, counters, words)}
+    in_xla = [any((i, b) not in kernel for b in range(len(p.local.blocks)))
+              for i, p in enumerate(plan.leaves)]
+    # (Bits only for the leaves summed here: the kernels hash their own.)
+    bits = _momentum_bits(plan, [m.dtype if x else jnp.float32 for m, x in zip(moms, in_xla)],
+                          keys)
     momentum: list[list[jax.Array | None]] = [
-        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r, c)))
-        if any((i, b) not in kernel for b in range(len(p.local.blocks)))
+        list(p.local.to_blocks(pallas_kernels.scaled_sum(m, g, d, r, c))) if x
         else [None] * len(p.local.blocks)
-        for i, (p, m, g, d, r, c) in enumerate(zip(plan.leaves, moms, grads, scales, bits,
-                                                   out_scales))]
+        for p, m, g, d, r, c, x in zip(plan.leaves, moms, grads, scales, bits, out_scales,
+                                       in_xla)]
     partials = {}
     for (leaf, block), u in kernel.items():
         local, ra = plan.leaves[leaf].local, u.layout.row_axis

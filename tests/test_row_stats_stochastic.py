@@ -391,6 +391,20 @@ def test_the_step_lowers_for_h200_with_the_kernel_for_16_bit_momenta(mu_dtype):
     assert _lower_for_h200(params, mu_dtype).count("custom_call @mosaic_gpu") == 4
 
 
+def test_the_kernels_row_words_are_made_once_per_layout(monkeypatch):
+    """The statistics kernels' counters share their row words among leaves of one layout: the
+    step for an H200 with six 128×320 leaves and one 320×128 leaf (bfloat16 momentum) makes
+    them twice, not once per leaf (each making traced about 20 operations per leaf)."""
+    made = []
+    real = _rounding.block_words
+    monkeypatch.setattr(_rounding, "block_words",
+                        lambda *args: made.append(args[0].shape) or real(*args))
+    params = {f"w{i}": jax.ShapeDtypeStruct((128, 320), jnp.float32) for i in range(6)}
+    params["down"] = jax.ShapeDtypeStruct((320, 128), jnp.float32)
+    assert _lower_for_h200(params, jnp.bfloat16).count("custom_call @mosaic_gpu") == 4
+    assert sorted(made) == [(128, 320), (320, 128)], made
+
+
 def test_a_named_kernel_that_cannot_round_raises_naming_the_leaf():
     """``"mosaic"`` (or ``"pallas_triton"``) for a leaf whose bits do not step evenly along its
     blocks' rows raises a ``ValueError`` that names the leaf; ``"auto"`` runs that leaf's pass
