@@ -23,13 +23,14 @@ name there would shard an axis of size 1. ``nnx.Optimizer`` rebuilds every state
 its metadata and shards its value eagerly, which then fails (``("fsdp", None)`` on an
 ``(in, out)`` kernel: the ``(1, out)`` state cannot be split 4 ways along axis 0). The per-row
 state's Variables therefore carry their parameter's metadata with the reduction axes'
-``out_sharding`` entries set to None: ``nnx.get_partition_spec`` of the optimizer state is
-right, and any optax chain containing Dion3 builds in ``nnx.Optimizer``.
+``out_sharding`` entries set to None, and a float16 momentum's storage bounds (one scalar per
+parameter) carry an empty ``out_sharding``: ``nnx.get_partition_spec`` of the optimizer state
+is right, and any optax chain containing Dion3 builds in ``nnx.Optimizer``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import sys
 
 import jax
@@ -57,6 +58,32 @@ def _drop_reduced(variable, axes: Sequence[int]):
     return variable.replace(out_sharding=_without_axes(sharding, axes))
 
 
+def _scalar(sharding):
+    """``sharding`` for a scalar: no entries (a ``NamedSharding`` keeps its mesh)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P())
+    return P() if isinstance(sharding, P) else ()
+
+
+def _state_tree(params, arrays: Sequence[jax.Array], relabel: Callable):
+    """The tree of ``params`` with leaves ``arrays`` (one per parameter, in flattening order),
+    each Flax Variable node holding one array passed through ``relabel(variable, index)``."""
+    variable = _variable_type()
+    if variable is None:
+        return jax.tree.unflatten(jax.tree.structure(params), arrays)
+    nodes, outer = jax.tree.flatten(params, is_leaf=lambda x: isinstance(x, variable))
+    leaves = iter(enumerate(arrays))
+    out = []
+    for node in nodes:
+        if not isinstance(node, variable):
+            out.append(next(leaves)[1])
+            continue
+        items = [next(leaves) for _ in jax.tree.leaves(node)]
+        new = jax.tree.unflatten(jax.tree.structure(node), [a for _, a in items])
+        out.append(relabel(new, items[0][0]) if len(items) == 1 else new)
+    return jax.tree.unflatten(outer, out)
+
+
 def row_state_tree(params, arrays: Sequence[jax.Array],
                    reduction_axes: Sequence[Sequence[int]]):
     """The tree of ``params`` with leaves ``arrays`` (the per-row state, one per parameter, in
@@ -71,18 +98,17 @@ def row_state_tree(params, arrays: Sequence[jax.Array],
     Returns:
       The state tree, with the structure of ``params``.
     """
-    variable = _variable_type()
-    if variable is None:
-        return jax.tree.unflatten(jax.tree.structure(params), arrays)
-    nodes, outer = jax.tree.flatten(params, is_leaf=lambda x: isinstance(x, variable))
-    pairs = iter(zip(arrays, reduction_axes, strict=True))
-    out = []
-    for node in nodes:
-        if not isinstance(node, variable):
-            out.append(next(pairs)[0])
-            continue
-        inner = jax.tree.structure(node)
-        items = [next(pairs) for _ in jax.tree.leaves(node)]
-        new = jax.tree.unflatten(inner, [a for a, _ in items])
-        out.append(_drop_reduced(new, items[0][1]) if len(items) == 1 else new)
-    return jax.tree.unflatten(outer, out)
+    if len(arrays) != len(reduction_axes):
+        raise ValueError(f"{len(arrays)} arrays for {len(reduction_axes)} reduction axes")
+    return _state_tree(params, arrays, lambda v, i: _drop_reduced(v, reduction_axes[i]))
+
+
+def scalar_state_tree(params, arrays: Sequence[jax.Array]):
+    """The tree of ``params`` with scalar leaves ``arrays`` (one per parameter, in flattening
+    order; e.g. a float16 momentum's storage bound), each Flax Variable node given its
+    parameter's metadata with an empty sharding: a parameter's per-dimension names would not
+    fit a scalar, and ``nnx.Optimizer`` shards each state Variable by them."""
+    def relabel(variable, _):
+        sharding = variable.get_metadata().get("out_sharding")
+        return variable.replace(out_sharding=_scalar(sharding)) if sharding else variable
+    return _state_tree(params, arrays, relabel)

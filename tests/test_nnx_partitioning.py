@@ -172,6 +172,48 @@ def test_optimizer_state_keeps_the_output_axes_sharding():
         assert (get(described.momentum), get(described.variance)) == (whole, row), name
 
 
+class Bfloat16Model(nnx.Module):
+    """A bfloat16 MLP kernel and expert stack, partitioned like ``Model``'s."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(D, FFN, use_bias=False, param_dtype=jnp.bfloat16,
+                             kernel_init=partitioned("embed", "mlp"), rngs=rngs)
+        self.experts = nnx.Param(partitioned("exp", "mlp", "embed")(
+            rngs.params(), (EXPERTS, FFN, D), jnp.bfloat16))
+
+    def __call__(self, x):
+        h = jax.nn.gelu(dense(x, self.up))
+        return jnp.einsum("bf,efd->bd", h, gathered(self.experts[...])).astype(jnp.float32)
+
+
+def test_bfloat16_kernels_get_a_float16_momentum_and_unsharded_bounds():
+    """bfloat16 kernels under ``nnx.with_partitioning``: their default float16 momentum is
+    sharded like the kernel, and its storage bounds (one scalar per kernel) are Variables with
+    an empty partition spec, so ``nnx.Optimizer`` builds and a jitted step runs, writing
+    positive bounds."""
+    x = jnp.asarray(np.random.default_rng(SEED).standard_normal((BATCH, D)), jnp.bfloat16)
+    with jax.set_mesh(make_mesh()):
+        model = Bfloat16Model(nnx.Rngs(SEED))
+        optimizer = nnx.Optimizer(model, make_tx(), wrt=nnx.Param)
+        described = nnx.get_partition_spec(nnx.state(optimizer))["opt_state"]
+        described = described["inner_states"]["dion3"]["inner_state"][0]
+
+        @nnx.jit
+        def step(model, optimizer):
+            grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+            optimizer.update(model, grads)
+
+        step(model, optimizer)
+    node = dion3_node(optimizer.opt_state)
+    for get, names in ((lambda t: t["up"]["kernel"], ("embed", "mlp")),
+                       (lambda t: t["experts"], ("exp", "mlp", "embed"))):
+        assert get(node.momentum).dtype == jnp.float16
+        assert get(node.momentum).sharding.spec == mesh_axis(names)
+        assert get(described.momentum_bound) == P()
+        assert float(get(node.momentum_bound)) > 0
+    assert model.up.kernel[...].dtype == jnp.bfloat16
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("orthogonalizer,tol", [(POLAR32, 1e-5), (None, 5e-3)],
                          ids=["float32-polar", "float16-polar"])
