@@ -182,8 +182,9 @@ def main(argv=None) -> None:
                          "second call")
     ap.add_argument("--mu-dtypes", nargs="+", default=[], metavar="DTYPE",
                     choices=["float32", "bfloat16", "float16"],
-                    help="also compile each Dion3 step with these momentum dtypes (rows marked "
-                         "mu=DTYPE; a 16-bit one is rounded stochastically)")
+                    help="also compile (or, with --lower-for-h200, lower) each Dion3 step with "
+                         "these momentum dtypes (rows marked mu=DTYPE; a 16-bit one is rounded "
+                         "stochastically)")
     ap.add_argument("--cache-dir", metavar="DIR",
                     help="compile through JAX's persistent compilation cache in DIR (run "
                          "twice: the second run's compile stage is a warm cache's)")
@@ -246,8 +247,10 @@ def _h200_table(a) -> None:
     for layers in a.layers:
         params = {k: jax.ShapeDtypeStruct(s, jnp.float32)
                   for k, s in model_shapes(layers, a.d, a.ff).items()}
+        kinds = list(_KERNEL_VARIANTS) + [(f" mu={dt}", {"mu_dtype": jnp.dtype(dt)})
+                                          for dt in a.mu_dtypes]
         variants = [(f"dion3 f={f:g}{tag}", dion3_jax.dion3(a.lr, f, **kw))
-                    for f in a.fractions for tag, kw in _KERNEL_VARIANTS]
+                    for f in a.fractions for tag, kw in kinds]
         runs = {name: [] for name, _ in variants}
         for _ in range(a.repeats):
             for name, tx in variants:
