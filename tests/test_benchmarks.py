@@ -109,16 +109,21 @@ def _bench_compile(capsys, *args: str):
 @pytest.mark.slow  # a benchmark's smoke run; the fast loop stays under its budget
 def test_bench_compile_lower_for_h200_counts_kernels(capsys):
     """bench_compile.py --lower-for-h200 (no GPU): the default step lowers Mosaic GPU kernels
-    (the passes at least), the step with every product and pass in XLA none."""
+    (the passes at least), the step with every product and pass in XLA none, and a float16
+    momentum's step (``--mu-dtypes``) as many as the default's."""
     out = _bench_compile(capsys, "--layers", "1", "--d", "256", "--ff", "512", "--fractions",
-                         "1", "--lower-for-h200", "--list-kernels")
+                         "1", "--lower-for-h200", "--list-kernels", "--mu-dtypes", "float16")
     table, listing = out.split("\n\n", 1)
     rows = {" ".join(line.split()[1:-3]): int(line.split()[-1])
             for line in table.splitlines()[2:]}
-    assert set(rows) == {"dion3 f=1", "dion3 f=1 no kernels"}, out
+    assert set(rows) == {"dion3 f=1", "dion3 f=1 no kernels", "dion3 f=1 mu=float16"}, out
     assert rows["dion3 f=1"] >= 2 and rows["dion3 f=1 no kernels"] == 0, out
-    # --list-kernels: one line per counted kernel, its wrapper and its types.
-    kernels = [line.split()[0] for line in listing.splitlines() if line.startswith("  ")]
+    assert rows["dion3 f=1 mu=float16"] == rows["dion3 f=1"], out
+    # --list-kernels: one line per counted kernel, its wrapper and its types (the default
+    # step's section first).
+    first = listing.split("\n\n")[0]
+    assert first.splitlines()[0].startswith("1 layers, dion3 f=1:"), out
+    kernels = [line.split()[0] for line in first.splitlines() if line.startswith("  ")]
     assert len(kernels) == rows["dion3 f=1"], out
     assert any(k.startswith("accumulate_rows_mosaic") for k in kernels), out
     assert all("tensor<" in line for line in listing.splitlines() if line.startswith("  "))
