@@ -254,9 +254,10 @@ def _init(cfg: Dion3Config, params) -> ScaleByDion3State:
     # The per-row state's Flax Variables must not shard its size-1 reduction axes.
     axes = [pl.layout.reduction_axes for pl in plans]
     # A float16 momentum's storage bounds (0: the first step reads the gradients').
-    bound = (_param_metadata.scalar_state_tree(
-        params, [_zeros((), jnp.float32, p, jax.P(), ctx, commit) for p in leaves])
-             if any(_storage.scaled(m.dtype) for m in mom) else None)
+    bound = None
+    if any(_storage.scaled(m.dtype) for m in mom):
+        bound = _param_metadata.scalar_state_tree(
+            params, [_zeros((), jnp.float32, p, jax.P(), ctx, commit) for p in leaves])
     return ScaleByDion3State(
         count=count, momentum=treedef.unflatten(mom),
         variance=_param_metadata.row_state_tree(params, var, axes) if normuon else None,
