@@ -187,16 +187,19 @@ def block_words(local: LeafLayout, spec: P = P()
     return words, _row_step(summed_axes, shape, coef)
 
 
-def block_counters(key: jax.Array, local: LeafLayout, spec: P = P(), words=None
-                   ) -> list[RowCounter | None]:
+def block_counters(key: jax.Array, local: LeafLayout, spec: P = P(), words=None,
+                   leaf: int | None = None) -> list[RowCounter | None]:
     """The counters of :func:`momentum_bits`'s bits in this device's blocks of a leaf.
 
     Args:
-      key: the write's key, as :func:`momentum_bits`.
+      key: the write's key, as :func:`momentum_bits`; with ``leaf``, every leaf's keys
+        (:func:`step_keys`), of which the counters take row ``leaf``.
       local: the layout of the local shard (its :meth:`~LeafLayout.to_blocks`).
       spec: the leaf's ``PartitionSpec``, as :func:`momentum_bits`.
       words: :func:`block_words` of ``local`` and ``spec``, when the caller has them already
         (another leaf of the same layout made them).
+      leaf: the leaf's position among the gradients' leaves, for a table ``key``: the kernels
+        then read the leaf's key from the table (one buffer for every leaf's kernel).
 
     Returns:
       Per block, a :class:`pallas_kernels._counter.RowCounter` whose
@@ -205,4 +208,5 @@ def block_counters(key: jax.Array, local: LeafLayout, spec: P = P(), words=None
       axes whose steps in the counter's words do not chain, e.g. across a sharded axis).
     """
     rows, step = block_words(local, spec) if words is None else words
-    return [None if step is None else RowCounter(key, w, step) for w in rows]
+    index = None if leaf is None else jnp.asarray(np.full((1,), leaf, np.int32))
+    return [None if step is None else RowCounter(key, w, step, index) for w in rows]

@@ -265,8 +265,8 @@ def _statistics_kernel(plan: Plan, u: Unit, dtype, keys, counters: dict, words: 
         layout = (p.local, p.spec)
         if layout not in words:       # made once for all leaves of one layout
             words[layout] = _rounding.block_words(p.local, p.spec)
-        counter = _rounding.block_counters(keys[u.leaf], p.local, p.spec,
-                                           words[layout])[u.block]
+        counter = _rounding.block_counters(keys, p.local, p.spec, words[layout],
+                                           leaf=u.leaf)[u.block]
         if counter is None and plan.pass_implementation != "auto":
             raise ValueError(f"implementation={plan.pass_implementation!r} needs random bits "
                              f"that step evenly along each row of the {shape} blocks (a "

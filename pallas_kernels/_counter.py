@@ -41,7 +41,7 @@ from pallas_kernels._counter_hash import finish, hi_line, lo_line, tweak
 from pallas_kernels._stochastic_rounding import random_bits
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "rows"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "rows", "index"],
                    meta_fields=["steps"])
 @dataclasses.dataclass(frozen=True)
 class RowCounter:
@@ -51,25 +51,51 @@ class RowCounter:
     ``row_axis``) has the words ``(hi, lo) = rows[k, :, i] + j · steps`` (modulo 2³²).
 
     Attributes:
-      key: ``(2,)`` uint32, the key's two words.
+      key: ``(2,)`` uint32, the key's two words; or, with ``index``, a ``(keys, 2)`` table of
+        keys of which row ``index[0]`` is this counter's.
       rows: ``(batch, 2, n)`` uint32, each row's ``(hi, lo)`` at its first element.
       steps: ``(hi, lo)`` steps along a row (Python ints, taken modulo 2³²; the pytree's
         static part, so that a jitted function compiles them in).
+      index: None, or ``(1,)`` int32: the row of a table ``key``. A kernel reads the row
+        itself, so that counters of one table (the leaves of one step) hand it the same
+        buffer; a slice per counter would be a small XLA kernel of its own before each call.
     """
 
     key: jax.Array
     rows: jax.Array
     steps: tuple[int, int]
+    index: jax.Array | None = None
 
 
 def check_counter(counter: RowCounter, batch: int, n: int) -> None:
     """Raises ``ValueError`` unless ``counter`` describes ``batch`` matrices of ``n`` rows."""
-    if jnp.shape(counter.key) != (2,) or jnp.shape(counter.rows) != (batch, 2, n):
-        raise ValueError(f"the counter's key must be (2,) and its rows (batch, 2, n) = "
-                         f"{(batch, 2, n)}, got {jnp.shape(counter.key)} and "
-                         f"{jnp.shape(counter.rows)}")
+    key = jnp.shape(counter.key)
+    if counter.index is None:
+        ok_key = key == (2,)
+    else:
+        ok_key = (len(key) == 2 and key[1] == 2 and jnp.shape(counter.index) == (1,)
+                  and jnp.issubdtype(jnp.result_type(counter.index), jnp.integer))
+    if not ok_key or jnp.shape(counter.rows) != (batch, 2, n):
+        index = None if counter.index is None else jnp.shape(counter.index)
+        raise ValueError(f"the counter's key must be (2,), or a (keys, 2) table with a (1,) "
+                         f"integer index, and its rows (batch, 2, n) = {(batch, 2, n)}; got "
+                         f"key {key}, index {index} and rows {jnp.shape(counter.rows)}")
     if len(counter.steps) != 2 or not all(isinstance(s, int) for s in counter.steps):
         raise ValueError(f"the counter's steps must be two Python ints, got {counter.steps!r}")
+
+
+def counter_key(counter: RowCounter) -> jax.Array:
+    """The counter's own ``(2,)`` uint32 key (its row of a table ``key``)."""
+    key = counter.key.astype(jnp.uint32)
+    return key if counter.index is None else key[counter.index[0]]
+
+
+def key_table(counter: RowCounter) -> tuple[jax.Array, jax.Array]:
+    """``(table, index)`` for a kernel: ``(keys, 2)`` uint32 keys and the ``(1,)`` int32 row
+    of this counter's (a lone key is a table of one, row 0)."""
+    if counter.index is None:
+        return jnp.reshape(counter.key, (1, 2)).astype(jnp.uint32), jnp.zeros((1,), jnp.int32)
+    return counter.key.astype(jnp.uint32), counter.index.astype(jnp.int32)
 
 
 def step_words(steps: tuple[int, int]) -> tuple[np.uint32, np.uint32]:
@@ -157,5 +183,5 @@ def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> 
     j = jax.lax.broadcasted_iota(jnp.uint32, shape, summed)
     # The rows' words stay one per row (a word that does not step is hashed once per row).
     first = [jnp.expand_dims(counter.rows[:, w].astype(jnp.uint32), summed) for w in (0, 1)]
-    bits = random_bits(counter.key.astype(jnp.uint32), *element_words(first, j, counter.steps))
+    bits = random_bits(counter_key(counter), *element_words(first, j, counter.steps))
     return jnp.broadcast_to(bits, shape)

@@ -54,7 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
-from pallas_kernels._counter import RowCounter, block_bits, check_counter, row_hash
+from pallas_kernels._counter import (RowCounter, block_bits, check_counter, key_table,
+                                     row_hash)
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
@@ -122,13 +123,15 @@ def _block_bits(key, words, per_row, j0, block: tuple[int, int], summed: int,
 def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
           stages: int, counter_steps: tuple[int, int] | None, out_scaled: bool):
     """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``; with ``counter_steps``, ``refs``
-    starts with the counter's key and rows and its scratch ends with a slot for the rows'
-    words, and ``S`` is rounded stochastically with bits hashed here; with ``out_scaled`` the
+    starts with the counter's key table, its row (:func:`pallas_kernels._counter.key_table`)
+    and its rows' words, its scratch ends with a slot for the rows' words, and ``S`` is
+    rounded stochastically with bits hashed here; with ``out_scaled`` the
     next input is ``S``'s float32 scale (one element), read once, which multiplies ``d`` and
     ``G``."""
     stochastic = counter_steps is not None
     rest = list(refs)
     key_gmem: Any = rest.pop(0) if stochastic else None
+    index_gmem: Any = rest.pop(0) if stochastic else None
     words_gmem: Any = rest.pop(0) if stochastic else None
     out = rest.pop(0)[0] if out_scaled else None
     w_smem: Any = None
@@ -161,7 +164,8 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
     d = lax.broadcast_in_dim(d if out is None else d * out, block, (1 - summed,))
     if counter_steps is not None:
         plgpu.barrier_wait(m_bar.at[stages + 1])
-        key = (key_gmem[0], key_gmem[1])
+        row = index_gmem[0]
+        key = (key_gmem[row, 0], key_gmem[row, 1])
         words = [plgpu.load(w_smem.at[w], layout=vector, optimized=False) for w in (0, 1)]
         per_row = row_hash(key, words, counter_steps)        # once, before the walk
 
@@ -255,7 +259,7 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
         interpret=mosaic_interpret_params(interpret), kernel_name="accumulate_rows")
     s = jax.new_ref(m)
     words = (() if counter is None else
-             (counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)))
+             (*key_table(counter), counter.rows.astype(jnp.uint32)))
     scaled = () if out_scale is None else (jnp.reshape(out_scale, (1,)).astype(jnp.float32),)
     l1, sq = kernel(scale.astype(jnp.float32), s, g, *words, *scaled)
     return s[...], l1, sq

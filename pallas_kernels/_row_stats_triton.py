@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import _dispatch
 from pallas_kernels._common import pow2_divisor
-from pallas_kernels._counter import RowCounter, block_bits, check_counter, row_hash
+from pallas_kernels._counter import (RowCounter, block_bits, check_counter, counter_key,
+                                     row_hash)
 from pallas_kernels._row_stats_reference import row_sums, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
@@ -197,7 +198,7 @@ def accumulate_rows_triton(m: jax.Array, g: jax.Array, d: jax.Array, *, row_axis
     if counter is not None:
         specs += [pl.BlockSpec((2,), lambda k, i, c: (0,)),
                   pl.BlockSpec((None, 2, strip), lambda k, i, c: (k, 0, i))]
-        operands += [counter.key.astype(jnp.uint32), counter.rows.astype(jnp.uint32)]
+        operands += [counter_key(counter), counter.rows.astype(jnp.uint32)]
     if out_scale is not None:
         specs.append(pl.BlockSpec((1,), lambda k, i, c: (0,)))
         operands.append(jnp.reshape(out_scale, (1,)).astype(jnp.float32))

@@ -106,6 +106,18 @@ def test_statistics_row_sums_are_finished_per_shape_group(mesh):
     assert not own, own
 
 
+def test_a_16bit_step_launches_no_kernel_per_leafs_key(mesh):
+    """A float16 momentum's statistics kernels read their leaf's rounding key from the step's
+    table of keys: no pass of the compiled step slices one leaf's key out of it (a small
+    kernel per leaf and write before)."""
+    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.25, mu_dtype=jnp.float16),
+                                      SHAPES, mesh)
+    assert "accumulate_rows" in hlo, "no statistics kernel"
+    found = gpu_hlo.passes(hlo)
+    keys = [p for p in found if re.fullmatch(r"u32\[(1,)?2\]|s32\[1\]", p.result)]
+    assert not keys, keys
+
+
 def test_script_prints_a_census_per_variant(mesh, capsys):
     gpu_hlo.main(["--layers", "1", "--d", "128", "--ff", "352", "--fractions", "0.25",
                   "--top", "2"])

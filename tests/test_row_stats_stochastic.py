@@ -39,7 +39,7 @@ import dion3_jax
 import pallas_kernels
 from dion3_jax import _layout, _rounding
 from pallas_kernels import accumulate_rows_implementation, accumulate_rows_reference
-from pallas_kernels._counter import RowCounter, counter_bits
+from pallas_kernels._counter import RowCounter, check_counter, counter_bits
 from pallas_kernels._row_stats_mosaic import MosaicRowStatsConfig, accumulate_rows_mosaic
 from pallas_kernels._row_stats_triton import RowStatsConfig, accumulate_rows_triton
 from seeds import module_seed
@@ -128,6 +128,43 @@ def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
                                    rtol=shape[summed] * 2.0 ** -23)
         np.testing.assert_allclose(np.asarray(got_sum)[ok], np.asarray(want_sum)[ok],
                                    rtol=shape[summed] * 2.0 ** -23)
+
+
+@pytest.mark.parametrize("impl", ["mosaic",
+                                  pytest.param("pallas_triton", marks=pytest.mark.slow)])
+def test_a_counter_over_a_key_table_rounds_with_its_row(impl):
+    """A counter over a table of keys (a step's keys of every leaf) and a row index: the
+    kernel's ``S`` is bit for bit that of the counter of the row's lone key, and not that of
+    the next row's key; the reference agrees."""
+    rng = np.random.default_rng()
+    row_axis, steps = 1, (0x9E3779B9, 1)
+    shape = (_SHAPES if impl == "mosaic" else _SHAPES_TRITON)[row_axis]
+    m, g, d = _inputs(rng, shape, row_axis, jnp.float16)
+    keys, rows = _words(rng, (5, 2)), _words(rng, (shape[0], 2, shape[row_axis]))
+    i = int(rng.integers(1, 4))                 # not row 0, which a kernel might read
+    table = RowCounter(keys, rows, steps, jnp.asarray([i], jnp.int32))
+    got = _bits16(_kernel(m, g, d, row_axis, table, impl)[0])
+    lone = _bits16(_kernel(m, g, d, row_axis, RowCounter(keys[i], rows, steps), impl)[0])
+    np.testing.assert_array_equal(got, lone)
+    reference = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=table)[0]
+    np.testing.assert_array_equal(got, _bits16(reference))
+    other = accumulate_rows_reference(m, g, d, row_axis=row_axis,
+                                      counter=RowCounter(keys[i + 1], rows, steps))[0]
+    assert np.mean(got != _bits16(other)) > 0.1
+
+
+@pytest.mark.parametrize("key,index", [((5, 2), None), ((5, 2), (2,)), ((5, 3), (1,)),
+                                       ((2,), (1,))])
+def test_a_counter_s_key_must_be_a_key_or_a_table_with_a_row(key, index):
+    """A table of keys without its ``(1,)`` row index, a longer index, keys of three words or a
+    lone key with an index are refused, naming the shapes."""
+    rows = jnp.zeros((1, 2, 8), jnp.uint32)
+    counter = RowCounter(jnp.zeros(key, jnp.uint32), rows, (0, 1),
+                         None if index is None else jnp.zeros(index, jnp.int32))
+    with pytest.raises(ValueError, match=r"a \(keys, 2\) table with a \(1,\) integer index"):
+        check_counter(counter, 1, 8)
+    check_counter(RowCounter(jnp.zeros((5, 2), jnp.uint32), rows, (0, 1),
+                             jnp.zeros((1,), jnp.int32)), 1, 8)
 
 
 @pytest.mark.parametrize("row_axis", [1, 2])
