@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 
@@ -116,14 +117,22 @@ def test_inject_hyperparams_equals_plain(name):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), u1, u2)
 
 
+@functools.cache
+def _injected_dion3():
+    """``dion3`` at f = 1/2 (learning rate 0.02) through ``optax.inject_hyperparams``, its
+    ``fraction`` static, and its jitted update: one compile for the two tests below."""
+    tx = optax.inject_hyperparams(dion3_jax.dion3, static_args=("fraction",))(
+        learning_rate=0.02, fraction=0.5)
+    return tx, jax.jit(tx.update)
+
+
 def test_injected_fraction_must_be_static():
     params, grads = _params(), _grads(_params())
     tx = optax.inject_hyperparams(dion3_jax.dion3)(learning_rate=0.02, fraction=0.5)
     with pytest.raises(ValueError, match="static_args=.'fraction'"):   # at init, not update
         tx.init(params)
-    tx = optax.inject_hyperparams(dion3_jax.dion3, static_args=("fraction",))(
-        learning_rate=0.02, fraction=0.5)
-    jax.jit(tx.update)(grads, tx.init(params), params)
+    tx, update = _injected_dion3()
+    update(grads, tx.init(params), params)
 
 
 @pytest.mark.slow
@@ -136,12 +145,10 @@ def test_learning_rate_schedule_and_injected_lr_change():
     assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(u0))  # lr(0) = 0, wd·0
     u1, state = jax.jit(tx.update)(grads, state, params)
     assert float(jnp.abs(u1["dense"]["kernel"]).max()) > 0
-    inj = optax.inject_hyperparams(dion3_jax.dion3, static_args=("fraction",))(
-        learning_rate=0.01, fraction=0.5)
+    inj, update = _injected_dion3()                       # learning rate 0.02
     s = inj.init(params)
-    update = jax.jit(inj.update)
     ua, _ = update(grads, s, params)
-    s.hyperparams["learning_rate"] = jnp.float32(0.02)     # its dtype: the step compiles once
+    s.hyperparams["learning_rate"] = jnp.float32(0.04)     # its dtype: the step compiles once
     ub, _ = update(grads, s, params)
     np.testing.assert_allclose(ub["dense"]["kernel"], 2 * ua["dense"]["kernel"], rtol=1e-5)
 

@@ -127,11 +127,11 @@ def test_tiny_rounding_plan_step():
     p1, s1, _ = steps["once"](p0, tx.init(p0), trainer.train_dev, starts, hp)
     assert all(_same_bits(a, b) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p0)))
     # The step's float32 update at step 1, computed outside the step.
-    g = trainer._grad_fn(p1, trainer.train_dev, starts, 1)
+    g = jax.jit(trainer._grad_fn)(p1, trainer.train_dev, starts, 1)
     hps = dict(s1.hyperparams)
     mult = quality_study._schedule_mult(s1.count, hp["warmup"], hp["total"])
     hps["learning_rate"] = hp["lr"] * mult
-    u, _ = tx.update(g, s1._replace(hyperparams=hps), p1)
+    u, _ = jax.jit(tx.update)(g, s1._replace(hyperparams=hps), p1)
     for rounding, reference in (("once", _once), ("twice", _twice)):
         p2, _, _ = steps[rounding](p1, s1, trainer.train_dev, starts, hp)
         for a, w, du in zip(jax.tree.leaves(p2), jax.tree.leaves(p1), jax.tree.leaves(u)):

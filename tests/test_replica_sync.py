@@ -26,6 +26,7 @@ that platform's N devices, N even ((2, 1) on two GPUs: compressed sync across th
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -82,6 +83,15 @@ def compressed_update(tx, m):
                                  check_vma=False))
 
 
+@functools.cache
+def _compressed(fraction: float, mesh_options: MO):
+    """``scale_by_dion3(fraction, mesh_options=mesh_options, **POLAR)`` and its compressed
+    update on the Explicit mesh: one compile per configuration, shared by the tests that run
+    the same one (``mesh_options`` without ``param_specs``, so that it can be a key)."""
+    tx = dion3_jax.scale_by_dion3(fraction, mesh_options=mesh_options, **POLAR)
+    return tx, compressed_update(tx, mesh())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scope,axis_type", [("local", AxisType.Explicit),
                                               ("global", AxisType.Explicit),
@@ -91,15 +101,19 @@ def test_random_compressed_sync_equals_fully_synchronized(scope, axis_type):
     m = mesh(axis_type)
     specs = ({k: spec for k, (_, spec) in SPECS.items()} if axis_type == AxisType.Auto
              else None)
-    kw = dict(mesh_options=MO(replica_axis="dcn", replica_selection="random",
-                              selection_scope=scope, seed=3, param_specs=specs), **POLAR)
+    mo = MO(replica_axis="dcn", replica_selection="random", selection_scope=scope, seed=3,
+            param_specs=specs)
     params = trees(0)
     grads = [trees(s + 1, replicas=2) for s in range(3)]
     with jax.set_mesh(m):
-        tx = dion3_jax.scale_by_dion3(0.25, **kw)
+        if specs is None:
+            tx, comp_update = _compressed(0.25, mo)
+        else:
+            tx = dion3_jax.scale_by_dion3(0.25, mesh_options=mo, **POLAR)
+            comp_update = compressed_update(tx, m)
         s_sync = s_comp = tx.init(put(params, m))
         types = jax.tree.map(jax.typeof, s_comp)
-        sync_update, comp_update = jax.jit(tx.update), compressed_update(tx, m)
+        sync_update = jax.jit(tx.update)
         for g in grads:
             u_sync, s_sync = sync_update(put(jax.tree.map(lambda x: x.mean(0), g), m), s_sync)
             u_comp, s_comp = comp_update(put(g, m, stacked=True), s_comp)
@@ -181,11 +195,10 @@ def test_float16_replica_wire_sends_16_bits_and_stays_within_its_rounding():
     params = trees(0)
     grads = [trees(s + 1, replicas=2) for s in range(3)]
     with jax.set_mesh(m):
-        make = lambda wire: dion3_jax.scale_by_dion3(0.25, mesh_options=MO(
-            replica_axis="dcn", seed=3, replica_wire_dtype=wire), **POLAR)
-        tx16, tx32 = make(jnp.float16), make(None)
+        (tx16, up16), (_, up32) = (_compressed(0.25, MO(replica_axis="dcn", seed=3,
+                                                        replica_wire_dtype=wire))
+                                   for wire in (jnp.float16, None))
         s16 = s32 = tx16.init(put(params, m))
-        up16, up32 = compressed_update(tx16, m), compressed_update(tx32, m)
         sizes = {w: dcn_all_reduce_by_dtype(up.lower(put(grads[0], m, stacked=True), s16)
                                             .compile().as_text())
                  for w, up in (("16", up16), ("32", up32))}

@@ -24,6 +24,8 @@ the two ends of that band; every other element must match bitwise.
 
 from __future__ import annotations
 
+import functools
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,14 @@ def assert_rounded_once(new, w, direction, lr: float, wd: float, what: str) -> N
                              f"single rounding, e.g. {got[wrong][:3]} for {exact[wrong][:3]}")
 
 
+@functools.cache
+def _direction(fraction: float):
+    """The float32 reference step (``scale_by_dion3`` with the float16 momentum that 16-bit
+    parameters get) and its jitted update: one compile per fraction, shared by the tests."""
+    direction = dion3_jax.scale_by_dion3(fraction, mu_dtype=jnp.float16)
+    return direction, jax.jit(direction.update)
+
+
 def _inputs(dtype, seed):
     rng = np.random.default_rng(seed)
     params = {"w": jnp.asarray(rng.standard_normal(SHAPE) * 0.5, dtype),
@@ -98,12 +108,11 @@ def test_16bit_params_are_rounded_once(dtype, fraction, wd, schedule):
     clip = optax.clip_by_global_norm(20.0)
     tx = optax.chain(clip, dion3_jax.dion3(lr, fraction, weight_decay=wd))
     # The same step on float32 inputs, with the float16 momentum that 16-bit parameters get.
-    direction = dion3_jax.scale_by_dion3(fraction, mu_dtype=jnp.float16)
+    direction, direction_update = _direction(fraction)
     state, ref_state = tx.init(params), direction.init({"w": jnp.zeros(SHAPE)})
     for step, g in enumerate(grads):
         clipped, _ = jax.jit(clip.update)(g, clip.init(params))
-        d, ref_state = jax.jit(direction.update)({"w": clipped["w"].astype(jnp.float32)},
-                                                 ref_state)
+        d, ref_state = direction_update({"w": clipped["w"].astype(jnp.float32)}, ref_state)
         upd, state = jax.jit(tx.update)(g, state, params)
         assert upd["w"].dtype == jnp.float32 and upd["b"].dtype == dtype
         new = optax.apply_updates(params, upd)

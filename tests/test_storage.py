@@ -18,6 +18,8 @@ float16's range, against a float32 momentum."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,14 @@ def test_fold_unit_is_the_power_of_two_below_the_largest_factor():
     assert float(_storage.fold_unit(jnp.zeros(4))) == 1.0
 
 
+@functools.cache
+def _dion3(fraction: float, mu: float, mu_dtype=jnp.float32):
+    """``scale_by_dion3(fraction, mu, mu_dtype=mu_dtype)`` and its jitted update: one compile
+    per configuration and shapes, shared by the tests of this module."""
+    tx = dion3_jax.scale_by_dion3(fraction, mu, mu_dtype=mu_dtype)
+    return tx, jax.jit(tx.update)
+
+
 def _momenta(scale: float, dtype, steps: int, fraction=1.0, mu=0.9, float32=True):
     """The states after ``steps`` steps of gradients ``scale·N(0, 1)`` (fresh draws) on a 48×64
     and a stacked 2×32×48 float32 matrix, with a float32 momentum (None without ``float32``)
@@ -69,10 +79,10 @@ def _momenta(scale: float, dtype, steps: int, fraction=1.0, mu=0.9, float32=True
               for k, s in shapes.items()} for _ in range(steps)]
     out = {jnp.float32: None}
     for mu_dtype in (jnp.float32, dtype) if float32 else (dtype,):
-        tx = dion3_jax.scale_by_dion3(fraction, mu, mu_dtype=mu_dtype)
+        tx, update = _dion3(fraction, mu, mu_dtype)
         state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
         for g in grads:
-            _, state = jax.jit(tx.update)(g, state)
+            _, state = update(g, state)
         out[mu_dtype] = state
     return out[jnp.float32], out[dtype], grads
 
@@ -104,8 +114,8 @@ def test_the_bound_is_the_largest_row_norm_and_sets_the_next_write():
     step, by the gradients' largest entry)."""
     f32, f16, grads = _momenta(3e-3, jnp.float16, 2, mu=0.5)
     full = _full(f32)
-    tx = dion3_jax.scale_by_dion3(1.0, 0.5, mu_dtype=jnp.float16)
-    first = jax.jit(tx.update)(grads[0], tx.init(jax.tree.map(jnp.zeros_like, grads[0])))[1]
+    tx, update = _dion3(1.0, 0.5, jnp.float16)
+    first = update(grads[0], tx.init(jax.tree.map(jnp.zeros_like, grads[0])))[1]
     for k, m in full.items():
         rows = m / 0.5
         axes = tuple(range(rows.ndim - 1)) if k == "w" else (1,)   # (in, out): rows = out
@@ -162,14 +172,14 @@ def test_folding_a_float16_momentum_keeps_it_in_range():
     _, f16, grads = _momenta(1e-6, jnp.float16, 3, fraction=0.5, float32=False)
     folded = dion3_jax.fold_momentum_scale(f16)
     before, after = _full(f16), _full(folded)
-    tx = dion3_jax.scale_by_dion3(1.0, 0.9, mu_dtype=jnp.float16)
+    _, update = _dion3(1.0, 0.9, jnp.float16)
     for k in before:
         d = np.asarray(folded.momentum_scale[k])
         assert np.all(d == d.flat[0]) and _is_pow2(d.flat[0]) and d.flat[0] < 2.0 ** -20
         assert float(np.max(np.abs(np.asarray(folded.momentum[k], np.float64)))) < 65504
         np.testing.assert_allclose(after[k], before[k], rtol=2.0 ** -10,
                                    atol=2.0 ** -24 * d.flat[0])
-    a = _full(jax.jit(tx.update)(grads[0], f16)[1])
-    b = _full(jax.jit(tx.update)(grads[0], folded)[1])
+    a = _full(update(grads[0], f16)[1])
+    b = _full(update(grads[0], folded)[1])
     for k in a:
         np.testing.assert_allclose(b[k], a[k], rtol=0, atol=2.0 ** -9 * np.max(np.abs(a[k])))

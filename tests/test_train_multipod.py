@@ -18,7 +18,7 @@ jax.distributed (--distributed) against the single-process run."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 import re
 import sys
@@ -88,26 +88,36 @@ def _is_dion3_state(x) -> bool:
     return isinstance(x, dion3_jax.ScaleByDion3State)
 
 
-@functools.cache
-def _short_run(mesh: str):
-    """The config, a fresh ``setup`` (the state before any step) and a 40-step run of ``main``
-    on ``mesh``: one compile of the step, shared by the tests of this module."""
-    args = ["--mesh", mesh, "--steps", "40", "--log-every", "10", "--no-progress"]
-    cfg = train_multipod.parse_args(args)
-    return cfg, train_multipod.setup(cfg), train_multipod.main(args)
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """``short_run(mesh)``: the config, a fresh ``setup`` (the state before any step), a 20-step
+    run of ``main`` on ``mesh`` (every step's loss logged) and the folder of its ``--out``
+    results: one compile of the step per mesh, shared by the tests of this module (the
+    two-process test's single-process reference included)."""
+    runs = {}
+
+    def run(mesh: str):
+        if mesh not in runs:
+            out = tmp_path_factory.mktemp(f"short_run_{mesh}")
+            args = ["--mesh", mesh, "--steps", "20", "--log-every", "1", "--no-progress",
+                    "--out", str(out)]
+            cfg = train_multipod.parse_args(args)
+            runs[mesh] = cfg, train_multipod.setup(cfg), train_multipod.main(args), out
+        return runs[mesh]
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["2x2x2x1", "1x2x2x2"])
-def test_short_run_loss_goes_down_and_keeps_the_shardings(mesh):
-    cfg, s, out = _short_run(mesh)
+def test_short_run_loss_goes_down_and_keeps_the_shardings(short_run, mesh):
+    cfg, s, out, _ = short_run(mesh)
     assert dict(zip(s["mesh"].axis_names, s["mesh"].devices.shape)) == dict(
         zip(train_multipod.AXES, cfg.mesh))
     losses = [l for _, l in out["losses"]]
     assert np.all(np.isfinite(losses))
     assert losses[-1] < 0.5 * losses[0], out["table"]
     assert "| step |" in out["table"]
-    assert out["train_step"]._cache_size() == 1   # one compile for all 40 steps
+    assert out["train_step"]._cache_size() == 1   # one compile for all 20 steps
 
     # The params carry their logical names' specs, before and after the steps; the optimizer
     # state keeps the shardings that init gave it (momenta like the params).
@@ -140,8 +150,8 @@ def test_short_run_loss_goes_down_and_keeps_the_shardings(mesh):
 
 
 @pytest.mark.slow
-def test_dion3_gradients_are_not_all_reduced_over_dcn():
-    cfg, s, out = _short_run("2x2x2x1")   # its step, compiled once (this lowering reuses it)
+def test_dion3_gradients_are_not_all_reduced_over_dcn(short_run):
+    cfg, s, out, _ = short_run("2x2x2x1")  # its step, compiled once (this lowering reuses it)
     x, y = (train_multipod.global_array(a, s["data_sharding"]) for a in s["batch"](0))
     with jax.set_mesh(s["mesh"]):
         hlo = out["train_step"].lower(out["params"], out["opt_state"], x, y).compile().as_text()
@@ -222,24 +232,29 @@ def _log(out, i) -> str:
     return "".join(ln for ln in text.splitlines(True) if not ln.startswith("[Gloo]"))
 
 
-def _one_step_fewer(train_step) -> dict:
-    """The params of the single-process run of ``RUN`` stopped one step early (the learning
-    rates are constant, so its first steps are those of the full run), by its compiled
-    ``train_step`` (no second compile), keyed like ``params.npz``."""
+def _single_process_params(train_step) -> tuple[dict, dict]:
+    """The params of the single-process run of ``RUN`` after its last step and after the step
+    before, by a compiled ``train_step`` of the same configuration (no second compile), keyed
+    like ``params.npz``."""
     cfg = train_multipod.parse_args(RUN)
     s = train_multipod.setup(cfg)
-    params, opt_state = s["params"], s["opt_state"]
+    params, opt_state, after = s["params"], s["opt_state"], []
     with jax.set_mesh(s["mesh"]):
-        for step in range(cfg.steps - 1):
+        for step in range(cfg.steps):
             x, y = (train_multipod.global_array(a, s["data_sharding"]) for a in s["batch"](step))
             params, opt_state, _ = train_step(params, opt_state, x, y)
+            if step >= cfg.steps - 2:
+                after.append({jax.tree_util.keystr(k): np.asarray(v)
+                              for k, v in jax.tree_util.tree_leaves_with_path(params)})
     assert train_step._cache_size() == 1
-    return {jax.tree_util.keystr(k): np.asarray(v)
-            for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    return after[1], after[0]
 
 
-@pytest.mark.slow  # ~30 s on 2 CPU cores: the pair of processes and one in-process run
-def test_two_processes_equal_the_single_process_run(tmp_path):
+@pytest.mark.slow  # ~20 s on 2 CPU cores: the pair of processes (the in-process run is shared)
+def test_two_processes_equal_the_single_process_run(short_run, tmp_path):
+    """The single-process reference is the module's 20-step run on the same mesh and
+    configuration: the learning rates are constant, so its first ``RUN`` steps (losses from its
+    ``results.json``, params from its compiled step) are those of a ``RUN`` of its own."""
     import json
 
     codes = _launch_pair(tmp_path)
@@ -251,16 +266,20 @@ def test_two_processes_equal_the_single_process_run(tmp_path):
     # Only process 0 prints the table.
     assert "| step |" in _log(tmp_path, 0) and "| step |" not in _log(tmp_path, 1)
 
-    out = train_multipod.main([*RUN, "--out", str(tmp_path / "single")])
-    load = lambda name: dict(np.load(tmp_path / name / "params.npz"))  # noqa: E731
-    dist, single, short = load("dist"), load("single"), _one_step_fewer(out["train_step"])
+    cfg, _, out, single_out = short_run("2x2x2x1")
+    run_cfg = train_multipod.parse_args(RUN)   # the same run but for its length and outputs
+    assert dataclasses.replace(cfg, steps=run_cfg.steps, log_every=run_cfg.log_every,
+                               out=None) == run_cfg
+    dist = dict(np.load(tmp_path / "dist" / "params.npz"))
+    single, short = _single_process_params(out["train_step"])
     info = json.loads((tmp_path / "dist" / "results.json").read_text())
     assert info["processes"] == 2 and info["devices"] == 8
-    ref = json.loads((tmp_path / "single" / "results.json").read_text())
+    ref = json.loads((single_out / "results.json").read_text())
     assert ref["processes"] == 1
 
     d_loss = np.array([l for _, l in info["losses"]])
-    s_loss = np.array([l for _, l in ref["losses"]])
+    s_loss = np.array([l for _, l in ref["losses"][:len(d_loss)]])
+    assert [s for s, _ in info["losses"]] == [s for s, _ in ref["losses"][:len(d_loss)]]
     assert sorted(dist) == sorted(single) and len(dist) == len(EXPECTED_SPECS)
     err = {k: float(np.max(np.abs(dist[k] - single[k]))) for k in single}
     print(f"max |params difference| {max(err.values()):.2g}, max |loss difference| relative "
