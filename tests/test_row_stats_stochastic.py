@@ -365,7 +365,9 @@ def test_accumulate_rows_routes_counters_and_bits():
 
 
 def _xla_polar():
-    return dion3_jax.make_orthogonalizer(backend="xla")
+    # A float32 iteration: a float16 one turns the row sums' last bit into float16 roundings
+    # of the polar's products, a few of its ulps in the update.
+    return dion3_jax.make_orthogonalizer(backend="xla", compute_dtype=jnp.float32)
 
 
 @pytest.mark.slow  # ~5 s a case; the fast loop keeps the kernel against the reference
@@ -404,8 +406,9 @@ def test_the_step_through_the_interpreted_kernel_gives_xlas_momentum(monkeypatch
         assert got_m[0][k].dtype == dtype
         np.testing.assert_array_equal(_bits16(got_m[0][k]), _bits16(want_m[0][k]))
         np.testing.assert_array_equal(np.asarray(got_m[1][k]), np.asarray(want_m[1][k]))
-        np.testing.assert_allclose(np.asarray(got_u[k]), np.asarray(want_u[k]), rtol=1e-4,
-                                   atol=1e-6)
+        u, want = np.asarray(got_u[k]), np.asarray(want_u[k])
+        # Up to 7e-6 of the largest entry over eight seeds (a float32 polar); 0 for most.
+        np.testing.assert_allclose(u, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 def _lower_for_h200(params, mu_dtype, **kwargs):
