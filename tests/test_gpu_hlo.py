@@ -118,6 +118,16 @@ def test_a_16bit_step_launches_no_kernel_per_leafs_key(mesh):
     assert not keys, keys
 
 
+def test_a_16bit_step_writes_its_leaves_bounds_without_a_pass_each(mesh):
+    """The float16 momenta's storage bounds (a scalar per leaf in the state) leave the 8-layer
+    step (56 leaves) without a one-element pass per leaf (56 slices of one table before)."""
+    shapes = gpu_hlo.model_shapes(8, 256, 704)
+    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.25, mu_dtype=jnp.float16),
+                                      shapes, mesh)
+    one = [p for p in gpu_hlo.passes(hlo) if p.result == "f32[1]"]
+    assert not one, one
+
+
 def test_script_prints_a_census_per_variant(mesh, capsys):
     gpu_hlo.main(["--layers", "1", "--d", "128", "--ff", "352", "--fractions", "0.25",
                   "--top", "2"])
