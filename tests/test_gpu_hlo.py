@@ -106,25 +106,29 @@ def test_statistics_row_sums_are_finished_per_shape_group(mesh):
     assert not own, own
 
 
-def test_a_16bit_step_launches_no_kernel_per_leafs_key(mesh):
+@pytest.fixture(scope="module")
+def float16_step(mesh) -> str:
+    """The 8-layer step (56 leaves, width 256) with a float16 momentum, compiled for an H200
+    once for the tests below."""
+    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.25, mu_dtype=jnp.float16),
+                                      gpu_hlo.model_shapes(8, 256, 704), mesh)
+    return hlo
+
+
+def test_a_16bit_step_launches_no_kernel_per_leafs_key(float16_step):
     """A float16 momentum's statistics kernels read their leaf's rounding key from the step's
     table of keys: no pass of the compiled step slices one leaf's key out of it (a small
     kernel per leaf and write before)."""
-    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.25, mu_dtype=jnp.float16),
-                                      SHAPES, mesh)
-    assert "accumulate_rows" in hlo, "no statistics kernel"
-    found = gpu_hlo.passes(hlo)
+    assert "accumulate_rows" in float16_step, "no statistics kernel"
+    found = gpu_hlo.passes(float16_step)
     keys = [p for p in found if re.fullmatch(r"u32\[(1,)?2\]|s32\[1\]", p.result)]
     assert not keys, keys
 
 
-def test_a_16bit_step_writes_its_leaves_bounds_without_a_pass_each(mesh):
-    """The float16 momenta's storage bounds (a scalar per leaf in the state) leave the 8-layer
-    step (56 leaves) without a one-element pass per leaf (56 slices of one table before)."""
-    shapes = gpu_hlo.model_shapes(8, 256, 704)
-    hlo, _ = gpu_hlo.compile_for_h200(dion3_jax.dion3(1e-3, 0.25, mu_dtype=jnp.float16),
-                                      shapes, mesh)
-    one = [p for p in gpu_hlo.passes(hlo) if p.result == "f32[1]"]
+def test_a_16bit_step_writes_its_leaves_bounds_without_a_pass_each(float16_step):
+    """The float16 momenta's storage bounds (a scalar per leaf in the state) leave the step
+    without a one-element pass per leaf (56 slices of one table before)."""
+    one = [p for p in gpu_hlo.passes(float16_step) if p.result == "f32[1]"]
     assert not one, one
 
 
