@@ -126,6 +126,7 @@ def _injected_dion3():
     return tx, jax.jit(tx.update)
 
 
+@pytest.mark.slow  # test_inject.py checks the refusal and the injected step in the fast loop
 def test_injected_fraction_must_be_static():
     params, grads = _params(), _grads(_params())
     tx = optax.inject_hyperparams(dion3_jax.dion3)(learning_rate=0.02, fraction=0.5)

@@ -120,6 +120,7 @@ def test_other_entry_points_compile_once_from_uncommitted_params(make):
     assert _compiles_after_the_first_step(make(), params, donate=False) == 0
 
 
+@pytest.mark.slow  # checks the counter, not the library
 def test_the_step_really_is_compiled_when_placements_change():
     """The counter sees a recompile: feeding a committed state with uncommitted params."""
     params = _params(np.random.default_rng(3))

@@ -57,6 +57,7 @@ BAD_ARGS = [
 ]
 
 
+@pytest.mark.slow  # a process each; the fast loop keeps the in-process checks below
 @pytest.mark.parametrize("script,args,message", BAD_ARGS, ids=lambda v: str(v)[:30])
 def test_bad_values_fail_fast_with_the_argparse_message(script, args, message):
     proc, seconds = _run([os.path.join(EXAMPLES, script), *args])

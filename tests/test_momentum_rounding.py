@@ -210,28 +210,39 @@ def test_never_selected_row_sums_like_float64(dtype, steps):
     assert stochastic < nearest / 3, (stochastic, nearest)
 
 
-def test_step_rounds_16bit_momentum_stochastically_and_reproducibly(monkeypatch):
-    """Through ``scale_by_dion3``: a bfloat16 momentum is the same in two runs (bits from the
-    step count and the leaf) and not what round-to-nearest gives; a float32 momentum is
-    untouched by the switch."""
+def _momentum_after_three_steps(mu_dtype):
+    """The momentum of ``scale_by_dion3(0.25, 0.9)`` after three steps on this module's
+    gradients (a fresh transform, traced and compiled anew, each call)."""
     rng = np.random.default_rng(SEED)
     grads = [{"w": jnp.asarray(rng.standard_normal((32, 64)), jnp.float32),
               "k": jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)} for _ in range(3)]
+    tx = dion3_jax.scale_by_dion3(0.25, 0.9, mu_dtype=mu_dtype)
+    state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
+    for g in grads:
+        _, state = jax.jit(tx.update)(g, state)
+    return state.momentum
 
-    def run(mu_dtype):
-        tx = dion3_jax.scale_by_dion3(0.25, 0.9, mu_dtype=mu_dtype)
-        state = tx.init(jax.tree.map(jnp.zeros_like, grads[0]))
-        for g in grads:
-            _, state = jax.jit(tx.update)(g, state)
-        return state.momentum
 
-    first, second, f32 = run(jnp.bfloat16), run(jnp.bfloat16), run(jnp.float32)
+def test_step_rounds_16bit_momentum_stochastically_and_reproducibly(monkeypatch):
+    """Through ``scale_by_dion3``: a bfloat16 momentum is the same in two runs (bits from the
+    step count and the leaf) and not what round-to-nearest gives."""
+    first, second = (_momentum_after_three_steps(jnp.bfloat16) for _ in range(2))
     monkeypatch.setattr(_rounding, "stochastic", lambda dtype: False)
-    nearest, f32_nearest = run(jnp.bfloat16), run(jnp.float32)
-    for k in grads[0]:
+    nearest = _momentum_after_three_steps(jnp.bfloat16)
+    for k in first:
         assert first[k].dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(first[k]), np.asarray(second[k]))
         assert not np.array_equal(np.asarray(first[k]), np.asarray(nearest[k])), k
+
+
+@pytest.mark.slow  # two more step compiles; the fast loop keeps the 16-bit case above
+def test_float32_momentum_is_untouched_by_the_rounding_switch(monkeypatch):
+    """A float32 momentum takes no stochastic rounding: the same bits with the switch off."""
+    f32 = _momentum_after_three_steps(jnp.float32)
+    monkeypatch.setattr(_rounding, "stochastic", lambda dtype: False)
+    f32_nearest = _momentum_after_three_steps(jnp.float32)
+    for k in f32:
+        assert f32[k].dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(f32[k]), np.asarray(f32_nearest[k]))
 
 

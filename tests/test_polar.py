@@ -558,6 +558,7 @@ def test_preconditioned_padding_is_exact_and_zero_rows_stay_zero(preconditioning
     assert not np.asarray(polar(jnp.zeros(shape), preconditioning=preconditioning)).any()
 
 
+@pytest.mark.slow  # an option's accuracy claim; the default's stay in the fast loop
 def test_four_preconditioned_steps_beat_the_default_on_gaussian_inputs():
     """On a Gaussian 128 × 512 input (aspect 4, as 4096 × 16384), the float16 Gram NS with
     ``"polar_express_4"``, ``"norm_bound"`` and no restart is closer to ``U Vᵀ`` than the default

@@ -83,6 +83,7 @@ def test_split_restart_matches_float64_and_float16_r0_does_not():
     assert e_16 > max(e_it, e_32) and l_16 < min(l_it, l_32)
 
 
+@pytest.mark.slow  # the table's smoke run; the forms' numerics stay in the fast loop
 def test_table_smoke_run(capsys):
     rf = _script()
     rows = rf.main(["--small", "--seed", str(SEED % 1000)])

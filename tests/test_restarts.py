@@ -231,6 +231,7 @@ def _run_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # a process; test_readme.py runs the same entry point in the fast loop
 def test_cli_prints_table_and_choice():
     result = _run_cli("--coefficients", "polar_express")
     assert result.returncode == 0, result.stderr
