@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality_report.add_report_flags(p, prefix="--report: ")
     p.add_argument("--resume", metavar="JSONL", nargs="+", default=None,
                    help="results of earlier calls: their finished runs are not run again (the "
-                        "plan continues from them); new runs go to --out")
+                        "plan continues from them; the fixed plans compile only the steps of "
+                        "runs still to do); new runs go to --out")
     p.add_argument("--tiny", action="store_true",
                    help="tiny model and runs, for a CPU check of the whole pipeline")
     p.add_argument("--steps", type=_common.positive_int, default=300,
@@ -376,7 +377,9 @@ class Planner:
         return self.floor_run(fraction, polar, mu_dtype, seed, param_dtype)
 
     def examples(self, plan: str) -> dict[str, Run]:
-        """One run per compiled step of ``plan``, by step name (their values are set per run)."""
+        """One run per compiled step of ``plan``, by step name (their values are set per run).
+        The fixed plans (``rounding``, ``floor``) name only the steps that a run still to do
+        needs, so a resumed call compiles no step whose runs are all finished."""
         if plan == "rounding":
             runs = [self.rounding_run(opt, 0, *v) for opt in self.ROUNDING_OPTS
                     for v in param_rounding.VARIANTS]
@@ -386,7 +389,10 @@ class Planner:
             runs = [self.adamw(1e-3, 0), self.normuon(0.02, 0)]
             runs += [Run("x", "dion3", 0.04, 0, self.steps, f, adam_lr=1e-3, **self.storage)
                      for f in FRACTIONS]
-        return {run.step_name: run for run in runs}
+            return {run.step_name: run for run in runs}
+        todo = {run.step_name for _, make in self.phases(plan) for run in make()
+                if run.key() not in self.results}
+        return {run.step_name: run for run in runs if run.step_name in todo}
 
     def adam_best(self) -> float:
         return self._best_lr(self.adamw, self.ADAMW_LRS + (5e-4, 1.6e-2))

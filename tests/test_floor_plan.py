@@ -113,6 +113,30 @@ def test_floor_configurations_are_distinct_compiled_steps():
     assert floor["polar"] == "norm_bound" and "mu_dtype" not in floor
 
 
+def test_a_resumed_fixed_plan_compiles_only_the_steps_of_runs_still_to_do():
+    """``--resume`` with every seed of some configurations finished: ``examples`` (what
+    ``study`` compiles) leaves their steps out and keeps those with a run still to do; the
+    adaptive study plan, whose later runs depend on earlier results, keeps all its steps."""
+    planner = quality_study.Planner(300, 599)
+    runs = _floor_runs(planner)
+    done = {"dion3@1", "dion3@0.25 momentum float16"}
+    for run in runs:
+        if run.step_name in done or (run.step_name == "dion3@0.125" and run.seed < 2):
+            planner.record(run, dict(final_heldout=1.0, step_ms=1.0))
+    assert set(planner.examples("floor")) == {r.step_name for r in runs} - done
+    everything = set(quality_study.Planner(300, 599).examples("rounding"))
+    rounding = [run for _, make in planner.phases("rounding") for run in make()]
+    for run in rounding:
+        if run.step_name == "adamw bfloat16 twice":
+            planner.record(run, dict(final_heldout=1.0, step_ms=1.0))
+    assert set(planner.examples("rounding")) == everything - {"adamw bfloat16 twice"}
+    for run in rounding:
+        planner.record(run, dict(final_heldout=1.0, step_ms=1.0))
+    assert planner.examples("rounding") == {}
+    assert planner.examples("study").keys() == quality_study.Planner(300, 599).examples(
+        "study").keys()
+
+
 def test_floor_options_reach_dion3():
     """The candidate's options are static arguments of dion3 (not schedules), the defaults
     pass none, and the other optimizers refuse them."""
