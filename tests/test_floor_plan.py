@@ -124,7 +124,8 @@ def test_a_resumed_fixed_plan_compiles_only_the_steps_of_runs_still_to_do():
         if run.step_name in done or (run.step_name == "dion3@0.125" and run.seed < 2):
             planner.record(run, dict(final_heldout=1.0, step_ms=1.0))
     assert set(planner.examples("floor")) == {r.step_name for r in runs} - done
-    everything = set(quality_study.Planner(300, 599).examples("rounding"))
+    planner = quality_study.Planner(300, 599)  # the rounding plan, on its own
+    everything = set(planner.examples("rounding"))
     rounding = [run for _, make in planner.phases("rounding") for run in make()]
     for run in rounding:
         if run.step_name == "adamw bfloat16 twice":
