@@ -186,6 +186,7 @@ class Bfloat16Model(nnx.Module):
         return jnp.einsum("bf,efd->bd", h, gathered(self.experts[...])).astype(jnp.float32)
 
 
+@pytest.mark.slow  # the fast loop keeps the float32 model's sharding test above
 def test_bfloat16_kernels_get_a_float16_momentum_and_unsharded_bounds():
     """bfloat16 kernels under ``nnx.with_partitioning``: their default float16 momentum is
     sharded like the kernel, and its storage bounds (one scalar per kernel) are Variables with

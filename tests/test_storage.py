@@ -92,6 +92,7 @@ def _full(state) -> dict:
             * np.asarray(state.momentum_scale[k], np.float64) for k in state.momentum}
 
 
+@pytest.mark.slow  # the fast loop keeps test_transform's float16 range test
 @pytest.mark.parametrize("log2_scale", [-40, -20, 0, 20])
 def test_float16_momentum_keeps_its_bits_at_any_gradient_scale(log2_scale):
     """Gradients of ``2^k·N(0, 1)`` for ``k`` from −40 (far below float16's smallest
@@ -163,6 +164,7 @@ def test_a_float16_momentum_without_a_bound_is_refused_until_zeros_are_given():
                                atol=3 * 2.0 ** -10 * top)
 
 
+@pytest.mark.slow  # the fast loop keeps test_transform's folded-scale test
 def test_folding_a_float16_momentum_keeps_it_in_range():
     """``fold_momentum_scale`` of a float16 momentum stored with a scale of 2²⁰ and more
     (gradients ~1e-6): the folded momentum times its row factors (a power of two per leaf) is
