@@ -34,10 +34,11 @@ pytest.importorskip("matplotlib")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 RESULTS = "docs/quality/h200_results.jsonl"
 ROUNDING = "docs/quality/h200_rounding.jsonl"  # --plan rounding: its own section
-#: --plan floor: its own section, from four calls (each resumed the earlier files; the fourth
-#: re-ran the 16-bit momenta, and its runs replace theirs).
+#: --plan floor: its own section, from five calls (each resumed the earlier files; the fourth
+#: and fifth re-ran the 16-bit momenta, and their runs replace the earlier ones).
 FLOOR = ("docs/quality/h100_floor.jsonl docs/quality/h100_floor_f16.jsonl "
-         "docs/quality/h100_floor_bf16p.jsonl docs/quality/h100_floor_16bit.jsonl")
+         "docs/quality/h100_floor_bf16p.jsonl docs/quality/h100_floor_16bit.jsonl "
+         "docs/quality/h100_floor_16bit_seed2.jsonl")
 NOTES = "docs/quality/notes.md"
 #: The command docs/QUALITY.md quotes (the GPU run's, with the library copy on PYTHONPATH).
 COMMAND = ("PYTHONPATH=runs/quality_lib python3 examples/quality_study.py "
