@@ -367,10 +367,6 @@ def test_default_step_is_bitwise_reproducible(mu_dtype):
     bit for bit: a 16-bit momentum's stochastic rounding is keyed by the step and the leaf, and
     no pass may add in a run-dependent order (atomics), so that an optimizer's part of a
     training run is reproducible on a GPU (docs/QUALITY.md measured whole runs that were not)."""
-    _assert_two_runs_equal(mu_dtype)
-
-
-def _assert_two_runs_equal(mu_dtype):
     import dion3_jax
 
     rng = np.random.default_rng(SEED)
