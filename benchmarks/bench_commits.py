@@ -51,7 +51,10 @@ Usage (repository root; the old commit must be in this checkout's git history)::
     python benchmarks/bench_commits.py --commit HEAD --fractions 0.25 --momentum bfloat16
 
 Each compile also prints the step's arguments (parameters, state, gradients) and arguments plus
-temporaries, in GiB, from XLA's memory analysis of the compiled step.
+temporaries, in GiB, from XLA's memory analysis of the compiled step. Every version keeps its
+parameters and state on the device for the whole run; a version that would not fit beside those
+already built stops the run with a ``MemoryError`` that gives both sizes, where XLA's allocator
+would wait and retry.
 """
 
 from __future__ import annotations
@@ -210,12 +213,34 @@ def stepper(dion3, fraction: float, params, grads, options=None, tx=None, mu_dty
         kwargs = {} if mu_dtype is None else {"mu_dtype": mu_dtype}
         tx = optax.chain(dion3.scale_by_dion3(fraction, **kwargs), optax.scale(-1e-3))
     step, cold = _model.compile_step(tx, params, grads, options=options)
+    memory = step_memory(step)
+    check_fits(grads, memory, jax.devices()[0].memory_stats())
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def run():
         carry[:] = step(carry[0], carry[1], grads)
         return carry
-    return run, cold, step_memory(step)
+    return run, cold, memory
+
+
+def check_fits(grads, memory: tuple[float, float], stats: dict | None) -> None:
+    """Raises ``MemoryError`` when a compiled step (``memory``: :func:`step_memory`) cannot fit
+    beside the steps already built: its arguments and temporaries less the gradients, which
+    every version shares, against the device's free memory (``stats``:
+    ``Device.memory_stats()``; no check where the backend gives none). Every version keeps its
+    state on the device, so several large versions can exceed one GPU; without this check XLA's
+    allocator waits and retries rather than fails."""
+    if not stats or "bytes_limit" not in stats:
+        return
+    gib = 2.0**-30
+    shared = sum(x.nbytes for x in jax.tree.leaves(grads)) * gib   # already on the device
+    need = memory[1] - shared
+    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * gib
+    if need > free:
+        raise MemoryError(
+            f"this step needs {need:.2f} GiB (its own parameters, state and temporaries) and "
+            f"the device has {free:.2f} GiB free of {stats['bytes_limit'] * gib:.2f} GiB beside "
+            "the steps already built: time fewer versions in one run")
 
 
 def step_memory(compiled) -> tuple[float, float]:

@@ -472,3 +472,22 @@ def test_bench_commits_memory_and_polar_variant_columns(capsys):
     assert lines[0] == ("| fraction | old ms | new ms | new pe4+bound r- ms | new / old "
                         "| new pe4+bound r- / new |")
     assert lines[2] == "| 0.25 | 4.00 | 2.00 | 1.50 | 0.500 | 0.750 |"
+
+
+def test_bench_commits_refuses_a_step_that_cannot_fit_beside_the_others():
+    """``check_fits``: a step whose arguments and temporaries, less the gradients that every
+    version shares, exceed the device's free memory raises ``MemoryError`` with both numbers
+    (XLA's allocator would wait and retry); one that fits, or a backend without memory
+    statistics, passes."""
+    import numpy as np
+
+    bench_commits = _benchmark("bench_commits")
+    grads = {"w": np.zeros((4096, 8192), np.float32)}       # 1/8 GiB
+    memory = (1.0, 3.0 + 1 / 8 + 0.01)                      # GiB: arguments, peak
+    need = 3.01
+    stats = {"bytes_limit": 8 * 2**30}
+    bench_commits.check_fits(grads, memory, None)
+    bench_commits.check_fits(grads, memory, dict(stats, bytes_in_use=2**30 * (8 - need - 0.01)))
+    tight = dict(stats, bytes_in_use=2**30 * (8 - need + 0.1))
+    with pytest.raises(MemoryError, match=r"needs 3\.01 GiB .* 2\.91 GiB free of 8\.00 GiB"):
+        bench_commits.check_fits(grads, memory, tight)
