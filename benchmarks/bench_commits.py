@@ -214,7 +214,7 @@ def stepper(dion3, fraction: float, params, grads, options=None, tx=None, mu_dty
         tx = optax.chain(dion3.scale_by_dion3(fraction, **kwargs), optax.scale(-1e-3))
     step, cold = _model.compile_step(tx, params, grads, options=options)
     memory = step_memory(step)
-    check_fits(grads, memory, jax.devices()[0].memory_stats())
+    check_fits(grads, memory[1], jax.devices()[0].memory_stats())
     carry = [jax.tree.map(jnp.copy, params), tx.init(params)]
 
     def run():
@@ -223,10 +223,10 @@ def stepper(dion3, fraction: float, params, grads, options=None, tx=None, mu_dty
     return run, cold, memory
 
 
-def check_fits(grads, memory: tuple[float, float], stats: dict | None) -> None:
-    """Raises ``MemoryError`` when a compiled step (``memory``: :func:`step_memory`) cannot fit
-    beside the steps already built: its arguments and temporaries less the gradients, which
-    every version shares, against the device's free memory (``stats``:
+def check_fits(grads, peak_gib: float, stats: dict | None) -> None:
+    """Raises ``MemoryError`` when a compiled step (``peak_gib``: :func:`step_memory`'s peak)
+    cannot fit beside the steps already built: its arguments and temporaries less the
+    gradients, which every version shares, against the device's free memory (``stats``:
     ``Device.memory_stats()``; no check where the backend gives none). Every version keeps its
     state on the device, so several large versions can exceed one GPU; without this check XLA's
     allocator waits and retries rather than fails."""
@@ -234,7 +234,7 @@ def check_fits(grads, memory: tuple[float, float], stats: dict | None) -> None:
         return
     gib = 2.0**-30
     shared = sum(x.nbytes for x in jax.tree.leaves(grads)) * gib   # already on the device
-    need = memory[1] - shared
+    need = peak_gib - shared
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * gib
     if need > free:
         raise MemoryError(

@@ -483,11 +483,11 @@ def test_bench_commits_refuses_a_step_that_cannot_fit_beside_the_others():
 
     bench_commits = _benchmark("bench_commits")
     grads = {"w": np.zeros((4096, 8192), np.float32)}       # 1/8 GiB
-    memory = (1.0, 3.0 + 1 / 8 + 0.01)                      # GiB: arguments, peak
+    peak = 3.0 + 1 / 8 + 0.01                               # GiB
     need = 3.01
     stats = {"bytes_limit": 8 * 2**30}
-    bench_commits.check_fits(grads, memory, None)
-    bench_commits.check_fits(grads, memory, dict(stats, bytes_in_use=2**30 * (8 - need - 0.01)))
+    bench_commits.check_fits(grads, peak, None)
+    bench_commits.check_fits(grads, peak, dict(stats, bytes_in_use=2**30 * (8 - need - 0.01)))
     tight = dict(stats, bytes_in_use=2**30 * (8 - need + 0.1))
     with pytest.raises(MemoryError, match=r"needs 3\.01 GiB .* 2\.91 GiB free of 8\.00 GiB"):
-        bench_commits.check_fits(grads, memory, tight)
+        bench_commits.check_fits(grads, peak, tight)
