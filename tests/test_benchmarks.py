@@ -59,7 +59,10 @@ _PROFILE_STEP = ["--small", "--fraction", "0.25", "--steps", "2", "--queued", "-
 
 #: (script, its arguments): the scripts that set no process-wide option.
 _IN_PROCESS = [
-    ("bench_polar", ["--small", "--reps", "1"]),
+    # One of the small shapes: every shape takes the same loop (the float32 reference, each
+    # variant, optax's NS), and each costs about a second of compiles; the batched one also
+    # takes optax's reshape.
+    ("bench_polar", ["--small", "--reps", "1", "--shapes", "4x64x256"]),
     ("bench_selection", ["--small", "--reps", "1", "--rotate", "2"]),
     ("bench_layout", ["--small", "--reps", "1", "--fractions", "0.25"]),
     ("bench_payload", ["--small", "--reps", "1", "--variants", "default", "w8", "--fractions",
@@ -97,6 +100,12 @@ def test_benchmark_script_runs(args):
     assert "ms" in out.stdout
 
 
+#: A one-layer model of square matrices (d = ff = 64), for the tests of the script's own options:
+#: one shape group, so its Dion3 step compiles in about half the time of the tiny model's
+#: (--d 64 --ff 176: three groups), and the script takes the same path whatever the shapes.
+_SQUARE = ["--layers", "1", "--d", "64", "--ff", "64"]
+
+
 def _bench_compile(capsys, *args: str):
     """What ``bench_compile.main(args)`` prints, run in this process: one interpreter start
     fewer per test. test_bench_compile_cache_dir runs the script as a command
@@ -111,7 +120,10 @@ def test_bench_compile_lower_for_h200_counts_kernels(capsys):
     """bench_compile.py --lower-for-h200 (no GPU): the default step lowers Mosaic GPU kernels
     (the passes at least), the step with every product and pass in XLA none, and a float16
     momentum's step (``--mu-dtypes``) as many as the default's."""
-    out = _bench_compile(capsys, "--layers", "1", "--d", "256", "--ff", "512", "--fractions",
+    # Square 256² matrices: one shape group, so one statistics and one payload kernel per step,
+    # each lowered in about half a second (d ≠ ff: three groups, six kernels).
+    # test_row_stats_stochastic.py lowers a 16-bit momentum's kernels for wide and tall leaves.
+    out = _bench_compile(capsys, "--layers", "1", "--d", "256", "--ff", "256", "--fractions",
                          "1", "--lower-for-h200", "--list-kernels", "--mu-dtypes", "float16")
     table, listing = out.split("\n\n", 1)
     rows = {" ".join(line.split()[1:-3]): int(line.split()[-1])
@@ -146,8 +158,7 @@ def test_bench_compile_ops_table(capsys):
 def test_bench_compile_no_kernel_rows(capsys):
     """bench_compile.py --no-kernel-rows: each Dion3 step also compiled with no kernel, in a
     row of its own, after AdamW's."""
-    out = _bench_compile(capsys, "--layers", "1", "--d", "64", "--ff", "176", "--fractions", "1",
-                         "0.5", "--no-kernel-rows")
+    out = _bench_compile(capsys, *_SQUARE, "--fractions", "1", "0.5", "--no-kernel-rows")
     names = [" ".join(line.split()[1:-5]) for line in out.splitlines()[2:]]
     assert names == ["adamw", "dion3 f=1", "dion3 f=1 no kernels", "dion3 f=0.5",
                      "dion3 f=0.5 no kernels"], out
@@ -157,8 +168,8 @@ def test_bench_compile_no_kernel_rows(capsys):
 def test_bench_compile_cache_dir(tmp_path):
     """bench_compile.py --cache-dir: the first run writes its executables into the persistent
     cache, a second identical run finds every one there (it writes none)."""
-    cmd = [sys.executable, "benchmarks/bench_compile.py", "--layers", "1", "--d", "64", "--ff",
-           "176", "--fractions", "1", "--cache-dir", str(tmp_path)]
+    cmd = [sys.executable, "benchmarks/bench_compile.py", *_SQUARE, "--fractions", "1",
+           "--cache-dir", str(tmp_path)]
     first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     entries = sorted(p.name for p in tmp_path.iterdir())
@@ -173,8 +184,7 @@ def test_bench_compile_cache_dir(tmp_path):
 def test_bench_compile_first_call(capsys):
     """bench_compile.py --first-call: under each variant's row, the seconds of its compiled
     step's first and second call on allocated leaves."""
-    out = _bench_compile(capsys, "--layers", "1", "--d", "64", "--ff", "176", "--fractions", "1",
-                         "--first-call")
+    out = _bench_compile(capsys, *_SQUARE, "--fractions", "1", "--first-call")
     lines = out.splitlines()[2:]
     assert [line.split()[:2] for line in lines[1::2]] == [["adamw", "first"], ["dion3", "f=1"]]
     for line in lines[1::2]:
@@ -186,6 +196,8 @@ def test_bench_compile_first_call(capsys):
 def test_bench_compile_repeats(capsys):
     """bench_compile.py --repeats 2: two rounds of rows, then a median row per variant whose
     ratio is its median total over AdamW's (the tiny model, f = 1 only)."""
+    # Not _SQUARE: the ratio is printed to 0.1 and the totals to 0.01 s, and with a Dion3 step
+    # that compiles in half the time their rounding could add up to more than the 5 % below.
     out = _bench_compile(capsys, "--layers", "1", "--d", "64", "--ff", "176", "--fractions", "1",
                          "--repeats", "2")
     rows = [line.split() for line in out.splitlines()[2:]]

@@ -383,7 +383,9 @@ class TestMosaicInterpret(KernelSuite):
         """T = 8: two diagonal 4×4-tile blocks (5 items each) and the blocks between them."""
         from pallas_kernels._mosaic import MosaicConfig, syrk_mosaic
 
-        x, ref = gram_inputs(fresh_key(9), (1000, 320), jnp.float16)
+        # k = 128: two contraction steps per item, the pipelined path (one step alone would
+        # take the single-stage one), and the fewest steps to interpret for each of 18 items.
+        x, ref = gram_inputs(fresh_key(9), (1000, 128), jnp.float16)
         out = np.asarray(syrk_mosaic(x, config=MosaicConfig(num_sms=5), interpret=True),
                          np.float32)
         np.testing.assert_array_equal(out, out.T)
