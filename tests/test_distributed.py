@@ -148,15 +148,27 @@ def meshes():
 MESHES = meshes()
 
 
+def model_inputs(leaves):
+    """Params (seed 0) and two steps' grads (seeds 1 and 2) of :func:`model`, restricted to the
+    keys of ``leaves`` (a subset of the model's leaves: its entries are those of the whole
+    model's trees, so that :func:`model_reference` is their reference too). float32 values
+    that bfloat16 holds exactly: the bfloat16 test's inputs are these, and its exact update is
+    :func:`model_reference`'s."""
+    full = model(make_mesh(MESHES[0]))        # shapes and options: the same on every mesh
+    trees = [random_tree(full, s) for s in range(3)]
+    trees = [{k: t[k].astype(jnp.bfloat16).astype(np.float32) for k in leaves} for t in trees]
+    return trees[0], trees[1:]
+
+
 @functools.cache
 def model_reference(scope: str, fraction: float):
-    """:func:`run_single` of :func:`model` (params: seed 0; two steps, grads: seeds 1 and 2) at
-    ``selection_scope=scope``: the single-device reference of the two tests below, compiled once
+    """:func:`run_single` of :func:`model` on :func:`model_inputs` (two steps) at
+    ``selection_scope=scope``: the single-device reference of the tests below, compiled once
     per worker (the 15-leaf step is the slow part; the tests are adjacent, so that one xdist
-    worker usually runs both)."""
-    leaves = model(make_mesh(MESHES[0]))      # shapes and options: the same on every mesh
-    params = random_tree(leaves, 0)
-    grads = [random_tree(leaves, s + 1) for s in range(2)]
+    worker usually runs them all). Each matrix's update depends on its own gradient and state
+    only, so a test of some of the leaves compares them with this reference's entries."""
+    leaves = model(make_mesh(MESHES[0]))
+    params, grads = model_inputs(leaves)
     kw = dict(mesh_options=MO(selection_scope=scope), **opts(leaves), **POLAR)
     return run_single(dion3_jax.scale_by_dion3(fraction, **kw), params, grads)
 
@@ -167,8 +179,7 @@ def model_reference(scope: str, fraction: float):
 def test_sharded_equals_single_device(mesh_shape, scope, fraction):
     mesh = make_mesh(mesh_shape)
     leaves = model(mesh)
-    params = random_tree(leaves, 0)
-    grads = [random_tree(leaves, s + 1) for s in range(2)]
+    params, grads = model_inputs(leaves)
     kw = dict(mesh_options=MO(selection_scope=scope), **opts(leaves), **POLAR)
     ref_u, ref_state = model_reference(scope, fraction)
     with jax.set_mesh(mesh):
@@ -193,8 +204,7 @@ def test_auto_axes_equal_single_device_and_keep_shardings():
     mesh = make_mesh(need_2d(), AxisType.Auto)
     leaves = model(mesh)
     specs = {k: v[1] for k, v in leaves.items()}
-    params = random_tree(leaves, 0)
-    grads = [random_tree(leaves, 1)]
+    params, grads = model_inputs(leaves)
     kw = dict(**opts(leaves), **POLAR)
     ref_u, _ = model_reference("global", 0.25)
     with jax.set_mesh(mesh):
@@ -219,17 +229,18 @@ def test_row_segments_of_one_leaf_keep_each_others_second_moments():
     the step, the last segment erased the others' rows: 7% update error at the next step.)"""
     mesh = make_mesh((N,))
     leaves = {k: v for k, v in model(mesh).items() if k in ("heads3", "qkv")}
-    params = random_tree(leaves, 0)
-    grads = [random_tree(leaves, s + 1) for s in range(2)]
+    params, grads = model_inputs(leaves)
     kw = dict(mesh_options=MO(selection_scope="global"), **opts(leaves), **POLAR)
-    ref_u, ref_state = run_single(dion3_jax.scale_by_dion3(0.25, **kw), params, grads)
+    # The whole model's single-device run (shared with the tests above) is these leaves'
+    # reference too: up to float32 rounding of its batched sums (below 1e-6), far below 2e-5.
+    ref_u, ref_state = model_reference("global", 0.25)
     with jax.set_mesh(mesh):
         tx = dion3_jax.scale_by_dion3(0.25, **kw)
         state = tx.init(put(params, leaves, mesh))
         for g, ref in zip(grads, ref_u):
             u, state = jax.jit(tx.update)(put(g, leaves, mesh), state)
-            assert_close(u, ref, 2e-5, "update ")
-    assert_close(state.variance, ref_state.variance, 2e-5, "variance ")
+            assert_close(u, {k: ref[k] for k in leaves}, 2e-5, "update ")
+    assert_close(state.variance, {k: ref_state.variance[k] for k in leaves}, 2e-5, "variance ")
 
 
 @pytest.mark.slow
@@ -239,31 +250,29 @@ def test_bfloat16_sharded_equals_single_device():
 
     Both are bf16 approximations of the same update, and they differ from each other by bf16
     rounding: the devices' sums (norms, NorMuon's statistics) add in other orders. So the yardstick
-    is each one's distance from the exact update (float32 everything, Newton-Schulz in float32 at
-    "highest" matmul precision): per leaf, the sharded distance is at most twice the single-device
-    one (max and mean), plus one bf16 ulp at unit scale (2^-8) for the output rounding. A misplaced
-    row or a wrong shard is O(1) off and fails. (8 CPU devices: max ratio ≈ 1.5, mean ≈ 1.8 over
-    6 seeds.)
+    is each one's distance from the exact update (float32 everything, Newton-Schulz in float32:
+    :func:`model_reference`, whose float32 inputs are these bf16 ones; full float32 matmuls on
+    the CPU, "highest" precision on a ``DION3_TEST_PLATFORM``): per leaf, the sharded
+    distance is at most twice the single-device one (max and mean), plus one bf16 ulp at unit
+    scale (2^-8) for the output rounding. A misplaced row or a wrong shard is O(1) off and fails.
+    (8 CPU devices, f = 1/4: max ratio ≈ 1.2, mean ≈ 1.1 over 6 seeds.)
     """
     mesh = make_mesh(need_2d())
     leaves = {k: v for k, v in model(mesh).items() if k in ("rows", "qkv", "cols_18_rows",
                                                            "rep_a", "layer0", "layer1")}
-    params = random_tree(leaves, 0, jnp.bfloat16)
-    grads = [random_tree(leaves, s + 1, jnp.bfloat16) for s in range(2)]
+    params, grads = model_inputs(leaves)       # bfloat16 values: the casts are exact
+    params = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
+    grads = [{k: v.astype(jnp.bfloat16) for k, v in g.items()} for g in grads]
     # Standard NS: Gram NS falls back to standard NS on squares anyway.
     kw = dict(mesh_options=MO(selection_scope="global"), **opts(leaves),
               orthogonalizer=dion3_jax.make_orthogonalizer(method="standard"))
-    single, _ = run_single(dion3_jax.scale_by_dion3(0.5, **kw), params, grads)
-
-    def f32(tree):
-        return {k: np.asarray(v, np.float32) for k, v in tree.items()}
-    with jax.default_matmul_precision("highest"):
-        exact_polar = dion3_jax.make_orthogonalizer(method="standard", compute_dtype=jnp.float32)
-        exact_tx = dion3_jax.scale_by_dion3(0.5, **{**kw, "orthogonalizer": exact_polar})
-        exact, _ = run_single(exact_tx, f32(params), [f32(g) for g in grads])
+    single, _ = run_single(dion3_jax.scale_by_dion3(0.25, **kw), params, grads)
+    # The whole model's float32 run (shared with the tests above) holds these leaves' exact
+    # updates (each matrix's update depends on its own inputs only).
+    exact, _ = model_reference("global", 0.25)
     ulp = 2.0 ** -8
     with jax.set_mesh(mesh):
-        tx = dion3_jax.scale_by_dion3(0.5, **kw)
+        tx = dion3_jax.scale_by_dion3(0.25, **kw)
         state = tx.init(put(params, leaves, mesh))
         for step, (g, si, ex) in enumerate(zip(grads, single, exact)):
             u, state = jax.jit(tx.update)(put(g, leaves, mesh), state)
@@ -401,6 +410,29 @@ def all_to_all_dtypes(hlo: str) -> dict[str, list[str]]:
     return shapes
 
 
+def fsdp_hlo(mesh_shape, layers: int, fraction: float, scope: str = "local",
+             orthogonalizer=None) -> str:
+    """The compiled step of :func:`fsdp_model` (params: seed 0) on a ``mesh_shape`` mesh."""
+    mesh = make_mesh(mesh_shape)
+    leaves = fsdp_model(layers, mesh)
+    with jax.set_mesh(mesh):
+        tx = dion3_jax.scale_by_dion3(fraction, orthogonalizer=orthogonalizer,
+                                      mesh_options=MO(selection_scope=scope))
+        params = put(random_tree(leaves, 0), leaves, mesh)
+        return jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
+
+
+#: :func:`fsdp_hlo` with the built-in orthogonalizer, compiled once per worker: the two tests
+#: below both read the 2-layer step at f = 1/4 with local scope on the 2-D mesh (they are
+#: adjacent, so that one xdist worker usually runs both; pass every argument positionally, as
+#: the cache keys on them as given).
+default_fsdp_hlo = functools.cache(fsdp_hlo)
+
+# The 2-D mesh where there is one (the payload test reads its step from the all-to-all count
+# test's compile), else the 1-D one.
+FSDP_MESH = MESH_2D or (N,)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [1.0, 0.25])
 def test_payload_travels_normalized_in_the_compute_dtype_both_ways(fraction):
@@ -408,13 +440,9 @@ def test_payload_travels_normalized_in_the_compute_dtype_both_ways(fraction):
     the payload is normalized by its whole matrix's norm (all-reduced as one float per matrix)
     and cast to float16 before it leaves the device, and the factors come back in float16. A
     user's callable gets the raw float32 payload (what it would see on one device)."""
-    mesh = make_mesh((N,))
-    leaves = fsdp_model(2, mesh)
     for orth, want in ((None, {"f16"}), (lambda x: dion3_jax.polar(x), {"f32"})):
-        with jax.set_mesh(mesh):
-            tx = dion3_jax.scale_by_dion3(fraction, orthogonalizer=orth)
-            params = put(random_tree(leaves, 0), leaves, mesh)
-            hlo = jax.jit(tx.update).lower(params, tx.init(params)).compile().as_text()
+        hlo = (default_fsdp_hlo(FSDP_MESH, 2, fraction, "local") if orth is None
+               else fsdp_hlo(FSDP_MESH, 2, fraction, orthogonalizer=orth))
         shapes = all_to_all_dtypes(hlo)
         n = count_op(hlo, "all-to-all")
         assert n >= 4 and sum(len(v) for v in shapes.values()) == n, shapes
@@ -429,15 +457,10 @@ def test_payload_travels_normalized_in_the_compute_dtype_both_ways(fraction):
 def test_two_all_to_alls_per_shape_group_at_any_depth(scope, depths):
     """Twice the leaves per shape group, the same collectives (the depth check once: the
     scope changes the score exchange, not the grouping)."""
-    mesh = make_mesh(need_2d())
+    mesh_shape = need_2d()
     counts = {}
     for layers in depths:
-        leaves = fsdp_model(layers, mesh)
-        with jax.set_mesh(mesh):
-            tx = dion3_jax.scale_by_dion3(0.25, mesh_options=MO(selection_scope=scope))
-            params = put(random_tree(leaves, 0), leaves, mesh)
-            state = tx.init(params)
-            hlo = jax.jit(tx.update).lower(params, state).compile().as_text()
+        hlo = default_fsdp_hlo(mesh_shape, layers, 0.25, scope)
         counts[layers] = count_op(hlo, "all-to-all")
         # No whole matrix is ever all-gathered (the smallest one has 32·32 entries): only row
         # scores (n floats per matrix) with global scope.
