@@ -378,36 +378,41 @@ def test_gram_ns_adds_the_identity_in_place(restarts):
 
 
 # The fast loop: the default (Gram, float16) on the default preset and on user coefficients
-# (four compiles each); its other two presets and the other methods and dtypes with the slow
-# tests.
+# (wide and tall); its other two presets and the other methods and dtypes with the slow tests,
+# each case on one of the two shapes.
 _SLOW = pytest.mark.slow
 _ALL = (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("method,dtype,which", [
-    ("gram", jnp.float16, (0, 3)), pytest.param("gram", jnp.float16, (1, 2), marks=_SLOW),
-    pytest.param("standard", jnp.float32, _ALL, marks=_SLOW),
-    pytest.param("gram", jnp.bfloat16, _ALL, marks=_SLOW),
-    pytest.param("gram", jnp.float32, _ALL, marks=_SLOW),
-    pytest.param("standard", jnp.float16, _ALL, marks=_SLOW),
-    pytest.param("standard", jnp.bfloat16, _ALL, marks=_SLOW)],
-    ids=lambda v: "cases" + "".join(map(str, v)) if isinstance(v, tuple) else None)
-def test_steps_with_coefficient_operands_equal_the_unrolled_literals(method, dtype, which):
+@pytest.mark.parametrize("method,dtype,which,both_shapes", [
+    ("gram", jnp.float16, (0, 3), True),
+    pytest.param("gram", jnp.float16, (1, 2), False, marks=_SLOW),
+    pytest.param("standard", jnp.float32, _ALL, False, marks=_SLOW),
+    pytest.param("gram", jnp.bfloat16, _ALL, False, marks=_SLOW),
+    pytest.param("gram", jnp.float32, _ALL, False, marks=_SLOW),
+    pytest.param("standard", jnp.float16, _ALL, False, marks=_SLOW),
+    pytest.param("standard", jnp.bfloat16, _ALL, False, marks=_SLOW)],
+    ids=lambda v: ("cases" + "".join(map(str, v)) if isinstance(v, tuple)
+                   else {True: "both", False: "one"}.get(v) if isinstance(v, bool) else None))
+def test_steps_with_coefficient_operands_equal_the_unrolled_literals(method, dtype, which,
+                                                                     both_shapes):
     """The iterations pass each step's coefficients as array operands (steps of one structure
     share one traced body); on the CPU they give the bits of the same steps written out with
     the coefficients as literals (``unrolled_newton_schulz``), for presets and user
-    coefficients, wide and tall batches, several restart sets (``which`` of them)."""
+    coefficients, wide and tall batches, several restart sets (``which`` of them); each case
+    on both shapes or, without ``both_shapes``, on one (wide for even cases, tall for odd)."""
     import unrolled_newton_schulz as unrolled
 
     from dion3_jax._coefficients import get_coefficients
 
     cases = [("polar_express", (2,)), ("you", (1, 3)), ("jordan", ()),
              ([(3.1, -4.2, 1.7), (2.9, -2.1, 0.61), (2.2, -1.6, 0.43)], (1,))]
+    shapes = ((2, 24, 72), (3, 72, 24))
     for j, (preset, restarts) in enumerate(cases):
         if j not in which:
             continue
         coeffs = get_coefficients(preset)
-        for shape in ((2, 24, 72), (3, 72, 24)):
+        for shape in shapes if both_shapes else shapes[j % 2:j % 2 + 1]:
             x = jnp.asarray(_rand(shape, 20 + j) / np.sqrt(shape[1] * shape[2]), dtype)
             if method == "gram":
                 got = jax.jit(lambda x: newton_schulz.gram_newton_schulz(

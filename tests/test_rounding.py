@@ -137,15 +137,17 @@ def test_nnx_optimizer_rounds_bfloat16_kernels_once():
     model = _Tiny(nnx.Rngs(SEED % 1000), jnp.bfloat16)
     lr, wd = 0.02, 0.05
     opt = nnx.Optimizer(model, dion3_jax.dion3(lr, 0.25, weight_decay=wd), wrt=nnx.Param)
-    direction = dion3_jax.scale_by_dion3(0.25, mu_dtype=jnp.float16)   # bfloat16's default
+    direction, direction_update = _direction(0.25)   # bfloat16's default momentum, float16
     ref_state = direction.init({"w": jnp.zeros(SHAPE)})
     x = jnp.asarray(np.random.default_rng(SEED).standard_normal((16, SHAPE[0])), jnp.bfloat16)
+    grad = nnx.jit(nnx.grad(lambda m: m(x)))
+    update = nnx.jit(lambda opt, model, grads: opt.update(model, grads))
     for step in range(STEPS):
-        grads = nnx.grad(lambda m: m(x))(model)
-        d, ref_state = direction.update({"w": grads.l1.kernel[...].astype(jnp.float32)},
+        grads = grad(model)
+        d, ref_state = direction_update({"w": grads.l1.kernel[...].astype(jnp.float32)},
                                         ref_state)
         w = model.l1.kernel[...]
-        opt.update(model, grads)
+        update(opt, model, grads)
         assert model.l1.kernel[...].dtype == jnp.bfloat16
         assert_rounded_once(model.l1.kernel[...], w, d["w"], lr, wd, f"step {step}")
 

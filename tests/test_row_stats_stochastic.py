@@ -60,6 +60,8 @@ _SHAPES_TRITON = {2: (2, 192, 48), 1: (1, 24, 96)}
 _BOUND = {jnp.bfloat16: 2.0 ** 79, jnp.float16: 65504.0}
 #: The counter hash's first multiplier (``pallas_kernels._counter_hash``) as lowered text.
 _M1 = "dense<2246822507>"
+#: The jnp reference, jitted: one compile per call signature rather than one per operation.
+_reference = jax.jit(accumulate_rows_reference, static_argnames="row_axis")
 
 
 def _words(rng, shape) -> jax.Array:
@@ -108,13 +110,13 @@ def test_interpreted_kernel_rounds_as_the_reference(impl, row_axis, dtype):
     m, g, d = _inputs(rng, shape, row_axis, dtype)
     counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0))
     got = _kernel(m, g, d, row_axis, counter, impl)
-    want = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=counter)
+    want = _reference(m, g, d, row_axis=row_axis, counter=counter)
     assert got[0].dtype == dtype
     np.testing.assert_array_equal(_bits16(got[0]), _bits16(want[0]))
-    nearest = accumulate_rows_reference(m, g, d, row_axis=row_axis)[0]
+    nearest = _reference(m, g, d, row_axis=row_axis)[0]
     assert np.mean(_bits16(got[0]) != _bits16(nearest)) > 0.1
     other = RowCounter(counter.key ^ np.uint32(1), counter.rows, counter.steps)
-    other_s = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=other)[0]
+    other_s = _reference(m, g, d, row_axis=row_axis, counter=other)[0]
     assert np.mean(_bits16(other_s) != _bits16(got[0])) > 0.1
     s = np.asarray(got[0], np.float64)
     np.testing.assert_array_equal(np.abs(s[0, 1:3, :4]), _BOUND[dtype])
@@ -146,9 +148,9 @@ def test_a_counter_over_a_key_table_rounds_with_its_row(impl):
     got = _bits16(_kernel(m, g, d, row_axis, table, impl)[0])
     lone = _bits16(_kernel(m, g, d, row_axis, RowCounter(keys[i], rows, steps), impl)[0])
     np.testing.assert_array_equal(got, lone)
-    reference = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=table)[0]
+    reference = _reference(m, g, d, row_axis=row_axis, counter=table)[0]
     np.testing.assert_array_equal(got, _bits16(reference))
-    other = accumulate_rows_reference(m, g, d, row_axis=row_axis,
+    other = _reference(m, g, d, row_axis=row_axis,
                                       counter=RowCounter(keys[i + 1], rows, steps))[0]
     assert np.mean(got != _bits16(other)) > 0.1
 
@@ -186,13 +188,13 @@ def test_interpreted_kernel_scales_the_gradients(impl, dtype, stochastic, row_ax
     counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0)
                        ) if stochastic else None
     got = _kernel(m, g, d, row_axis, counter, impl, out_scale=scale)
-    want = accumulate_rows_reference(m, g, d, row_axis=row_axis, counter=counter,
+    want = _reference(m, g, d, row_axis=row_axis, counter=counter,
                                      out_scale=scale)
     g_k, d_k = (jnp.asarray(np.asarray(x, np.float64) * 2.0 ** k, jnp.float32) for x in (g, d))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(
         np.asarray(want[0]),
-        np.asarray(accumulate_rows_reference(m, g_k, d_k, row_axis=row_axis,
+        np.asarray(_reference(m, g_k, d_k, row_axis=row_axis,
                                              counter=counter)[0]))
     for got_sum, want_sum in zip(got[1:], want[1:]):
         np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum),
@@ -284,12 +286,19 @@ def test_block_counters_give_the_leafs_bits(shape, dn, heads, splits):
     """Per block of a leaf (stacked, transposed, heads, split, merged reduction axes), the
     counter's bits are the leaf's bits in that block."""
     layout = _layout.make_layout(shape, dn, heads, splits)
-    key = _rounding.step_key(SEED, jnp.int32(3), 2, _rounding.SUM)
-    whole = layout.to_blocks(_rounding.momentum_bits(key, shape))
-    counters = _rounding.block_counters(key, layout)
-    for want, counter, block in zip(whole, counters, layout.blocks):
-        got = counter_bits(counter, want.shape, block.row_axis)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    @jax.jit   # one compile rather than one per operation
+    def bits(seed):
+        key = _rounding.step_key(seed, jnp.int32(3), 2, _rounding.SUM)
+        whole = layout.to_blocks(_rounding.momentum_bits(key, shape))
+        counters = _rounding.block_counters(key, layout)
+        return whole, [counter_bits(counter, want.shape, block.row_axis)
+                       for want, counter, block in zip(whole, counters, layout.blocks)]
+
+    whole, got = bits(SEED)
+    assert len(got) == len(whole) == len(layout.blocks)
+    for want, block_bits in zip(whole, got):
+        np.testing.assert_array_equal(np.asarray(block_bits), np.asarray(want))
 
 
 def test_block_counters_are_none_where_the_words_do_not_step_evenly():
@@ -351,7 +360,7 @@ def test_accumulate_rows_routes_counters_and_bits():
     m, g, d = _inputs(rng, shape, 1, jnp.bfloat16)
     counter = _counter(rng, shape, 1, (0, 1))
     s, _, _ = pallas_kernels.accumulate_rows(m, g, d, row_axis=1, counter=counter)
-    want = accumulate_rows_reference(m, g, d, row_axis=1, counter=counter)[0]
+    want = _reference(m, g, d, row_axis=1, counter=counter)[0]
     np.testing.assert_array_equal(_bits16(s), _bits16(want))
     bits = counter_bits(counter, shape, 1)
     with pytest.raises(ValueError, match="not both"):

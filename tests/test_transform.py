@@ -383,20 +383,18 @@ def test_schedules_still_accepted_for_learning_rates_and_weight_decay():
 
 # Each case compiles a step. The fast loop keeps the two fractions that used to be refused
 # and the options that take another path (ints, tuples, dataclasses); the other float
-# hyperparameters go through the same check (``_numbers.is_real``) with the slow tests.
+# hyperparameters go through the same check (``_numbers.is_real``) with the slow tests, all
+# in one step.
 _SCALAR = pytest.mark.slow
 
 
 @pytest.mark.parametrize("kwargs", [
     {"fraction": np.float32(0.25)}, {"fraction": np.int64(1)},
-    pytest.param({"fraction": np.float16(0.5)}, marks=_SCALAR),
+    pytest.param({"fraction": np.float16(0.5), "mu": np.float32(0.9),
+                  "beta2": np.float32(0.9), "learning_rate": np.float32(0.01),
+                  "weight_decay": np.float64(0.1), "adam_b1": np.float32(0.9),
+                  "adam_eps": np.float32(1e-8)}, marks=_SCALAR),
     pytest.param({"fraction": np.float64(0.25)}, marks=_SCALAR),
-    pytest.param({"mu": np.float32(0.9)}, marks=_SCALAR),
-    pytest.param({"beta2": np.float32(0.9)}, marks=_SCALAR),
-    pytest.param({"learning_rate": np.float32(0.01)}, marks=_SCALAR),
-    pytest.param({"weight_decay": np.float64(0.1)}, marks=_SCALAR),
-    pytest.param({"adam_b1": np.float32(0.9)}, marks=_SCALAR),
-    pytest.param({"adam_eps": np.float32(1e-8)}, marks=_SCALAR),
     {"num_heads": np.int64(2)}, {"split_sizes": (np.int64(8), np.int32(8))},
     {"dimension_numbers": DimensionNumbers(np.int64(0), np.int32(1))},
     {"mesh_options": dion3_jax.MeshOptions(seed=np.int64(3))},
