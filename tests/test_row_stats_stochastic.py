@@ -151,7 +151,7 @@ def test_a_counter_over_a_key_table_rounds_with_its_row(impl):
     reference = _reference(m, g, d, row_axis=row_axis, counter=table)[0]
     np.testing.assert_array_equal(got, _bits16(reference))
     other = _reference(m, g, d, row_axis=row_axis,
-                                      counter=RowCounter(keys[i + 1], rows, steps))[0]
+                       counter=RowCounter(keys[i + 1], rows, steps))[0]
     assert np.mean(got != _bits16(other)) > 0.1
 
 
@@ -188,14 +188,12 @@ def test_interpreted_kernel_scales_the_gradients(impl, dtype, stochastic, row_ax
     counter = _counter(rng, shape, row_axis, (0x9E3779B9, 1) if row_axis == 1 else (1, 0)
                        ) if stochastic else None
     got = _kernel(m, g, d, row_axis, counter, impl, out_scale=scale)
-    want = _reference(m, g, d, row_axis=row_axis, counter=counter,
-                                     out_scale=scale)
+    want = _reference(m, g, d, row_axis=row_axis, counter=counter, out_scale=scale)
     g_k, d_k = (jnp.asarray(np.asarray(x, np.float64) * 2.0 ** k, jnp.float32) for x in (g, d))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     np.testing.assert_array_equal(
         np.asarray(want[0]),
-        np.asarray(_reference(m, g_k, d_k, row_axis=row_axis,
-                                             counter=counter)[0]))
+        np.asarray(_reference(m, g_k, d_k, row_axis=row_axis, counter=counter)[0]))
     for got_sum, want_sum in zip(got[1:], want[1:]):
         np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum),
                                    rtol=shape[3 - row_axis] * 2.0 ** -23)
