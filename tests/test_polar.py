@@ -393,7 +393,7 @@ _ALL = (0, 1, 2, 3)
     pytest.param("standard", jnp.float16, _ALL, False, marks=_SLOW),
     pytest.param("standard", jnp.bfloat16, _ALL, False, marks=_SLOW)],
     ids=lambda v: ("cases" + "".join(map(str, v)) if isinstance(v, tuple)
-                   else {True: "both", False: "one"}.get(v) if isinstance(v, bool) else None))
+                   else ("both" if v else "one") if isinstance(v, bool) else None))
 def test_steps_with_coefficient_operands_equal_the_unrolled_literals(method, dtype, which,
                                                                      both_shapes):
     """The iterations pass each step's coefficients as array operands (steps of one structure
