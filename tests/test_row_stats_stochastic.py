@@ -84,12 +84,18 @@ def _counter(rng, shape, row_axis, steps):
     return RowCounter(_words(rng, (2,)), _words(rng, (shape[0], 2, shape[row_axis])), steps)
 
 
-def _kernel(m, g, d, row_axis, counter, impl="mosaic", out_scale=None):
+@functools.cache
+def _jitted_kernel(impl, row_axis):
+    """The interpreted kernel ``impl`` at ``row_axis``, jitted once: calls of one signature
+    within a test (and across tests) share one compile."""
     kernel, config = ((accumulate_rows_mosaic, _SMALL) if impl == "mosaic"
                       else (accumulate_rows_triton, _SMALL_TRITON))
-    s, l1, sq = jax.jit(functools.partial(kernel, row_axis=row_axis, config=config[row_axis],
-                                          interpret=True))(m, g, d, counter=counter,
-                                                           out_scale=out_scale)
+    return jax.jit(functools.partial(kernel, row_axis=row_axis, config=config[row_axis],
+                                     interpret=True))
+
+
+def _kernel(m, g, d, row_axis, counter, impl="mosaic", out_scale=None):
+    s, l1, sq = _jitted_kernel(impl, row_axis)(m, g, d, counter=counter, out_scale=out_scale)
     return s, jnp.sum(l1, axis=1), jnp.sum(sq, axis=1)
 
 
