@@ -103,7 +103,7 @@ def orthogonalizer(method: str, backend: str):
 
 
 def dion3_step(fraction: float, method: str, backend: str, per_leaf=None,
-               passes: str = "auto"):
+               passes: str = "auto", mu_dtype=None):
     """``dion3_jax.dion3`` with learning rate 0.01, megabatched or one Dion3 per parameter.
 
     Args:
@@ -115,13 +115,14 @@ def dion3_step(fraction: float, method: str, backend: str, per_leaf=None,
         each its own ``dion3``, so no two parameters share a shape group (one polar call and one
         collective pair per parameter instead of per shape group).
       passes: the memory-bound passes' ``pass_implementation``.
+      mu_dtype: the momentum's dtype (None: ``dion3``'s default).
 
     Returns:
       The optax transformation.
     """
     def make():
         return dion3_jax.dion3(0.01, fraction, orthogonalizer=orthogonalizer(method, backend),
-                               pass_implementation=passes)
+                               pass_implementation=passes, mu_dtype=mu_dtype)
 
     if per_leaf is None:
         return make()

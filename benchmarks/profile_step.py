@@ -45,6 +45,7 @@ Usage::
     python benchmarks/profile_step.py --fraction 0.25            # 7B shapes, one device
     python benchmarks/profile_step.py --fraction 0.25 --host     # and the host before each step
     python benchmarks/profile_step.py --fraction 0.25 --queued   # steps back to back
+    python benchmarks/profile_step.py --fraction 0.25 --mu-dtype float16  # 16-bit momentum
     python benchmarks/profile_step.py --optimizer adamw --host   # the baseline's step
     python benchmarks/profile_step.py --small --fraction 0.25    # CPU smoke run
     python benchmarks/profile_step.py --fraction 1 --old-dir DIR  # an older version, then this
@@ -258,6 +259,8 @@ def main(argv=None):
     p.add_argument("--pass-implementation", default="auto",
                    choices=["auto", "xla", "mosaic", "pallas_triton"],
                    help="the memory-bound passes' implementation")
+    p.add_argument("--mu-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the momentum's dtype (default: dion3's)")
     p.add_argument("--steps", type=int, default=3, help="traced steps")
     p.add_argument("--top", type=int, default=25, help="ops listed")
     p.add_argument("--show-hlo", nargs="+", default=[], metavar="KIND",
@@ -294,10 +297,10 @@ def main(argv=None):
         params, grads = _model.place(params, mesh), _model.place(grads, mesh)
     tx = (optax.adamw(1e-3) if a.optimizer == "adamw"
           else _model.dion3_step(a.fraction, a.method, a.backend,
-                                 passes=a.pass_implementation))
+                                 passes=a.pass_implementation, mu_dtype=a.mu_dtype))
     what = ("optax.adamw" if a.optimizer == "adamw"
             else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
-                 f"passes={a.pass_implementation}")
+                 f"passes={a.pass_implementation} mu={a.mu_dtype or 'default'}")
     versions = [(f"{name} = {commit}: dion3 f={a.fraction:g} (its defaults)",
                  imported(d, suffix).dion3(1e-3, a.fraction))
                 for name, (d, suffix, commit) in olds.items()]
