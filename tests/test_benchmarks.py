@@ -311,7 +311,7 @@ def test_profile_step_profiles_an_exported_version_first(tmp_path, capsys):
     heads = [line for line in out.stdout.splitlines() if line.startswith("# ")]
     assert len(heads) == 2, out.stdout
     assert f": old = {commit}: dion3 f=1 (its defaults)," in heads[0], heads
-    assert ": dion3 f=1 gram auto passes=auto," in heads[1], heads
+    assert ": dion3 f=1 gram auto passes=auto mu=default," in heads[1], heads
     assert out.stdout.count("| op kind | ops | ms / step | share |") == 2, out.stdout
     # (refused while parsing its arguments, before any JAX work: run in this process)
     capsys.readouterr()
