@@ -280,7 +280,7 @@ def main(argv=None):
                    help="simulate this many CPU devices (CPU smoke runs)")
     p.add_argument("--old-dir", nargs="+", default=[], metavar="DIR",
                    help="first profile the Dion3 step of these versions (bench_commits.py "
-                        "--export-to), each with its default options")
+                        "--export-to), each with its default options (and --mu-dtype)")
     a = p.parse_args(argv)
     if a.old_dir and (a.optimizer == "adamw" or a.json or a.dump_hlo):
         p.error("--old-dir profiles older versions of the Dion3 step beside it: not with "
@@ -301,8 +301,10 @@ def main(argv=None):
     what = ("optax.adamw" if a.optimizer == "adamw"
             else f"dion3 f={a.fraction:g} {a.method} {a.backend} "
                  f"passes={a.pass_implementation} mu={a.mu_dtype or 'default'}")
-    versions = [(f"{name} = {commit}: dion3 f={a.fraction:g} (its defaults)",
-                 imported(d, suffix).dion3(1e-3, a.fraction))
+    mu = {} if a.mu_dtype is None else {"mu_dtype": a.mu_dtype}
+    versions = [(f"{name} = {commit}: dion3 f={a.fraction:g} (its defaults"
+                 f"{'' if a.mu_dtype is None else ', mu=' + a.mu_dtype})",
+                 imported(d, suffix).dion3(1e-3, a.fraction, **mu))
                 for name, (d, suffix, commit) in olds.items()]
     versions.append((what, tx))
     for label, version_tx in versions:

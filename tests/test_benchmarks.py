@@ -300,18 +300,19 @@ def test_bench_commits_against_head():
 @pytest.mark.slow
 def test_profile_step_profiles_an_exported_version_first(tmp_path, capsys):
     """profile_step.py --old-dir: HEAD exported by bench_commits.py is profiled before the
-    working tree, in one process, a set of tables each, the older one named by its commit; it
-    refuses options that write one step's results."""
+    working tree, in one process, a set of tables each, the older one named by its commit, both
+    with the momentum dtype named; it refuses options that write one step's results."""
     _benchmark("bench_commits").export_dir("HEAD", tmp_path / "h", "_h")
     cmd = [sys.executable, "benchmarks/profile_step.py", "--small", "--fraction", "1",
-           "--steps", "1", "--top", "2", "--old-dir", str(tmp_path / "h")]
+           "--steps", "1", "--top", "2", "--old-dir", str(tmp_path / "h"), "--mu-dtype",
+           "float16"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     commit = (tmp_path / "h" / "COMMIT").read_text().strip()
     heads = [line for line in out.stdout.splitlines() if line.startswith("# ")]
     assert len(heads) == 2, out.stdout
-    assert f": old = {commit}: dion3 f=1 (its defaults)," in heads[0], heads
-    assert ": dion3 f=1 gram auto passes=auto mu=default," in heads[1], heads
+    assert f": old = {commit}: dion3 f=1 (its defaults, mu=float16)," in heads[0], heads
+    assert ": dion3 f=1 gram auto passes=auto mu=float16," in heads[1], heads
     assert out.stdout.count("| op kind | ops | ms / step | share |") == 2, out.stdout
     # (refused while parsing its arguments, before any JAX work: run in this process)
     capsys.readouterr()
