@@ -38,6 +38,8 @@ Usage::
     python benchmarks/bench_row_stats.py --variants pallas_triton mosaic mosaic:64,64,512,3
     python benchmarks/bench_row_stats.py --small              # CPU smoke run (interpreted)
     python benchmarks/bench_row_stats.py --variants xla mosaic --momentum-dtypes float32 bfloat16
+    python benchmarks/bench_row_stats.py --variants xla mosaic --momentum-dtypes float16 \
+        --per-row-starts           # the stepping word hashed per vector and per element
 """
 
 from __future__ import annotations
@@ -104,18 +106,20 @@ def takes(variant: str, shape, row_axis: int) -> bool:
     return _row_stats_mosaic.blocks(shape, row_axis, config) is not None
 
 
-def _counter(i: int, shape, row_axis: int) -> RowCounter:
+def _counter(i: int, shape, row_axis: int, common_start: bool = True) -> RowCounter:
     """A 2-D leaf's counter (``dion3_jax._rounding.block_counters``' form): a row's ``hi`` word
     is its index along axis 1, its ``lo`` word its index along axis 2; the summed axis steps
-    the other one."""
+    the other one, which starts at 0 on every row (``common_start``, as the step promises it;
+    False times the kernel that hashes the stepping word per element)."""
     key = jax.random.key_data(jax.random.key(1000 + i, impl="threefry2x32"))
     n = shape[row_axis - 1]
     rows = jnp.zeros((1, 2, n), jnp.uint32).at[0, row_axis - 1].set(jnp.arange(n,
                                                                                 dtype=jnp.uint32))
-    return RowCounter(key, rows, (0, 1) if row_axis == 1 else (1, 0))
+    return RowCounter(key, rows, (0, 1) if row_axis == 1 else (1, 0),
+                      common_start=common_start)
 
 
-def _inputs(count, shape, row_axis, dtype=jnp.float32):
+def _inputs(count, shape, row_axis, dtype=jnp.float32, common_start=True):
     key = jax.random.key(0)
     ms = [jax.random.normal(jax.random.fold_in(key, i), (1, *shape)).astype(dtype)
           for i in range(count)]
@@ -123,14 +127,15 @@ def _inputs(count, shape, row_axis, dtype=jnp.float32):
           for i in range(count)]
     ds = [jnp.full((1, shape[row_axis - 1]), 0.9, jnp.float32)] * count
     counters = ([None] * count if jnp.dtype(dtype) == jnp.float32
-                else [_counter(i, shape, row_axis) for i in range(count)])
+                else [_counter(i, shape, row_axis, common_start) for i in range(count)])
     return ms, gs, ds, counters
 
 
-def time_variant(variant, count, shape, row_axis, *, reps, interpret, dtype=jnp.float32):
+def time_variant(variant, count, shape, row_axis, *, reps, interpret, dtype=jnp.float32,
+                 common_start=True):
     """``(device ms or None, first call's S and sums)`` of one variant on one group."""
     run = pass_fn(variant, row_axis, interpret)
-    ms, gs, ds, counters = _inputs(count, shape, row_axis, dtype)
+    ms, gs, ds, counters = _inputs(count, shape, row_axis, dtype, common_start)
     out = run(ms, gs, ds, counters)
     first = jax.tree.map(np.asarray, out)
     carried = [out[0]]
@@ -148,27 +153,35 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
 
 
-def measure(groups, variants, row_axes, dtypes, *, reps, interpret) -> list[dict]:
-    """One row per (row axis, group, momentum dtype, variant) that takes it; XLA first."""
+def measure(groups, variants, row_axes, dtypes, *, reps, interpret,
+            per_row_starts=False) -> list[dict]:
+    """One row per (row axis, group, momentum dtype, variant) that takes it; XLA first. With
+    ``per_row_starts`` a 16-bit momentum's Mosaic rows are timed again with counters that do
+    not promise a common start (variant ``mosaic per-row``)."""
     rows = []
     for row_axis in row_axes:
         for name, count, *shape in groups:
             for dtype in dtypes:
                 ref = None
-                for v in variants:
+                both = per_row_starts and jnp.dtype(dtype).itemsize == 2
+                for v, common in [(v, True) for v in variants] + [
+                        (v, False) for v in variants if both and v.startswith("mosaic")]:
                     if not takes(v, tuple(shape), row_axis) or (interpret
                                                                  and v == "pallas_triton"):
                         continue
-                    label = f"axis {row_axis} {name} {jnp.dtype(dtype).name} {v}"
+                    v_name = v if common else f"{v} per-row"
+                    label = f"axis {row_axis} {name} {jnp.dtype(dtype).name} {v_name}"
                     try:
                         dev, (s, sums) = time_variant(v, count, shape, row_axis, reps=reps,
-                                                      interpret=interpret, dtype=dtype)
+                                                      interpret=interpret, dtype=dtype,
+                                                      common_start=common)
                     except ValueError as e:  # e.g. blocks past the shared memory
                         print(f"  {label}: does not compile: {e}", flush=True)
                         continue
                     ref = (s, sums) if ref is None else ref
                     rows.append(dict(row_axis=row_axis, group=name, count=count, shape=shape,
-                                     dtype=jnp.dtype(dtype).name, variant=v, device_ms=dev,
+                                     dtype=jnp.dtype(dtype).name, variant=v_name,
+                                     device_ms=dev,
                                      s_same=all(np.array_equal(x, y)
                                                 for x, y in zip(s, ref[0])),
                                      rel=max(_rel(x, y) for xs, ys in zip(sums, ref[1])
@@ -209,6 +222,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--momentum-dtypes", nargs="+", default=["float32"],
                    choices=["float32", "bfloat16", "float16"],
                    help="momentum dtypes (16-bit ones rounded stochastically)")
+    p.add_argument("--per-row-starts", action="store_true",
+                   help="also time each 16-bit Mosaic row with counters that do not promise a "
+                        "common start (the stepping word hashed per element)")
     p.add_argument("--reps", type=int, default=None, help="traced calls (default 5)")
     a = p.parse_args(argv)
     for v in a.variants:
@@ -218,7 +234,7 @@ def main(argv=None) -> list[dict]:
     variants = ["xla"] + [v for v in a.variants if v != "xla"]
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
     rows = measure(groups, variants, a.row_axes, [jnp.dtype(d) for d in a.momentum_dtypes],
-                   reps=reps, interpret=interpret)
+                   reps=reps, interpret=interpret, per_row_starts=a.per_row_starts)
     print_table(rows)
     return rows
 

@@ -161,10 +161,12 @@ def _digit_words(flat: jax.Array, axes: list[int], local: tuple[int, ...], coef,
 
 
 def block_words(local: LeafLayout, spec: P = P()
-                ) -> tuple[list[jax.Array], tuple[int, int] | None]:
+                ) -> tuple[list[jax.Array], tuple[int, int] | None, bool]:
     """The key-free part of :func:`block_counters`: per block of the local shard, each row's
-    ``(batch, 2, n)`` words at its first element, and the ``(hi, lo)`` step along the rows
-    (None where the words do not step evenly). Leaves of one layout and spec share them."""
+    ``(batch, 2, n)`` words at its first element, the ``(hi, lo)`` step along the rows (None
+    where the words do not step evenly), and whether the stepping word starts at the same value
+    on every row of a matrix (the counters' ``common_start``: no row axis adds to it). Leaves
+    of one layout and spec share them."""
     shape = local.shape
     entries = spec_entries(spec, len(shape))
     coef = _coefficients(_global_sizes(entries, shape))
@@ -184,7 +186,10 @@ def block_words(local: LeafLayout, spec: P = P()
             base, _digit_words(k // np.uint32(heads), groups[0], shape, coef),
             _digit_words(row, rows_axes, shape, coef))], 1))
         start += n
-    return words, _row_step(summed_axes, shape, coef)
+    step = _row_step(summed_axes, shape, coef)
+    common = step is not None and not any(
+        coef[a][w] for a in rows_axes if shape[a] > 1 for w in (0, 1) if step[w])
+    return words, step, common
 
 
 def block_counters(key: jax.Array, local: LeafLayout, spec: P = P(), words=None,
@@ -207,6 +212,6 @@ def block_counters(key: jax.Array, local: LeafLayout, spec: P = P(), words=None,
       block, or None where the block's words do not step evenly along its rows (reduction
       axes whose steps in the counter's words do not chain, e.g. across a sharded axis).
     """
-    rows, step = block_words(local, spec) if words is None else words
+    rows, step, common = block_words(local, spec) if words is None else words
     index = None if leaf is None else jnp.asarray(np.full((1,), leaf, np.int32))
-    return [None if step is None else RowCounter(key, w, step, index) for w in rows]
+    return [None if step is None else RowCounter(key, w, step, index, common) for w in rows]

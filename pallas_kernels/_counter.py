@@ -42,7 +42,7 @@ from pallas_kernels._stochastic_rounding import random_bits
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["key", "rows", "index"],
-                   meta_fields=["steps"])
+                   meta_fields=["steps", "common_start"])
 @dataclasses.dataclass(frozen=True)
 class RowCounter:
     """Counter words of every element of ``(batch, a, b)`` matrices, row by row.
@@ -59,12 +59,19 @@ class RowCounter:
       index: None, or ``(1,)`` int32: the row of a table ``key``. A kernel reads the row
         itself, so that counters of one table (the leaves of one step) hand it the same
         buffer; a slice per counter would be a small XLA kernel of its own before each call.
+      common_start: whether the words that step along the rows start at the same value on
+        every row of a matrix (``rows[k, w, :]`` constant for each stepping word ``w``; static).
+        A kernel then hashes those words once per index along the summed axis, on a vector,
+        instead of once per element (:func:`summed_line`); the bits are the same. False
+        promises nothing, True is the caller's promise (:func:`dion3_jax._rounding.block_words`
+        derives it from the leaf's layout).
     """
 
     key: jax.Array
     rows: jax.Array
     steps: tuple[int, int]
     index: jax.Array | None = None
+    common_start: bool = False
 
 
 def check_counter(counter: RowCounter, batch: int, n: int) -> None:
@@ -82,6 +89,9 @@ def check_counter(counter: RowCounter, batch: int, n: int) -> None:
                          f"key {key}, index {index} and rows {jnp.shape(counter.rows)}")
     if len(counter.steps) != 2 or not all(isinstance(s, int) for s in counter.steps):
         raise ValueError(f"the counter's steps must be two Python ints, got {counter.steps!r}")
+    if not isinstance(counter.common_start, bool):
+        raise ValueError(f"the counter's common_start must be a bool, got "
+                         f"{counter.common_start!r}")
 
 
 def counter_key(counter: RowCounter) -> jax.Array:
@@ -136,6 +146,19 @@ def row_hash(key: Sequence[jax.Array], rows: Sequence[jax.Array], steps: tuple[i
     return functools.reduce(operator.xor, fixed, tweak(key[0], key[1])) if fixed else None
 
 
+def summed_line(key: Sequence[jax.Array], start: Sequence[jax.Array], j: jax.Array,
+                steps: tuple[int, int]) -> jax.Array | None:
+    """The xor of the line hashes of the words that step along the rows, at index ``j`` along
+    them, from their values ``start`` at a row's first element (a word that does not step is
+    ignored): the per-element part of :func:`block_bits`. For a :class:`RowCounter` with
+    ``common_start``, ``start`` is one matrix's scalars and ``j`` a vector along the summed
+    axis, so each line hash is made once per index instead of once per element. None where no
+    word steps."""
+    lines = [line(k, w + (j if step == 1 else j * step))
+             for line, k, w, step in zip(_LINES, key, start, step_words(steps)) if step]
+    return functools.reduce(operator.xor, lines) if lines else None
+
+
 def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], per_row: jax.Array | None,
                j: jax.Array, steps: tuple[int, int], expand: Callable[[jax.Array], jax.Array]
                ) -> jax.Array:
@@ -153,10 +176,10 @@ def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], per_row: jax
     Returns:
       uint32 block-shaped bits.
     """
-    per_element = [line(k, expand(w) + (j if step == 1 else j * step))
-                   for line, k, w, step in zip(_LINES, key, rows, step_words(steps)) if step]
+    starts = [expand(w) if step else w for w, step in zip(rows, step_words(steps))]
+    per_element = summed_line(key, starts, j, steps)
     base = tweak(key[0], key[1]) if per_row is None else expand(per_row)
-    return finish(functools.reduce(operator.xor, per_element, base))
+    return finish(base if per_element is None else base ^ per_element)
 
 
 def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:

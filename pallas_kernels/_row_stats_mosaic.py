@@ -32,7 +32,10 @@ stochastically: the CTA brings its rows' counter words in beside ``d`` (8 bytes 
 the word that is fixed along a row once per row and the other, formed from an iota, per block
 element, in registers (:func:`pallas_kernels._counter.block_bits`, the counter hash of
 :mod:`pallas_kernels._counter_hash`), so the momentum still moves 2 bytes each way per element;
-``S`` is then the reference's bit for bit.
+``S`` is then the reference's bit for bit. Where the stepping word starts at the same value on
+every row (the counter's ``common_start``, as on a 2-D leaf), its line hash depends only on the
+index along the summed axis: the CTA hashes it on a vector once per block and broadcasts it,
+leaving the final mix as the only hash per element.
 
 Reference: :func:`pallas_kernels._row_stats_reference.accumulate_rows_reference`, the plain jnp
 form (``"xla"``); ``tests/test_row_stats_mosaic.py`` and ``tests/test_row_stats_stochastic.py``
@@ -55,7 +58,8 @@ import numpy as np
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
 from pallas_kernels._counter import (RowCounter, block_bits, check_counter, key_table,
-                                     row_hash)
+                                     row_hash, summed_line)
+from pallas_kernels._counter_hash import finish, tweak
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
@@ -108,24 +112,37 @@ def blocks(shape: tuple[int, int], row_axis: int,
 
 
 def _block_bits(key, words, per_row, j0, block: tuple[int, int], summed: int,
-                steps: tuple[int, int]) -> jax.Array:
+                steps: tuple[int, int], start=None) -> jax.Array:
     """The random bits of one block (:func:`pallas_kernels._counter.counter_bits`'s, hashed in
     registers): ``words`` its rows' ``(hi, lo)`` at their first elements, ``per_row`` their
     :func:`pallas_kernels._counter.row_hash`, ``j0`` the block's first index along the summed
-    axis."""
+    axis. With ``start`` (the matrix's ``(hi, lo)`` scalars at a row's first element, for a
+    counter with ``common_start``) the stepping words are hashed once per index along the
+    summed axis, on a vector, and broadcast over the rows."""
     wgmma = plgpu.Layout.WGMMA
-    j = plgpu.layout_cast(lax.broadcasted_iota(jnp.uint32, block, summed), wgmma)
-    j = j + lax.convert_element_type(j0, jnp.uint32)
-    return block_bits(key, words, per_row, j, steps,
-                      lambda w: lax.broadcast_in_dim(w, block, (1 - summed,)))
+    j0 = lax.convert_element_type(j0, jnp.uint32)
+    if start is None:
+        j = plgpu.layout_cast(lax.broadcasted_iota(jnp.uint32, block, summed), wgmma)
+        return block_bits(key, words, per_row, j + j0, steps,
+                          lambda w: lax.broadcast_in_dim(w, block, (1 - summed,)))
+    j = plgpu.broadcasted_iota(jnp.uint32, (block[summed],), 0,
+                               layout=wgmma.reduce(1 - summed))
+    line = summed_line(key, start, j + j0, steps)
+    base = (tweak(key[0], key[1]) if per_row is None
+            else lax.broadcast_in_dim(per_row, block, (1 - summed,)))
+    if line is None:
+        return finish(jnp.broadcast_to(base, block))
+    return finish(base ^ lax.broadcast_in_dim(line, block, (summed,)))
 
 
 def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
-          stages: int, counter_steps: tuple[int, int] | None, out_scaled: bool):
+          stages: int, counter_steps: tuple[int, int] | None, common_start: bool,
+          out_scaled: bool):
     """One CTA: chunk ``c`` of strip ``i`` of matrix ``k``; with ``counter_steps``, ``refs``
     starts with the counter's key table, its row (:func:`pallas_kernels._counter.key_table`)
     and its rows' words, its scratch ends with a slot for the rows' words, and ``S`` is
-    rounded stochastically with bits hashed here; with ``out_scaled`` the
+    rounded stochastically with bits hashed here (``common_start``: the counter's, read off
+    the strip's first row); with ``out_scaled`` the
     next input is ``S``'s float32 scale (one element), read once, which multiplies ``d`` and
     ``G``."""
     stochastic = counter_steps is not None
@@ -168,6 +185,8 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
         key = (key_gmem[row, 0], key_gmem[row, 1])
         words = [plgpu.load(w_smem.at[w], layout=vector, optimized=False) for w in (0, 1)]
         per_row = row_hash(key, words, counter_steps)        # once, before the walk
+        start = ((words_gmem[k, 0, i * strip], words_gmem[k, 1, i * strip]) if common_start
+                 else None)
 
     def walk(t, sums):
         slot = lax.rem(t, stages)
@@ -175,7 +194,7 @@ def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, s
         plgpu.barrier_wait(g_bar.at[slot])
         bits = (None if not stochastic else
                 _block_bits(key, words, per_row, (c * steps + t) * step, block, summed,
-                            counter_steps))
+                            counter_steps, start))
         g = plgpu.load(g_smem.at[slot], layout=wgmma)
         if out is not None:
             g = g.astype(jnp.float32) * out
@@ -246,6 +265,7 @@ def accumulate_rows_mosaic(m: jax.Array, g: jax.Array, scale: jax.Array, *, row_
         functools.partial(_body, row_axis=row_axis, strip=strip, step=step,
                           steps=chunk // step, stages=stages,
                           counter_steps=None if counter is None else counter.steps,
+                          common_start=counter is not None and counter.common_start,
                           out_scaled=out_scale is not None),
         out_type=(partial, partial),
         scratch_types=[plgpu.SMEM((stages, *block), m.dtype),

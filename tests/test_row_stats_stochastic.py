@@ -26,6 +26,7 @@ kernel, and a named kernel for a leaf without counters, raise. The kernels on a 
 ``tests/test_kernels_gpu.py``.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -101,6 +102,33 @@ def _kernel(m, g, d, row_axis, counter, impl="mosaic", out_scale=None):
 
 def _bits16(x) -> np.ndarray:
     return np.asarray(x).view(np.uint16)
+
+
+@pytest.mark.parametrize("row_axis,steps", [(1, (0, 1)), (1, (0x9E3779B9, 1)), (2, (1, 0))])
+def test_a_counter_with_a_common_start_rounds_as_the_reference(row_axis, steps):
+    """A counter whose stepping words start alike on every row of a matrix (``common_start``:
+    the Mosaic kernel hashes them once per index along the summed axis, on a vector) rounds
+    ``S`` bit for bit as the reference and as the kernel without the promise; each matrix has
+    its own start. The kernel does take the shortcut: with the promise broken (rows that start
+    apart) its bits are not the reference's (it reads each strip's first row's start)."""
+    rng = np.random.default_rng(SEED)
+    shape = _SHAPES[row_axis]
+    m, g, d = _inputs(rng, shape, row_axis, jnp.float16)
+    apart = np.array(_words(rng, (shape[0], 2, shape[row_axis])))
+    aligned = apart.copy()
+    for w in (0, 1):
+        if steps[w]:
+            aligned[:, w, :] = apart[:, w, :1]
+    plain = RowCounter(_words(rng, (2,)), jnp.asarray(aligned), steps)
+    common = dataclasses.replace(plain, common_start=True)
+    want = _bits16(_reference(m, g, d, row_axis=row_axis, counter=plain)[0])
+    np.testing.assert_array_equal(_bits16(_kernel(m, g, d, row_axis, common)[0]), want)
+    np.testing.assert_array_equal(_bits16(_kernel(m, g, d, row_axis, plain)[0]), want)
+    broken = _bits16(_kernel(m, g, d, row_axis,
+                             dataclasses.replace(common, rows=jnp.asarray(apart)))[0])
+    apart_s = _reference(m, g, d, row_axis=row_axis,
+                         counter=dataclasses.replace(plain, rows=jnp.asarray(apart)))[0]
+    assert np.mean(broken != _bits16(apart_s)) > 0.1
 
 
 @pytest.mark.parametrize("row_axis", [1, 2])
@@ -303,6 +331,24 @@ def test_block_counters_give_the_leafs_bits(shape, dn, heads, splits):
     assert len(got) == len(whole) == len(layout.blocks)
     for want, block_bits in zip(whole, got):
         np.testing.assert_array_equal(np.asarray(block_bits), np.asarray(want))
+
+
+def test_block_counters_promise_a_common_start_only_where_rows_start_alike():
+    """``common_start`` (the kernel then hashes the stepping words per index along the summed
+    axis) holds on every layout that claims it: each matrix's rows start their stepping words
+    at one value. 2-D leaves in either orientation and stacked matrices claim it; a layout
+    whose rows span a heads axis that the stepping word counts does not."""
+    key = _rounding.step_key(SEED, jnp.int32(1), 0, _rounding.SUM)
+    claims = []
+    for shape, dn, heads, splits in _LAYOUTS:
+        for counter in _rounding.block_counters(key, _layout.make_layout(shape, dn, heads,
+                                                                         splits)):
+            rows = np.asarray(counter.rows)
+            alike = all(np.all(rows[:, w] == rows[:, w, :1]) for w in (0, 1)
+                        if counter.steps[w] % 2 ** 32)
+            assert alike or not counter.common_start, (shape, dn, heads, splits)
+            claims.append(counter.common_start)
+    assert claims[:3] == [True] * 3 and not all(claims)
 
 
 def test_block_counters_are_none_where_the_words_do_not_step_evenly():
