@@ -159,6 +159,15 @@ def summed_line(key: Sequence[jax.Array], start: Sequence[jax.Array], j: jax.Arr
     return functools.reduce(operator.xor, lines) if lines else None
 
 
+def mix(key: Sequence[jax.Array], per_row: jax.Array | None, line: jax.Array | None
+        ) -> jax.Array:
+    """The bits from a block's two halves, the last step of :func:`block_bits`: the finalizer
+    of ``per_row`` (:func:`row_hash`, broadcast to the block; None: the key's tweak) xored with
+    ``line`` (:func:`summed_line`, broadcast to the block; None where no word steps)."""
+    base = tweak(key[0], key[1]) if per_row is None else per_row
+    return finish(base if line is None else base ^ line)
+
+
 def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], per_row: jax.Array | None,
                j: jax.Array, steps: tuple[int, int], expand: Callable[[jax.Array], jax.Array]
                ) -> jax.Array:
@@ -177,9 +186,8 @@ def block_bits(key: Sequence[jax.Array], rows: Sequence[jax.Array], per_row: jax
       uint32 block-shaped bits.
     """
     starts = [expand(w) if step else w for w, step in zip(rows, step_words(steps))]
-    per_element = summed_line(key, starts, j, steps)
-    base = tweak(key[0], key[1]) if per_row is None else expand(per_row)
-    return finish(base if per_element is None else base ^ per_element)
+    return mix(key, None if per_row is None else expand(per_row),
+               summed_line(key, starts, j, steps))
 
 
 def counter_bits(counter: RowCounter, shape: tuple[int, ...], row_axis: int) -> jax.Array:

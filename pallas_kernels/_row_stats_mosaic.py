@@ -57,9 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._common import TMA_MIN_MINOR, mosaic_interpret_params, pow2_divisor
-from pallas_kernels._counter import (RowCounter, block_bits, check_counter, key_table,
+from pallas_kernels._counter import (RowCounter, block_bits, check_counter, key_table, mix,
                                      row_hash, summed_line)
-from pallas_kernels._counter_hash import finish, tweak
 from pallas_kernels._row_stats_reference import DOWN, scaled_sum
 from pallas_kernels._stochastic_rounding import STOCHASTIC_DTYPES
 
@@ -128,11 +127,10 @@ def _block_bits(key, words, per_row, j0, block: tuple[int, int], summed: int,
     j = plgpu.broadcasted_iota(jnp.uint32, (block[summed],), 0,
                                layout=wgmma.reduce(1 - summed))
     line = summed_line(key, start, j + j0, steps)
-    base = (tweak(key[0], key[1]) if per_row is None
-            else lax.broadcast_in_dim(per_row, block, (1 - summed,)))
-    if line is None:
-        return finish(jnp.broadcast_to(base, block))
-    return finish(base ^ lax.broadcast_in_dim(line, block, (summed,)))
+    bits = mix(key, None if per_row is None else lax.broadcast_in_dim(per_row, block,
+                                                                       (1 - summed,)),
+               None if line is None else lax.broadcast_in_dim(line, block, (summed,)))
+    return jnp.broadcast_to(bits, block)
 
 
 def _body(d_gmem, m_gmem, g_gmem, *refs, row_axis: int, strip: int, step: int, steps: int,
