@@ -25,10 +25,14 @@ piece of their text, so the entry survives edits around the block) and marked ``
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
+import tempfile
 from typing import NamedTuple
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 pytestmark = pytest.mark.tooling
@@ -106,6 +110,33 @@ def _param(block: Block):
 BLOCKS = python_blocks()
 
 
+@contextlib.contextmanager
+def jax_options_restored():
+    """Puts back every jax option changed inside (and drops jax's handle on a persistent
+    compilation cache that was turned on)."""
+    before = dict(jax.config.values)
+    try:
+        yield
+    finally:
+        changed = [k for k, v in before.items() if jax.config.values.get(k) != v]
+        for name in changed:
+            jax.config.update(name, before[name])
+        if any("cache" in name for name in changed):
+            compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def block_sandbox(tmp_path, monkeypatch):
+    """A block may set process-wide jax options: TRAINING.md's turns on the persistent
+    compilation cache in ``tempfile.gettempdir()``. Each block gets its test's own temporary
+    directory, and its jax options are put back after it, so the later tests of the same
+    process neither write their compiles to that cache nor read another run's from it."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with jax_options_restored():
+        yield
+
+
+@pytest.mark.usefixtures("block_sandbox")
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
 def test_python_block_runs(block: Block):
     """The block runs as written, in a fresh namespace (``__name__`` is not ``"__main__"``)."""
@@ -137,3 +168,14 @@ def test_extract_blocks_lines_and_languages():
 def test_extract_blocks_rejects_an_unclosed_fence():
     with pytest.raises(ValueError, match="t.md:1"):
         extract_blocks("```python\nx = 1\n", "t.md")
+
+
+def test_a_blocks_jax_options_are_put_back(tmp_path):
+    """What TRAINING.md's block sets (a persistent compilation cache) is unset after it."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = [jax.config.values[n] for n in names]
+    with jax_options_restored():
+        jax.config.update(names[0], str(tmp_path))
+        jax.config.update(names[1], 0.0)
+        assert [jax.config.values[n] for n in names] != before
+    assert [jax.config.values[n] for n in names] == before

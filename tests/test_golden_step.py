@@ -41,6 +41,7 @@ update's bits and must say so in its commit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pathlib
 import sys
@@ -85,9 +86,11 @@ def _orthogonalizer(config: str):
     return dion3_jax.make_orthogonalizer(method="standard", compute_dtype=jnp.float32)
 
 
+@functools.cache
 def fingerprint() -> str:
     """A hash of this machine's XLA:CPU rounding: float32 and float16-input products of the
-    shapes the step multiplies, and the elementwise functions it uses, on fixed inputs."""
+    shapes the step multiplies, and the elementwise functions it uses, on fixed inputs (computed
+    once per process: each case of the test compares against it)."""
     rng = np.random.default_rng(7)
     shapes = [(32, 88), (88, 32), (32, 32), (16, 24), (12, 20), (128, 512)]
     xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
